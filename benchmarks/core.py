@@ -1,0 +1,182 @@
+"""Core benchmark: storage density and selection bookkeeping cost.
+
+    python benchmarks/core.py            # full run (a few minutes)
+    python benchmarks/core.py --quick    # under 30 s
+
+Writes benchmarks/results/core.json with
+    bytes_per_response_token          buffer bytes / stored response tokens at full capacity (C = 512)
+    padded_bytes_per_response_token   the same groups stored as padded dense per-group tensors the way
+                                      TRL's removed replay trainer did (int64 prompt/completion ids and
+                                      masks padded to the generation batch's longest row, fp32 log-probs)
+    select_ms                         median ms of one selection (K_rep = 64, trivial scorer that returns
+                                      the stored log-probs, so the first 64 scanned groups are accepted)
+                                      per buffer capacity 512 / 8192 / 65536
+    select_scaling_ratio              select_ms[65536] / select_ms[512]  (target <= 3)
+    commit_ms                         median ms of commit() (refresh, counters, append 64 groups, evict)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+from hdreplay import GroupRecord, ReplayBuffer, ReplayConfig, ReplayController, select_replay  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def make_groups(k: int, *, n: int, step: int, rng: np.random.Generator, len_median: float, len_max: int,
+                prompt_range: tuple[int, int], start: int = 0) -> list[GroupRecord]:
+    out = []
+    for j in range(k):
+        lengths = np.clip(rng.lognormal(np.log(len_median), 0.8, n).astype(np.int64), 1, len_max)
+        T = int(lengths.sum())
+        rewards = (rng.random(n) < 0.5).astype(np.float32)
+        rewards[0], rewards[-1] = 1.0, 0.0
+        out.append(GroupRecord(
+            group_id=start + j,
+            prompt_ids=torch.from_numpy(rng.integers(0, 150_000, int(rng.integers(*prompt_range)), dtype=np.int32)),
+            completion_ids=torch.from_numpy(rng.integers(0, 150_000, T, dtype=np.int32)),
+            response_lengths=torch.from_numpy(lengths),
+            loss_mask=torch.ones(T, dtype=torch.bool),
+            logprobs=torch.from_numpy(-rng.exponential(0.5, T).astype(np.float32)),
+            advantages=torch.from_numpy(rewards - rewards.mean()),
+            rewards=torch.from_numpy(rewards),
+            birth_step=step,
+        ))
+    return out
+
+
+def padded_bytes(batches: list[list[GroupRecord]]) -> int:
+    """Dense per-group storage as TRL's GRPOWithReplayBuffer kept it: rows padded to the batch maximum."""
+    total = 0
+    for batch in batches:
+        P = max(g.prompt_ids.numel() for g in batch)
+        L = max(int(g.response_lengths.max()) for g in batch)
+        for g in batch:
+            n = g.num_responses
+            total += n * P * 8 * 2  # prompt_ids + prompt_mask, int64
+            total += n * L * 8 * 2  # completion_ids + completion_mask, int64
+            total += n * L * 4      # old_per_token_logps, fp32
+            total += n * 4          # advantages
+    return total
+
+
+def storage(capacity: int, per_step: int, rng) -> dict:
+    cfg = ReplayConfig(capacity=capacity, k_rep=0)
+    ctrl = ReplayController(cfg)
+    kept: list[list[GroupRecord]] = []
+    step = 0
+    while ctrl.buffer.next_insertion_id < capacity + per_step:  # fill past capacity so eviction has run
+        batch = make_groups(per_step, n=8, step=step, rng=rng, len_median=350, len_max=2048,
+                            prompt_range=(64, 512), start=ctrl.buffer.next_insertion_id)
+        ctrl.select(step=step)
+        ctrl.stage(batch, step=step)
+        ctrl.commit()
+        kept.append(batch)
+        step += 1
+    live = set(ctrl.buffer.insertion_ids().tolist())
+    live_batches = [[g for g in b if g.group_id in live] for b in kept]
+    live_batches = [b for b in live_batches if b]
+    tokens = ctrl.buffer.stored_response_tokens()
+    return {
+        "capacity": capacity,
+        "groups": len(ctrl.buffer),
+        "responses_per_group": 8,
+        "stored_response_tokens": tokens,
+        "buffer_bytes": ctrl.buffer.nbytes(),
+        "bytes_per_response_token": ctrl.buffer.nbytes() / tokens,
+        "padded_bytes_per_response_token": padded_bytes(live_batches) / tokens,
+    }
+
+
+def select_timing(capacity: int, *, k_rep: int, repeats: int, rng) -> dict:
+    cfg = ReplayConfig(capacity=capacity, k_rep=k_rep, tau=1e-3)
+    buf = ReplayBuffer(capacity)
+    step, per = 0, max(k_rep, capacity // 16)
+    while len(buf) < capacity:
+        batch = make_groups(per, n=8, step=step, rng=rng, len_median=48, len_max=256, prompt_range=(16, 64),
+                            start=buf.next_insertion_id)
+        buf.append(batch, ref_headroom=rng.random(len(batch)), step=step)
+        step += 1
+    scorer = lambda groups: [g.logprobs for g in groups]  # noqa: E731  trivial: Drift 0
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        sel = select_replay(buf, cfg, scorer, step=step, acceptance_rate=1.0)
+        times.append((time.perf_counter() - t0) * 1e3)
+    assert len(sel.accepted) == k_rep
+    # commit cost through the controller: refresh + counters + append k_rep groups + evict
+    ctrl = ReplayController(cfg)
+    ctrl.buffer = buf
+    ctimes = []
+    for r in range(repeats):
+        fresh = make_groups(k_rep, n=8, step=step, rng=rng, len_median=48, len_max=256, prompt_range=(16, 64),
+                            start=10**9 + r * k_rep)
+        ctrl.select(step=step, scorer=scorer)
+        ctrl.stage(fresh, step=step)
+        t0 = time.perf_counter()
+        ctrl.commit()
+        ctimes.append((time.perf_counter() - t0) * 1e3)
+        step += 1
+    return {"select_ms": statistics.median(times), "select_ms_p90": float(np.percentile(times, 90)),
+            "commit_ms": statistics.median(ctimes), "scanned": len(sel.scanned)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="fewer repeats, smaller storage run (< 30 s)")
+    ap.add_argument("--out", default=str(RESULTS / "core.json"))
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    rng = np.random.default_rng(0)
+    t0 = time.perf_counter()
+    st = storage(512, 64 if not args.quick else 128, rng)
+    print(f"storage: {st['bytes_per_response_token']:.2f} B/token (padded dense: "
+          f"{st['padded_bytes_per_response_token']:.2f})", flush=True)
+    repeats = 15 if args.quick else 60
+    sel = {}
+    for cap in (512, 8192, 65536):
+        sel[cap] = select_timing(cap, k_rep=64, repeats=repeats, rng=rng)
+        print(f"capacity {cap:6d}: select {sel[cap]['select_ms']:.2f} ms, commit {sel[cap]['commit_ms']:.2f} ms",
+              flush=True)
+    result = {
+        "bytes_per_response_token": st["bytes_per_response_token"],
+        "padded_bytes_per_response_token": st["padded_bytes_per_response_token"],
+        "select_ms": {str(c): v["select_ms"] for c, v in sel.items()},
+        "select_scaling_ratio": sel[65536]["select_ms"] / sel[512]["select_ms"],
+        "commit_ms": {str(c): v["commit_ms"] for c, v in sel.items()},
+        "select_ms_p90": {str(c): v["select_ms_p90"] for c, v in sel.items()},
+        "targets": {"bytes_per_response_token": "<= 10", "select_scaling_ratio": "<= 3"},
+        "storage_workload": {k: v for k, v in st.items() if k not in ("bytes_per_response_token",
+                                                                     "padded_bytes_per_response_token")}
+        | {"completion_length": "lognormal median 350, sigma 0.8, cap 2048", "prompt_length": "U[64, 512)",
+           "ingress_per_step": 128 if args.quick else 64},
+        "select_workload": {"k_rep": 64, "n": 8, "completion_length": "lognormal median 48, cap 256",
+                            "scorer": "returns stored log-probs (no model)", "repeats": repeats},
+        "quick": args.quick,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+        "wall_s": time.perf_counter() - t0,
+    }
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps({k: result[k] for k in ("bytes_per_response_token", "padded_bytes_per_response_token",
+                                             "select_ms", "select_scaling_ratio")}, indent=2))
+    print(f"wrote {out} in {result['wall_s']:.1f} s")
+
+
+if __name__ == "__main__":
+    main()

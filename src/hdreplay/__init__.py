@@ -1,0 +1,45 @@
+"""hdreplay: Headroom-Drift Replay for GRPO-style RL post-training.
+
+Core API (framework-agnostic; importing it never imports TRL or verl):
+
+    GroupRecord        one prompt + n responses with immutable generation-time state
+    ReplayConfig       every knob, validated
+    ReplayController   the select -> stage -> commit protocol trainers call
+    ReplayBuffer       FIFO store with compact ragged storage and cached Headroom
+    select_replay      the selection function (all selectors) used by the controller
+    headroom, drift, replay_kl, replay_kl_per_group   pure scores on (G, T) tensors
+    MixedOutcome, AnswerBased, make_ingress_rule      ingress rules
+    pad_groups, PaddedGroups, group_scores            helpers for writing scorers
+    balanced_partition, minibatch_layout, truncate_to_multiple   batch layout
+
+Integrations live in ``hdreplay.integrations.trl`` and ``hdreplay.integrations.verl``.
+"""
+
+from .batching import GroupScores, PaddedGroups, group_scores, pad_groups, reference_headroom
+from .buffer import ReplayBuffer
+from .config import ReplayConfig
+from .controller import ReplayController
+from .diagnostics import METRIC_KEYS, DiagnosticsWriter, metrics_from_record
+from .errors import (
+    CheckpointError,
+    ReplayConfigError,
+    ReplayError,
+    ReplayInputError,
+    ReplayProtocolError,
+)
+from .ingress import AnswerBased, MixedOutcome, make_ingress_rule
+from .layout import balanced_partition, minibatch_layout, replay_prefix_order, truncate_to_multiple
+from .scores import drift, headroom, replay_kl, replay_kl_per_group, token_headroom
+from .selection import SELECTORS, Scorer, Selection, select_replay
+from .types import GroupRecord
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AnswerBased", "CheckpointError", "DiagnosticsWriter", "GroupRecord", "GroupScores", "METRIC_KEYS",
+    "MixedOutcome", "PaddedGroups", "ReplayBuffer", "ReplayConfig", "ReplayConfigError", "ReplayController",
+    "ReplayError", "ReplayInputError", "ReplayProtocolError", "SELECTORS", "Scorer", "Selection",
+    "balanced_partition", "drift", "group_scores", "headroom", "make_ingress_rule", "metrics_from_record",
+    "minibatch_layout", "pad_groups", "reference_headroom", "replay_kl", "replay_kl_per_group",
+    "replay_prefix_order", "select_replay", "token_headroom", "truncate_to_multiple", "__version__",
+]

@@ -1,0 +1,207 @@
+"""The one-step protocol trainers call.
+
+For each training step t::
+
+    sel = ctrl.select(step=t, scorer=score_fn)   # replay groups from the PRE-EXISTING buffer
+    ctrl.stage(fresh_groups, step=t)             # this step's ingress candidates (held aside)
+    ...  train on [sel.groups ; fresh groups]     # replay rows first
+    metrics = ctrl.commit()                      # refresh scanned caches, count uses, append, evict
+
+``select`` and ``stage`` may come in either order; staged groups enter the buffer
+only at ``commit``, so a group born at step t can never be replayed at step t.
+Steps must increase.  ``state_dict``/``save`` capture everything that influences
+later selections (buffer, running acceptance rate, last step), so a run resumed
+from a checkpoint makes exactly the selections the uninterrupted run makes.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from .batching import reference_headroom
+from .buffer import ReplayBuffer
+from .checkpoint import read_checkpoint_dir, require_keys, write_checkpoint_dir
+from .config import ReplayConfig
+from .diagnostics import DiagnosticsWriter, metrics_from_record, step_record
+from .errors import CheckpointError, ReplayInputError, ReplayProtocolError
+from .ingress import make_ingress_rule
+from .selection import Scorer, Selection, select_replay
+from .types import GroupRecord
+
+CONTROLLER_FORMAT = "hdreplay.controller"
+CONTROLLER_VERSION = 1
+
+
+class ReplayController:
+    """Owns a :class:`ReplayBuffer` and runs the select -> stage -> commit protocol.
+
+    Args:
+        config:          the replay configuration.
+        diagnostics_dir: if given, step and group-lifetime records are appended there as JSONL.
+    """
+
+    def __init__(self, config: ReplayConfig, *, diagnostics_dir: str | os.PathLike | None = None) -> None:
+        if not isinstance(config, ReplayConfig):
+            raise TypeError(f"config must be a ReplayConfig, got {type(config).__name__}")
+        self.config = config
+        self.buffer = ReplayBuffer(config.capacity, group_size=config.group_size)
+        self.ingress_rule = make_ingress_rule(config.ingress, answer_threshold=config.answer_threshold)
+        self.acceptance_rate = 1.0
+        self.last_step: int | None = None
+        self.diagnostics = DiagnosticsWriter(diagnostics_dir) if diagnostics_dir is not None else None
+        self.last_record: dict[str, Any] | None = None
+        self._open_step: int | None = None
+        self._selection: Selection | None = None
+        self._staged: list[GroupRecord] = []
+        self._staged_ref: list[float] = []
+        self._candidates = 0
+
+    # ------------------------------------------------------------------ protocol
+    def _open(self, step: int, what: str) -> None:
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ReplayInputError(f"{what}: step must be an int >= 0, got {step!r}")
+        if self._open_step is None:
+            if self.last_step is not None and step <= self.last_step:
+                raise ReplayProtocolError(
+                    f"{what}(step={step}): step {self.last_step} is already committed; steps must increase"
+                )
+            self._open_step = step
+        elif step != self._open_step:
+            raise ReplayProtocolError(
+                f"{what}(step={step}) while step {self._open_step} is open; call commit() first"
+            )
+
+    def select(self, *, step: int, scorer: Scorer | None = None) -> Selection:
+        """Choose replay groups for ``step`` from the buffer as it was before this step's ingress."""
+        self._open(step, "select")
+        if self._selection is not None:
+            raise ReplayProtocolError(f"select(step={step}) called twice; one selection per step")
+        self._selection = select_replay(self.buffer, self.config, scorer, step=step,
+                                        acceptance_rate=self.acceptance_rate)
+        return self._selection
+
+    def stage(self, groups: Sequence[GroupRecord], *, step: int) -> list[bool]:
+        """Offer this step's fresh groups for ingress; returns which the ingress rule admitted.
+
+        Groups must be born at ``step``.  Nothing enters the buffer before :meth:`commit`.
+        Raises ReplayInputError (and stages nothing) if any group is malformed for this buffer.
+        """
+        self._open(step, "stage")
+        groups = list(groups)
+        for g in groups:
+            if isinstance(g, GroupRecord) and g.birth_step != step:
+                raise ReplayInputError(
+                    f"group {g.group_id!r} has birth_step {g.birth_step} but is staged at step {step}; "
+                    "stage fresh groups at the step they were generated"
+                )
+        self.buffer.validate([*self._staged, *groups])
+        admitted = [bool(self.ingress_rule(g)) for g in groups]
+        chosen = [g for g, ok in zip(groups, admitted) if ok]
+        ref = reference_headroom(chosen, weighting=self.config.headroom_weighting).tolist() if chosen else []
+        self._staged.extend(chosen)
+        self._staged_ref.extend(ref)
+        self._candidates += len(groups)
+        return admitted
+
+    def commit(self, *, num_fresh_groups: int | None = None) -> dict[str, float]:
+        """Close the open step after the policy update.
+
+        Args:
+            num_fresh_groups: fresh groups in this step's actor batch (default: groups staged),
+                so that |A_t| = fresh + replayed for the exposure weights W.
+        Returns:
+            flat ``replay/*`` metrics of the step.
+        """
+        if self._open_step is None:
+            raise ReplayProtocolError("commit() without an open step; call select()/stage() first")
+        step = self._open_step
+        sel = self._selection or select_replay(self.buffer, _none_config(self.config), None, step=step)
+        fresh = self._candidates if num_fresh_groups is None else int(num_fresh_groups)
+        if fresh < 0:
+            raise ReplayInputError(f"num_fresh_groups must be >= 0, got {fresh}")
+        actor = fresh + len(sel.accepted)
+        ages = step - self.buffer.slot_values("birth_step", sel.accepted) if len(sel.accepted) else np.zeros(0)
+        if sel.scored and len(sel.scanned):
+            self.buffer.refresh(sel.scanned, sel.scanned_headroom, step=step)
+            rate = float(sel.scanned_pass.mean())
+            a = self.config.acceptance_ema
+            self.acceptance_rate = (1 - a) * self.acceptance_rate + a * rate
+        if len(sel.accepted):
+            self.buffer.record_use(sel.accepted, weight=1.0 / actor)
+        first_new = self.buffer.next_insertion_id
+        evicted = self.buffer.append(self._staged, ref_headroom=self._staged_ref, step=step)
+        if self._staged and actor:
+            # the fresh use at birth counts toward W_T(g) (paper Appendix A.4)
+            self.buffer.add_exposure(np.arange(first_new, self.buffer.next_insertion_id), 1.0 / actor)
+        rec = step_record(sel, k_rep=self.config.k_rep, tau=self.config.tau,
+                          ingress_candidates=self._candidates, ingress_admitted=len(self._staged),
+                          evicted=len(evicted), num_fresh_groups=fresh, accepted_ages=np.asarray(ages),
+                          buffer_size_after=len(self.buffer))
+        if self.diagnostics is not None:
+            self.diagnostics.write_step(rec)
+            self.diagnostics.write_groups(evicted)
+        self.last_record = rec
+        self.last_step = step
+        self._open_step, self._selection = None, None
+        self._staged, self._staged_ref, self._candidates = [], [], 0
+        return metrics_from_record(rec)
+
+    def close(self) -> None:
+        """Write lifetime records of the groups still buffered (end of training)."""
+        if self.diagnostics is not None:
+            self.diagnostics.write_groups(
+                self.buffer.lifetime_record(int(i)) for i in self.buffer.insertion_ids()
+            )
+
+    # ------------------------------------------------------------------ checkpointing
+    def state_dict(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        if self._open_step is not None:
+            raise ReplayProtocolError(
+                f"state_dict() while step {self._open_step} is open; checkpoint after commit()"
+            )
+        tensors, bmeta = self.buffer.state_dict()
+        meta = {
+            "buffer": bmeta,
+            "acceptance_rate": self.acceptance_rate,
+            "last_step": self.last_step,
+            "config": self.config.to_dict(),
+        }
+        return tensors, meta
+
+    def load_state_dict(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
+        require_keys("controller state", meta, ("buffer", "acceptance_rate", "last_step", "config"))
+        saved = meta["config"]
+        if saved.get("capacity") != self.config.capacity:
+            raise CheckpointError(
+                f"controller state: saved with capacity {saved.get('capacity')}, configured {self.config.capacity}; "
+                "resume with the same capacity"
+            )
+        if self._open_step is not None:
+            raise ReplayProtocolError("load_state_dict() while a step is open")
+        self.buffer.load_state_dict(tensors, meta["buffer"])
+        self.acceptance_rate = float(meta["acceptance_rate"])
+        self.last_step = meta["last_step"]
+        if self.diagnostics is not None and self.last_step is not None:
+            self.diagnostics.rewind(self.last_step)
+
+    def save(self, directory: str | os.PathLike) -> None:
+        """Atomically write the controller (buffer included) to ``directory``."""
+        tensors, meta = self.state_dict()
+        write_checkpoint_dir(directory, format_name=CONTROLLER_FORMAT, version=CONTROLLER_VERSION,
+                             tensors=tensors, meta=meta)
+
+    def load(self, directory: str | os.PathLike) -> None:
+        """Restore from a directory written by :meth:`save`; on error nothing changes."""
+        tensors, meta = read_checkpoint_dir(directory, format_name=CONTROLLER_FORMAT,
+                                            versions=(CONTROLLER_VERSION,))
+        self.load_state_dict(tensors, meta)
+
+
+def _none_config(config: ReplayConfig) -> ReplayConfig:
+    from dataclasses import replace
+
+    return replace(config, selector="none")

@@ -1,0 +1,154 @@
+"""Per-step and per-group replay records, flat ``replay/*`` metrics, and a JSONL writer.
+
+Files written under a diagnostics directory:
+    steps.jsonl    one record per committed step (see :func:`step_record`)
+    groups.jsonl   one lifetime record per group when it leaves the buffer (FIFO eviction),
+                   plus, at :meth:`DiagnosticsWriter.close`, one per group still buffered
+                   (``"evicted_step": null``)
+
+Non-finite floats are written as JSON ``null``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+import numpy as np
+
+from .selection import Selection
+
+STEPS_FILE = "steps.jsonl"
+GROUPS_FILE = "groups.jsonl"
+
+
+def _f(x) -> float | None:
+    x = float(x)
+    return x if math.isfinite(x) else None
+
+
+def _mean(a: np.ndarray) -> float:
+    return float(np.mean(a)) if len(a) else float("nan")
+
+
+def step_record(
+    sel: Selection,
+    *,
+    k_rep: int,
+    tau: float,
+    ingress_candidates: int,
+    ingress_admitted: int,
+    evicted: int,
+    num_fresh_groups: int,
+    accepted_ages: np.ndarray,
+    buffer_size_after: int,
+) -> dict[str, Any]:
+    """The per-step record (JSON-able)."""
+    gate_ok = sel.scanned_pass
+    n_scan = len(sel.scanned)
+    n_pass = int(gate_ok.sum())
+    kept = len(sel.accepted)
+    # replay KL over the replayed groups' tokens (token-weighted), when they were scored
+    kl = float("nan")
+    if sel.scored and kept:
+        pos = {int(g): j for j, g in enumerate(sel.scanned.tolist())}
+        idx = np.asarray([pos[int(g)] for g in sel.accepted.tolist()])
+        tok = sel.scanned_tokens[idx]
+        kl = float((sel.scanned_kl[idx] * tok).sum() / max(tok.sum(), 1))
+    return {
+        "step": sel.step,
+        "selector": sel.selector,
+        "k_rep": k_rep,
+        "tau": _f(tau),
+        "buffer_size": sel.buffer_size,
+        "buffer_size_after": buffer_size_after,
+        "ingress_candidates": ingress_candidates,
+        "ingress": ingress_admitted,
+        "evicted": evicted,
+        "num_fresh_groups": num_fresh_groups,
+        "actor_groups": num_fresh_groups + kept,
+        "scanned": n_scan,
+        "accepted_gate": n_pass if sel.scored else kept + len(sel.truncated),
+        "accepted": kept,
+        "truncated": len(sel.truncated),
+        "accept_rate": _f(n_pass / n_scan) if n_scan else None,
+        "budget_fill": _f(kept / k_rep) if k_rep else None,
+        "drift_accepted": _f(_mean(sel.scanned_drift[gate_ok])) if n_scan else None,
+        "drift_rejected": _f(_mean(sel.scanned_drift[~gate_ok])) if n_scan else None,
+        "replay_kl": _f(kl),
+        "mean_age": _f(_mean(accepted_ages)),
+        "accepted_ages": [int(a) for a in accepted_ages],
+        "scorer_calls": sel.scorer_calls,
+        "scored_unused": sel.scored_unused,
+        "scan_age": [int(a) for a in sel.scanned_age],
+        "scan_drift": [_f(x) for x in sel.scanned_drift],
+        "scan_pass": [bool(x) for x in gate_ok],
+        "scan_cached_headroom": [_f(x) for x in sel.scanned_cached],
+        "scan_headroom": [_f(x) for x in sel.scanned_headroom],
+    }
+
+
+#: keys of a step record exported as flat ``replay/<key>`` metrics.
+METRIC_KEYS = (
+    "buffer_size", "ingress", "scanned", "accepted", "accept_rate", "budget_fill",
+    "drift_accepted", "drift_rejected", "replay_kl", "mean_age", "evicted", "scorer_calls",
+)
+
+
+def metrics_from_record(rec: Mapping[str, Any], prefix: str = "replay/") -> dict[str, float]:
+    """Flat namespaced metrics; missing values (e.g. no scan this step) become NaN."""
+    return {f"{prefix}{k}": (float("nan") if rec.get(k) is None else float(rec[k])) for k in METRIC_KEYS}
+
+
+def _dumps(obj: Any) -> str:
+    return json.dumps(obj, allow_nan=False, separators=(",", ":"))
+
+
+class DiagnosticsWriter:
+    """Appends step and group-lifetime records as JSON lines under ``directory``."""
+
+    def __init__(self, directory: str | os.PathLike) -> None:
+        self.directory = Path(directory)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.steps_path = self.directory / STEPS_FILE
+        self.groups_path = self.directory / GROUPS_FILE
+
+    def _append(self, path: Path, records: Iterable[Mapping[str, Any]]) -> None:
+        lines = "".join(_dumps(r) + "\n" for r in records)
+        if lines:
+            with open(path, "a") as f:
+                f.write(lines)
+
+    def write_step(self, record: Mapping[str, Any]) -> None:
+        self._append(self.steps_path, [record])
+
+    def write_groups(self, records: Iterable[Mapping[str, Any]]) -> None:
+        self._append(self.groups_path, records)
+
+    def rewind(self, step: int) -> None:
+        """Drop records written after ``step`` (used when a run resumes from a checkpoint at ``step``):
+        step records with ``step > step`` and group records evicted after it or written at close."""
+        self._filter(self.steps_path, lambda r: r.get("step", -1) <= step)
+        self._filter(self.groups_path,
+                     lambda r: r.get("evicted_step") is not None and r["evicted_step"] <= step)
+
+    def _filter(self, path: Path, keep) -> None:
+        if not path.exists():
+            return
+        kept = []
+        with open(path) as f:
+            for line in f:
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError:
+                    continue  # a torn last line from a crash: drop it
+                if keep(rec):
+                    kept.append(line if line.endswith("\n") else line + "\n")
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+        with os.fdopen(fd, "w") as f:
+            f.writelines(kept)
+        os.replace(tmp, path)

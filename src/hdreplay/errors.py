@@ -1,0 +1,25 @@
+"""Exceptions raised at the package's public boundaries.
+
+All derive from :class:`ReplayError`; the input/config/checkpoint errors are also
+``ValueError`` so that callers that already catch ``ValueError`` keep working.
+"""
+
+
+class ReplayError(Exception):
+    """Base class for every hdreplay error."""
+
+
+class ReplayInputError(ReplayError, ValueError):
+    """A tensor, record or scorer output handed to hdreplay is malformed (shape, dtype, NaN, size)."""
+
+
+class ReplayConfigError(ReplayError, ValueError):
+    """A configuration value is out of range or unknown."""
+
+
+class ReplayProtocolError(ReplayError, RuntimeError):
+    """The one-step protocol (select -> stage -> commit) was called out of order."""
+
+
+class CheckpointError(ReplayError, ValueError):
+    """A checkpoint directory is missing, truncated, corrupted or was written by something else."""

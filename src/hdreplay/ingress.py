@@ -1,0 +1,70 @@
+"""Ingress rules: which fresh groups may enter the replay buffer.
+
+A rule is any callable ``(group: GroupRecord) -> bool``.  Two are built in:
+
+* :class:`MixedOutcome` (paper default, binary rewards): admit iff the rewards are
+  not all equal, so the group carries a non-zero GRPO advantage.
+* :class:`AnswerBased` (multi-reward, paper Appendix C): a_i = 1[r_i >= threshold];
+  admit iff 1 <= S(g) = sum_i a_i <= n - 1, so format-only reward variance
+  (e.g. 0.0 vs 0.1) does not consume replay capacity.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, Union
+
+import torch
+
+from .errors import ReplayConfigError
+from .types import GroupRecord
+
+IngressRule = Callable[[GroupRecord], bool]
+INGRESS_RULES = ("mixed", "answer")
+
+
+@dataclass(frozen=True)
+class MixedOutcome:
+    """Admit iff the group's rewards are not all equal."""
+
+    def __call__(self, group: GroupRecord) -> bool:
+        r = group.rewards
+        return bool((r != r[0]).any())
+
+
+@dataclass(frozen=True)
+class AnswerBased:
+    """Admit iff 1 <= #{i : r_i >= threshold} <= n - 1."""
+
+    threshold: float
+
+    def __post_init__(self) -> None:
+        if isinstance(self.threshold, bool) or not isinstance(self.threshold, (int, float)) or not math.isfinite(
+            self.threshold
+        ):
+            raise ReplayConfigError(f"answer_threshold must be a finite number, got {self.threshold!r}")
+
+    def answers(self, group: GroupRecord) -> torch.Tensor:
+        """(n,) bool answer indicators a_i."""
+        return group.rewards >= self.threshold
+
+    def __call__(self, group: GroupRecord) -> bool:
+        s = int(self.answers(group).sum())
+        return 1 <= s <= group.num_responses - 1
+
+
+def make_ingress_rule(rule: Union[str, IngressRule], *, answer_threshold: float | None = None) -> IngressRule:
+    """Resolve a rule by name ("mixed", "answer") or pass a callable through."""
+    if callable(rule):
+        return rule
+    if rule == "mixed":
+        return MixedOutcome()
+    if rule == "answer":
+        if answer_threshold is None:
+            raise ReplayConfigError(
+                "ingress='answer' needs answer_threshold (a_i = 1[r_i >= threshold]; the paper uses 0.9 "
+                "for rewards 0/0.1/0.9/1.0)"
+            )
+        return AnswerBased(float(answer_threshold))
+    raise ReplayConfigError(f"unknown ingress rule {rule!r}; valid: {list(INGRESS_RULES)} or a callable")

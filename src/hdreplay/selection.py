@@ -1,0 +1,209 @@
+"""Selectors: which buffered groups are replayed this step.
+
+Selection is a function of (buffer, scorer, config, step) that returns a
+:class:`Selection` and never mutates the buffer; the controller applies the
+cache refresh and counters after the update.
+
+Every selector is an (order, gate) pair:
+
+=================  =====================  =====  ===========================================
+name               order                  gate   meaning
+=================  =====================  =====  ===========================================
+headroom_drift     cached Headroom, desc  yes    the paper's method
+headroom_only      cached Headroom, desc  no     PER-style priority, no compatibility gate
+drift_only         newest first           yes    recency order + Drift gate
+recency            newest first           no     "GRPO + replay": latest K groups
+none               -                      -      on-policy, nothing replayed
+=================  =====================  =====  ===========================================
+
+Ties in cached Headroom go to the older group (smaller insertion id).
+
+The scan (paper Appendix A.5, Proposition 3): walk the order, re-score each group
+under the current policy through the caller's ``scorer``, accept iff Drift <= tau,
+stop at K_rep accepted or the end of the buffer.  Groups are re-scored in chunks
+(one scorer call per chunk); groups of the last chunk that lie beyond the stopping
+index m* are *not* scanned (their result is discarded, their cache not refreshed),
+so the outcome equals a one-group-at-a-time scan exactly.  Ungated orders need
+no scoring except ``headroom_only``, whose same-pass refresh keeps its priority
+current (the PER analogue of updating priorities when sampled).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable, Sequence
+
+import numpy as np
+import torch
+
+from .batching import check_scorer_output, group_scores
+from .types import GroupRecord
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .buffer import ReplayBuffer
+    from .config import ReplayConfig
+
+Scorer = Callable[[Sequence[GroupRecord]], Sequence[torch.Tensor]]
+"""Takes G stored groups; returns G tensors ``(T_g,)``: current-policy log-probs of every
+completion token of the group (responses concatenated, as in ``GroupRecord.completion_ids``)."""
+
+#: the running acceptance rate never drives chunk sizes beyond remaining / MIN_RATE.
+MIN_ACCEPTANCE_RATE = 0.05
+
+
+@dataclass(frozen=True)
+class SelectorSpec:
+    name: str
+    order: str | None  # "headroom" | "recency" | None
+    gate: bool
+    refresh: bool  # re-score selected groups even without a gate
+
+    def needs_scoring(self, diagnose_ungated: bool) -> bool:
+        return self.order is not None and (self.gate or self.refresh or diagnose_ungated)
+
+
+SELECTORS: dict[str, SelectorSpec] = {
+    s.name: s
+    for s in (
+        SelectorSpec("headroom_drift", "headroom", gate=True, refresh=True),
+        SelectorSpec("headroom_only", "headroom", gate=False, refresh=True),
+        SelectorSpec("drift_only", "recency", gate=True, refresh=True),
+        SelectorSpec("recency", "recency", gate=False, refresh=False),
+        SelectorSpec("none", None, gate=False, refresh=False),
+    )
+}
+
+
+@dataclass
+class Selection:
+    """Outcome of one step's selection (insertion ids index the buffer).
+
+    accepted:      (m',) ids replayed this step, priority order (after truncation to u)
+    truncated:     ids accepted by the gate but cut by the multiple-of-u truncation
+    scanned:       (s,) ids re-scored and counted as scanned, in scan order
+    scanned_*:     (s,) per scanned group: drift, runtime headroom, replay kl, cached headroom
+                   before the step, age, accepted-by-gate flag, loss-token count
+    groups:        the accepted groups as GroupRecords, same order as ``accepted``
+    scored_unused: groups re-scored in the last chunk beyond the stopping index (discarded)
+    """
+
+    step: int
+    selector: str
+    accepted: np.ndarray
+    truncated: np.ndarray
+    scanned: np.ndarray
+    scanned_drift: np.ndarray
+    scanned_headroom: np.ndarray
+    scanned_kl: np.ndarray
+    scanned_cached: np.ndarray
+    scanned_age: np.ndarray
+    scanned_pass: np.ndarray
+    scanned_tokens: np.ndarray
+    groups: list[GroupRecord]
+    scored: bool
+    scored_unused: int = 0
+    scorer_calls: int = 0
+    chunk_sizes: list[int] = field(default_factory=list)
+    buffer_size: int = 0
+
+
+def _empty(step: int, name: str, size: int) -> Selection:
+    z = np.zeros(0)
+    zi = np.zeros(0, dtype=np.int64)
+    return Selection(step, name, zi, zi, zi, z, z, z, z, zi, np.zeros(0, bool), zi, [], False, buffer_size=size)
+
+
+def chunk_size(remaining: int, acceptance_rate: float, config: "ReplayConfig") -> int:
+    """Groups to re-score next: the configured ``scan_chunk`` or remaining / running acceptance rate."""
+    if config.scan_chunk is not None:
+        return config.scan_chunk
+    rate = max(float(acceptance_rate), MIN_ACCEPTANCE_RATE)
+    return int(min(config.max_scan_chunk, max(1, math.ceil(remaining / rate))))
+
+
+def select_replay(
+    buffer: "ReplayBuffer",
+    config: "ReplayConfig",
+    scorer: Scorer | None,
+    *,
+    step: int,
+    acceptance_rate: float = 1.0,
+) -> Selection:
+    """Choose this step's replay groups from the pre-existing buffer (does not modify it)."""
+    spec = SELECTORS[config.selector]
+    K, size = config.k_rep, len(buffer)
+    if spec.order is None or K == 0 or size == 0:
+        return _empty(step, spec.name, size)
+    order_fn = buffer.order_by_cached_headroom if spec.order == "headroom" else buffer.order_by_recency
+
+    if not spec.needs_scoring(config.diagnose_ungated):
+        kept, cut = _truncate(order_fn(K), config.truncate_multiple)
+        sel = _empty(step, spec.name, size)
+        sel.accepted, sel.truncated, sel.groups = kept, cut, buffer.get(kept.tolist())
+        return sel
+
+    if scorer is None:
+        raise TypeError(f"selector {spec.name!r} re-scores groups under the current policy: pass a scorer")
+    scanned: list[int] = []
+    cols: dict[str, list] = {k: [] for k in ("drift", "headroom", "kl", "pass", "tokens")}
+    accepted: list[int] = []
+    accepted_groups: list[GroupRecord] = []
+    prefix = order_fn(min(size, max(K, chunk_size(K, acceptance_rate, config))))
+    pos, calls, unused, chunks = 0, 0, 0, []
+    while len(accepted) < K and pos < size:
+        want = chunk_size(K - len(accepted), acceptance_rate, config) if spec.gate else K - len(accepted)
+        if pos + want > len(prefix) and len(prefix) < size:
+            prefix = order_fn(min(size, max(2 * len(prefix), pos + want)))
+        ids = prefix[pos:pos + want]
+        pos += len(ids)
+        groups = buffer.get(ids.tolist())
+        lps = check_scorer_output(groups, scorer(groups))
+        calls += 1
+        chunks.append(len(ids))
+        sc = group_scores(groups, lps, drift_norm=config.drift_norm, headroom_weighting=config.headroom_weighting)
+        d, h, kl, ntok = (sc.drift.tolist(), sc.headroom.tolist(), sc.replay_kl.tolist(),
+                          sc.num_loss_tokens.tolist())
+        for j, gid in enumerate(ids.tolist()):
+            if len(accepted) == K:
+                unused += len(ids) - j
+                break
+            ok = (not spec.gate) or d[j] <= config.tau
+            scanned.append(gid)
+            cols["drift"].append(d[j])
+            cols["headroom"].append(h[j])
+            cols["kl"].append(kl[j])
+            cols["pass"].append(ok)
+            cols["tokens"].append(ntok[j])
+            if ok:
+                accepted.append(gid)
+                accepted_groups.append(groups[j])
+    acc = np.asarray(accepted, dtype=np.int64)
+    kept, cut = _truncate(acc, config.truncate_multiple)
+    sc_ids = np.asarray(scanned, dtype=np.int64)
+    return Selection(
+        step=step,
+        selector=spec.name,
+        accepted=kept,
+        truncated=cut,
+        scanned=sc_ids,
+        scanned_drift=np.asarray(cols["drift"]),
+        scanned_headroom=np.asarray(cols["headroom"]),
+        scanned_kl=np.asarray(cols["kl"]),
+        scanned_cached=buffer.slot_values("cached_headroom", sc_ids),
+        scanned_age=step - buffer.slot_values("birth_step", sc_ids),
+        scanned_pass=np.asarray(cols["pass"], dtype=bool),
+        scanned_tokens=np.asarray(cols["tokens"], dtype=np.int64),
+        groups=accepted_groups[: len(kept)],
+        scored=True,
+        scored_unused=unused,
+        scorer_calls=calls,
+        chunk_sizes=chunks,
+        buffer_size=size,
+    )
+
+
+def _truncate(ids: np.ndarray, u: int) -> tuple[np.ndarray, np.ndarray]:
+    """Keep the highest-priority prefix of length u * floor(m / u)."""
+    keep = (len(ids) // u) * u
+    return ids[:keep], ids[keep:]

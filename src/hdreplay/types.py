@@ -1,0 +1,331 @@
+"""Group records: the unit of storage and replay.
+
+Shape glossary (used in every docstring of the package)
+-------------------------------------------------------
+n      responses in a group (the GRPO group size, ``num_generations``)
+P      prompt tokens of a group (unpadded)
+L_i    completion tokens of response i (unpadded: up to and including EOS)
+T      total completion tokens of a group, ``sum_i L_i``
+G      groups in a batch
+R      rows (responses) in a padded batch, ``sum_g n_g``
+
+A group stores its n completions *concatenated* into one flat ``(T,)`` sequence,
+with ``response_lengths: (n,)`` telling where each response ends.  The
+``loss_mask: (T,)`` marks the positions the policy generated (T(g) in the
+paper); tool / environment tokens inside a response have loss mask 0 and never
+enter Drift, Headroom, replay KL or the loss.
+
+Log-probs at loss-mask positions are validated (finite, <= 0); at mask-0
+positions they carry no meaning and are stored as 0.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Mapping, Sequence
+
+import torch
+
+from .errors import ReplayInputError
+
+#: log-probs may exceed 0 by this much through float round-off of log_softmax.
+LOGPROB_POSITIVE_TOLERANCE = 1e-4
+
+_INT_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
+
+
+def _as_1d(name: str, value, dtype: torch.dtype, gid) -> torch.Tensor:
+    t = torch.as_tensor(value)
+    if t.dim() != 1:
+        raise ReplayInputError(f"group {gid!r}: `{name}` must be 1-D, got shape {tuple(t.shape)}")
+    if dtype in _INT_DTYPES and t.numel() and (t.is_floating_point() or t.is_complex()):
+        raise ReplayInputError(f"group {gid!r}: `{name}` must hold integer token ids, got dtype {t.dtype}")
+    return t.detach().to("cpu", dtype).contiguous()
+
+
+def check_logprobs(name: str, logprobs: torch.Tensor, mask: torch.Tensor, where: str) -> None:
+    """Raise if ``logprobs`` has a NaN/inf or a positive value at a ``mask`` position."""
+    sel = logprobs[mask]
+    if sel.numel() == 0:
+        return
+    bad = ~torch.isfinite(sel)
+    if bool(bad.any()):
+        raise ReplayInputError(
+            f"{where}: `{name}` has {int(bad.sum())} non-finite value(s) at loss-mask positions; "
+            "log-probs must be finite (check the model's dtype / logits for overflow)"
+        )
+    top = float(sel.max())
+    if top > LOGPROB_POSITIVE_TOLERANCE:
+        raise ReplayInputError(
+            f"{where}: `{name}` has a positive value {top:.4g}; log-probs must be <= 0. "
+            "Pass log-probabilities, not probabilities or logits."
+        )
+
+
+@dataclass(frozen=True, eq=False)
+class GroupRecord:
+    """One prompt with its n sampled responses and their immutable generation-time state.
+
+    Fields (shapes in the module glossary):
+        group_id:          stable identifier (str or int), unique within a run.
+        prompt_ids:        (P,) int32 prompt token ids, unpadded.
+        completion_ids:    (T,) int32, the n completions concatenated.
+        response_lengths:  (n,) int64, L_i, each >= 1; ``sum == T``.
+        loss_mask:         (T,) bool, 1 where the policy generated the token.
+        logprobs:          (T,) float32 generation-time log pi_gen(a|s).
+        advantages:        (n,) float32 response advantages A_i (finite).
+        rewards:           (n,) float32 response rewards (finite).
+        birth_step:        training step t0 at which the group was generated.
+        extras:            name -> (T,) float32 token-level extras (e.g. ``ref_logprobs``).
+
+    Construct with :meth:`from_responses` (lists of per-response tensors) or
+    :meth:`from_padded` (right-padded ``(n, L)`` tensors); both validate and raise
+    :class:`~hdreplay.errors.ReplayInputError` naming the field on bad input.
+    """
+
+    group_id: str | int
+    prompt_ids: torch.Tensor
+    completion_ids: torch.Tensor
+    response_lengths: torch.Tensor
+    loss_mask: torch.Tensor
+    logprobs: torch.Tensor
+    advantages: torch.Tensor
+    rewards: torch.Tensor
+    birth_step: int
+    extras: Mapping[str, torch.Tensor] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        gid = self.group_id
+        if not isinstance(gid, (str, int)) or isinstance(gid, bool):
+            raise ReplayInputError(f"group_id must be a str or int, got {type(gid).__name__}")
+        set_ = object.__setattr__
+        set_(self, "prompt_ids", _as_1d("prompt_ids", self.prompt_ids, torch.int32, gid))
+        set_(self, "completion_ids", _as_1d("completion_ids", self.completion_ids, torch.int32, gid))
+        set_(self, "response_lengths", _as_1d("response_lengths", self.response_lengths, torch.int64, gid))
+        lm = torch.as_tensor(self.loss_mask)
+        if lm.dim() != 1:
+            raise ReplayInputError(f"group {gid!r}: `loss_mask` must be 1-D, got shape {tuple(lm.shape)}")
+        set_(self, "loss_mask", lm.detach().to("cpu").bool().contiguous())
+        set_(self, "logprobs", _as_1d("logprobs", self.logprobs, torch.float32, gid))
+        set_(self, "advantages", _as_1d("advantages", self.advantages, torch.float32, gid))
+        set_(self, "rewards", _as_1d("rewards", self.rewards, torch.float32, gid))
+        if isinstance(self.birth_step, bool) or not isinstance(self.birth_step, int) or self.birth_step < 0:
+            raise ReplayInputError(f"group {gid!r}: `birth_step` must be an int >= 0, got {self.birth_step!r}")
+        n = self.response_lengths.numel()
+        T = self.completion_ids.numel()
+        if n == 0:
+            raise ReplayInputError(f"group {gid!r}: empty group (no responses); a group needs n >= 1 responses")
+        if self.prompt_ids.numel() == 0:
+            raise ReplayInputError(f"group {gid!r}: `prompt_ids` is empty; a group needs its prompt tokens")
+        if bool((self.response_lengths < 1).any()):
+            raise ReplayInputError(
+                f"group {gid!r}: every response needs >= 1 completion token, got lengths "
+                f"{self.response_lengths.tolist()}"
+            )
+        if int(self.response_lengths.sum()) != T:
+            raise ReplayInputError(
+                f"group {gid!r}: `response_lengths` sum to {int(self.response_lengths.sum())} but "
+                f"`completion_ids` has {T} tokens; they must match"
+            )
+        for name in ("loss_mask", "logprobs"):
+            if getattr(self, name).numel() != T:
+                raise ReplayInputError(
+                    f"group {gid!r}: `{name}` has {getattr(self, name).numel()} entries but "
+                    f"`completion_ids` has {T}; one entry per completion token is required"
+                )
+        for name in ("advantages", "rewards"):
+            v = getattr(self, name)
+            if v.numel() != n:
+                raise ReplayInputError(
+                    f"group {gid!r}: `{name}` has {v.numel()} entries for {n} responses; one per response"
+                )
+            if not bool(torch.isfinite(v).all()):
+                raise ReplayInputError(f"group {gid!r}: `{name}` has non-finite values {v.tolist()}")
+        per_resp = torch.zeros(n, dtype=torch.int64).index_add_(
+            0, self.response_index(), self.loss_mask.to(torch.int64)
+        )
+        empty = (per_resp == 0).nonzero().flatten().tolist()
+        if empty:
+            raise ReplayInputError(
+                f"group {gid!r}: response(s) {empty} have an all-zero loss mask; every response needs at "
+                "least one generated (loss-mask) token. Drop such groups before ingress."
+            )
+        check_logprobs("logprobs", self.logprobs, self.loss_mask, f"group {gid!r}")
+        set_(self, "logprobs", self.logprobs.masked_fill(~self.loss_mask, 0.0))
+        extras = {}
+        for key, val in dict(self.extras).items():
+            if not isinstance(key, str):
+                raise ReplayInputError(f"group {gid!r}: extras keys must be str, got {key!r}")
+            t = _as_1d(f"extras[{key!r}]", val, torch.float32, gid)
+            if t.numel() != T:
+                raise ReplayInputError(
+                    f"group {gid!r}: `extras[{key!r}]` has {t.numel()} entries; expected one per completion token ({T})"
+                )
+            if not bool(torch.isfinite(t[self.loss_mask]).all()):
+                raise ReplayInputError(f"group {gid!r}: `extras[{key!r}]` is non-finite at loss-mask positions")
+            extras[key] = t.masked_fill(~self.loss_mask, 0.0)
+        set_(self, "extras", extras)
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_responses(
+        cls,
+        *,
+        group_id: str | int,
+        prompt_ids,
+        completion_ids: Sequence,
+        logprobs: Sequence,
+        advantages,
+        rewards,
+        birth_step: int,
+        loss_masks: Sequence | None = None,
+        extras: Mapping[str, Sequence] | None = None,
+    ) -> "GroupRecord":
+        """Build from per-response sequences: ``completion_ids[i]: (L_i,)``, ``logprobs[i]: (L_i,)``,
+        optional ``loss_masks[i]: (L_i,)`` (default all ones), ``extras[name][i]: (L_i,)``."""
+        comps = [torch.as_tensor(c) for c in completion_ids]
+        if len(comps) == 0:
+            raise ReplayInputError(f"group {group_id!r}: empty group (no responses)")
+        if len(logprobs) != len(comps):
+            raise ReplayInputError(
+                f"group {group_id!r}: {len(logprobs)} log-prob sequences for {len(comps)} responses"
+            )
+        for i, (c, lp) in enumerate(zip(comps, logprobs)):
+            if torch.as_tensor(lp).numel() != c.numel():
+                raise ReplayInputError(
+                    f"group {group_id!r}: response {i} has {c.numel()} tokens but "
+                    f"{torch.as_tensor(lp).numel()} log-probs; they must match"
+                )
+        if loss_masks is None:
+            masks = [torch.ones(c.numel(), dtype=torch.bool) for c in comps]
+        else:
+            if len(loss_masks) != len(comps):
+                raise ReplayInputError(f"group {group_id!r}: {len(loss_masks)} loss masks for {len(comps)} responses")
+            masks = [torch.as_tensor(m).bool().flatten() for m in loss_masks]
+            for i, (c, m) in enumerate(zip(comps, masks)):
+                if m.numel() != c.numel():
+                    raise ReplayInputError(
+                        f"group {group_id!r}: response {i} has {c.numel()} tokens but a loss mask of {m.numel()}"
+                    )
+        cat = lambda xs, dt: torch.cat([torch.as_tensor(x).flatten().to(dt) for x in xs])  # noqa: E731
+        ex = {k: cat(v, torch.float32) for k, v in (extras or {}).items()}
+        return cls(
+            group_id=group_id,
+            prompt_ids=prompt_ids,
+            completion_ids=cat(comps, torch.int64),
+            response_lengths=torch.tensor([c.numel() for c in comps], dtype=torch.int64),
+            loss_mask=torch.cat(masks),
+            logprobs=cat(logprobs, torch.float32),
+            advantages=advantages,
+            rewards=rewards,
+            birth_step=birth_step,
+            extras=ex,
+        )
+
+    @classmethod
+    def from_padded(
+        cls,
+        *,
+        group_id: str | int,
+        prompt_ids,
+        completion_ids: torch.Tensor,
+        completion_mask: torch.Tensor,
+        logprobs: torch.Tensor,
+        advantages,
+        rewards,
+        birth_step: int,
+        loss_mask: torch.Tensor | None = None,
+        extras: Mapping[str, torch.Tensor] | None = None,
+    ) -> "GroupRecord":
+        """Build from right-padded tensors.
+
+        Args:
+            completion_ids:  (n, L) token ids, right-padded.
+            completion_mask: (n, L) 1 for real tokens (a contiguous prefix of each row).
+            logprobs:        (n, L) generation-time token log-probs.
+            loss_mask:       optional (n, L) 1 where the policy generated the token
+                             (completion_mask x tool_mask); defaults to ``completion_mask``.
+            extras:          name -> (n, L) float tensors.
+        """
+        ids = torch.as_tensor(completion_ids)
+        cm = torch.as_tensor(completion_mask)
+        if ids.dim() != 2:
+            raise ReplayInputError(f"group {group_id!r}: `completion_ids` must be (n, L), got {tuple(ids.shape)}")
+        shape = tuple(ids.shape)
+        tensors = {"completion_mask": cm, "logprobs": torch.as_tensor(logprobs)}
+        if loss_mask is not None:
+            tensors["loss_mask"] = torch.as_tensor(loss_mask)
+        for k, v in (extras or {}).items():
+            tensors[f"extras[{k!r}]"] = torch.as_tensor(v)
+        for name, t in tensors.items():
+            if tuple(t.shape) != shape:
+                raise ReplayInputError(
+                    f"group {group_id!r}: `{name}` has shape {tuple(t.shape)}, expected {shape} like `completion_ids`"
+                )
+        cmb = cm.bool()
+        lengths = cmb.sum(dim=1)
+        ar = torch.arange(shape[1], device=cm.device).unsqueeze(0)
+        if not bool((cmb == (ar < lengths.unsqueeze(1))).all()):
+            raise ReplayInputError(
+                f"group {group_id!r}: `completion_mask` must be a contiguous prefix of ones per row "
+                "(right padding); got holes inside a row — put tool-token masking in `loss_mask`"
+            )
+        lm = cmb if loss_mask is None else (torch.as_tensor(loss_mask).bool() & cmb)
+        return cls(
+            group_id=group_id,
+            prompt_ids=prompt_ids,
+            completion_ids=ids[cmb],
+            response_lengths=lengths.cpu(),
+            loss_mask=lm[cmb],
+            logprobs=torch.as_tensor(logprobs)[cmb],
+            advantages=advantages,
+            rewards=rewards,
+            birth_step=birth_step,
+            extras={k: torch.as_tensor(v)[cmb] for k, v in (extras or {}).items()},
+        )
+
+    # ------------------------------------------------------------------ views
+    @property
+    def num_responses(self) -> int:
+        return self.response_lengths.numel()
+
+    @property
+    def num_tokens(self) -> int:
+        """T: completion tokens, loss-mask or not."""
+        return self.completion_ids.numel()
+
+    @property
+    def num_loss_tokens(self) -> int:
+        """|T(g)|: loss-mask tokens."""
+        return int(self.loss_mask.sum())
+
+    def response_index(self) -> torch.Tensor:
+        """(T,) int64: which response each completion token belongs to."""
+        return torch.repeat_interleave(torch.arange(self.num_responses), self.response_lengths)
+
+    def token_advantages(self) -> torch.Tensor:
+        """(T,) float32: A_i broadcast to the tokens of response i."""
+        return self.advantages[self.response_index()]
+
+    def responses(self) -> list[torch.Tensor]:
+        """The n completions as a list of ``(L_i,)`` int32 tensors."""
+        return list(torch.split(self.completion_ids, self.response_lengths.tolist()))
+
+    def split(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """Split a ``(T,)`` tensor aligned with ``completion_ids`` into n ``(L_i,)`` pieces."""
+        return list(torch.split(flat, self.response_lengths.tolist()))
+
+    def age(self, step: int) -> int:
+        """age_t(g) = t - t0(g)."""
+        return step - self.birth_step
+
+    def __repr__(self) -> str:  # short: tensors are big
+        return (
+            f"GroupRecord(group_id={self.group_id!r}, n={self.num_responses}, P={self.prompt_ids.numel()}, "
+            f"T={self.num_tokens}, |T(g)|={self.num_loss_tokens}, birth_step={self.birth_step})"
+        )
+
+
+def is_finite_number(x: float) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
