@@ -158,10 +158,17 @@ class ReplayController:
             )
 
     # ------------------------------------------------------------------ checkpointing
-    def state_dict(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-        if self._open_step is not None:
+    def state_dict(self, *, allow_open_step: bool = False) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """(tensors, meta) of everything that influences later selections.
+
+        While a step is open the buffer still holds exactly the state of the last commit (selection
+        never mutates it, staged groups are held aside), so ``allow_open_step=True`` snapshots that
+        committed state; the open step's selection and staged groups are not included.
+        """
+        if self._open_step is not None and not allow_open_step:
             raise ReplayProtocolError(
-                f"state_dict() while step {self._open_step} is open; checkpoint after commit()"
+                f"state_dict() while step {self._open_step} is open; checkpoint after commit() "
+                "(or pass allow_open_step=True to save the state as of the last commit)"
             )
         tensors, bmeta = self.buffer.state_dict()
         meta = {
@@ -188,9 +195,9 @@ class ReplayController:
         if self.diagnostics is not None and self.last_step is not None:
             self.diagnostics.rewind(self.last_step)
 
-    def save(self, directory: str | os.PathLike) -> None:
+    def save(self, directory: str | os.PathLike, *, allow_open_step: bool = False) -> None:
         """Atomically write the controller (buffer included) to ``directory``."""
-        tensors, meta = self.state_dict()
+        tensors, meta = self.state_dict(allow_open_step=allow_open_step)
         write_checkpoint_dir(directory, format_name=CONTROLLER_FORMAT, version=CONTROLLER_VERSION,
                              tensors=tensors, meta=meta)
 

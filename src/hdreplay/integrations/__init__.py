@@ -1,0 +1,1 @@
+"""Framework adapters. Each is import-guarded and never imported by the core package."""

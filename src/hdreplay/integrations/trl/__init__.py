@@ -1,0 +1,31 @@
+"""Headroom-Drift Replay for Hugging Face TRL (tested with trl 1.16.*).
+
+    from hdreplay.integrations.trl import HDRGRPOConfig, HDRGRPOTrainer
+
+``HDRGRPOTrainer`` is used exactly like ``trl.GRPOTrainer``; the replay settings are the
+``replay_*`` fields of ``HDRGRPOConfig``.
+"""
+
+from __future__ import annotations
+
+TESTED_TRL = "1.16"
+
+try:
+    import trl as _trl
+except ImportError as e:  # pragma: no cover - exercised only without the extra
+    raise ImportError(
+        "hdreplay.integrations.trl needs TRL: pip install 'hdreplay[trl]' (tested with trl "
+        f"{TESTED_TRL}.*)"
+    ) from e
+
+if not _trl.__version__.startswith(TESTED_TRL + "."):  # pragma: no cover
+    raise ImportError(
+        f"hdreplay.integrations.trl is tested with trl {TESTED_TRL}.*, found trl {_trl.__version__}; TRL's "
+        f"GRPOTrainer internals change between minor versions. Install trl=={TESTED_TRL}.* "
+        "(pip install -c constraints.txt 'hdreplay[trl]')."
+    )
+
+from .config import HDRGRPOConfig  # noqa: E402
+from .trainer import HDRGRPOTrainer  # noqa: E402
+
+__all__ = ["HDRGRPOConfig", "HDRGRPOTrainer", "TESTED_TRL"]
