@@ -15,6 +15,7 @@ Core API (framework-agnostic; importing it never imports TRL or verl):
 Integrations live in ``hdreplay.integrations.trl`` and ``hdreplay.integrations.verl``.
 """
 
+from .adaptive import AdaptiveTau, TauState, update_tau
 from .batching import GroupScores, PaddedGroups, group_scores, pad_groups, reference_headroom
 from .buffer import ReplayBuffer
 from .config import ReplayConfig
@@ -36,7 +37,7 @@ from .types import GroupRecord
 __version__ = "0.1.0"
 
 __all__ = [
-    "AnswerBased", "CheckpointError", "DiagnosticsWriter", "GroupRecord", "GroupScores", "METRIC_KEYS",
+    "AdaptiveTau", "TauState", "update_tau", "AnswerBased", "CheckpointError", "DiagnosticsWriter", "GroupRecord", "GroupScores", "METRIC_KEYS",
     "MixedOutcome", "PaddedGroups", "ReplayBuffer", "ReplayConfig", "ReplayConfigError", "ReplayController",
     "ReplayError", "ReplayInputError", "ReplayProtocolError", "SELECTORS", "Scorer", "Selection",
     "balanced_partition", "drift", "group_scores", "headroom", "make_ingress_rule", "metrics_from_record",

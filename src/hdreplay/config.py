@@ -6,6 +6,7 @@ import math
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Callable, Union
 
+from .adaptive import AdaptiveTau
 from .errors import ReplayConfigError
 from .ingress import INGRESS_RULES, make_ingress_rule
 from .scores import DRIFT_NORMS, HEADROOM_WEIGHTINGS
@@ -43,6 +44,11 @@ class ReplayConfig:
         group_size: if set, every ingress group must have exactly this many responses.
         diagnose_ungated: also re-score groups chosen by ``recency`` (which needs no scoring)
             so that their Drift and replay KL are reported; costs one forward over them.
+        counterfactual: also score the subset recency replay would take from the same pre-step
+            buffer (same size) and record its Drift / Headroom next to the selection's (the paper's
+            same-buffer counterfactual); costs a forward over the recency groups not scanned anyway.
+        adaptive_tau: if set, an :class:`~hdreplay.adaptive.AdaptiveTau` that moves tau within its
+            bounds (loosen when replay is starved, tighten when replay KL rises); ``tau`` is the start.
     """
 
     selector: str = "headroom_drift"
@@ -59,6 +65,8 @@ class ReplayConfig:
     acceptance_ema: float = 0.5
     group_size: int | None = None
     diagnose_ungated: bool = False
+    counterfactual: bool = False
+    adaptive_tau: "AdaptiveTau | None" = None
 
     def __post_init__(self) -> None:
         if self.selector not in SELECTORS:
@@ -89,10 +97,18 @@ class ReplayConfig:
             raise ReplayConfigError(f"acceptance_ema must be in (0, 1], got {a!r}")
         if self.group_size is not None and (not _is_int(self.group_size) or self.group_size < 1):
             raise ReplayConfigError(f"group_size must be None or an int >= 1, got {self.group_size!r}")
+        if self.adaptive_tau is not None:
+            if not isinstance(self.adaptive_tau, AdaptiveTau):
+                raise ReplayConfigError(f"adaptive_tau must be None or an AdaptiveTau, got {self.adaptive_tau!r}")
+            lo, hi = self.adaptive_tau.tau_min, self.adaptive_tau.tau_max
+            if not (lo <= self.tau <= hi):
+                raise ReplayConfigError(f"tau={self.tau:g} must lie within adaptive_tau's bounds [{lo:g}, {hi:g}]")
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-able view (a callable ingress rule is shown by its name)."""
         d = asdict(self)
+        if self.adaptive_tau is not None:
+            d["adaptive_tau"] = asdict(self.adaptive_tau)
         if callable(self.ingress):
             d["ingress"] = getattr(self.ingress, "__name__", type(self.ingress).__name__)
         return d

@@ -22,6 +22,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
+from .adaptive import TauState, update_tau
 from .batching import reference_headroom
 from .buffer import ReplayBuffer
 from .checkpoint import read_checkpoint_dir, require_keys, write_checkpoint_dir
@@ -51,6 +52,7 @@ class ReplayController:
         self.buffer = ReplayBuffer(config.capacity, group_size=config.group_size)
         self.ingress_rule = make_ingress_rule(config.ingress, answer_threshold=config.answer_threshold)
         self.acceptance_rate = 1.0
+        self.tau_state = TauState(tau=float(config.tau)) if config.adaptive_tau is not None else None
         self.last_step: int | None = None
         self.diagnostics = DiagnosticsWriter(diagnostics_dir) if diagnostics_dir is not None else None
         self.last_record: dict[str, Any] | None = None
@@ -81,8 +83,13 @@ class ReplayController:
         if self._selection is not None:
             raise ReplayProtocolError(f"select(step={step}) called twice; one selection per step")
         self._selection = select_replay(self.buffer, self.config, scorer, step=step,
-                                        acceptance_rate=self.acceptance_rate)
+                                        acceptance_rate=self.acceptance_rate, tau=self.tau)
         return self._selection
+
+    @property
+    def tau(self) -> float:
+        """The Drift threshold the next selection uses (moves only with ``adaptive_tau``)."""
+        return self.tau_state.tau if self.tau_state is not None else float(self.config.tau)
 
     def stage(self, groups: Sequence[GroupRecord], *, step: int) -> list[bool]:
         """Offer this step's fresh groups for ingress; returns which the ingress rule admitted.
@@ -119,7 +126,7 @@ class ReplayController:
         if self._open_step is None:
             raise ReplayProtocolError("commit() without an open step; call select()/stage() first")
         step = self._open_step
-        sel = self._selection or select_replay(self.buffer, _none_config(self.config), None, step=step)
+        sel = self._selection or select_replay(self.buffer, _none_config(self.config), None, step=step, tau=self.tau)
         fresh = self._candidates if num_fresh_groups is None else int(num_fresh_groups)
         if fresh < 0:
             raise ReplayInputError(f"num_fresh_groups must be >= 0, got {fresh}")
@@ -137,10 +144,13 @@ class ReplayController:
         if self._staged and actor:
             # the fresh use at birth counts toward W_T(g) (paper Appendix A.4)
             self.buffer.add_exposure(np.arange(first_new, self.buffer.next_insertion_id), 1.0 / actor)
-        rec = step_record(sel, k_rep=self.config.k_rep, tau=self.config.tau,
+        rec = step_record(sel, k_rep=self.config.k_rep, tau=sel.tau,
                           ingress_candidates=self._candidates, ingress_admitted=len(self._staged),
                           evicted=len(evicted), num_fresh_groups=fresh, accepted_ages=np.asarray(ages),
                           buffer_size_after=len(self.buffer))
+        if self.tau_state is not None:
+            self.tau_state = update_tau(self.tau_state, rec, self.config.adaptive_tau)
+            rec["tau_next"], rec["tau_action"] = self.tau_state.tau, self.tau_state.last_action
         if self.diagnostics is not None:
             self.diagnostics.write_step(rec)
             self.diagnostics.write_groups(evicted)
@@ -175,6 +185,7 @@ class ReplayController:
             "buffer": bmeta,
             "acceptance_rate": self.acceptance_rate,
             "last_step": self.last_step,
+            "tau_state": None if self.tau_state is None else self.tau_state.to_dict(),
             "config": self.config.to_dict(),
         }
         return tensors, meta
@@ -192,6 +203,8 @@ class ReplayController:
         self.buffer.load_state_dict(tensors, meta["buffer"])
         self.acceptance_rate = float(meta["acceptance_rate"])
         self.last_step = meta["last_step"]
+        if self.tau_state is not None and meta.get("tau_state") is not None:
+            self.tau_state = TauState(**meta["tau_state"])
         if self.diagnostics is not None and self.last_step is not None:
             self.diagnostics.rewind(self.last_step)
 

@@ -83,6 +83,7 @@ def step_record(
         "mean_age": _f(_mean(accepted_ages)),
         "accepted_ages": [int(a) for a in accepted_ages],
         "scorer_calls": sel.scorer_calls,
+        **_counterfactual_fields(sel, gate_ok),
         "scored_unused": sel.scored_unused,
         "scan_age": [int(a) for a in sel.scanned_age],
         "scan_drift": [_f(x) for x in sel.scanned_drift],
@@ -92,10 +93,24 @@ def step_record(
     }
 
 
+def _counterfactual_fields(sel: Selection, gate_ok: np.ndarray) -> dict[str, Any]:
+    if sel.cf_ids is None:
+        return {}
+    pos = {int(g): j for j, g in enumerate(sel.scanned.tolist())}
+    idx = [pos[int(g)] for g in sel.accepted.tolist()]
+    return {
+        "cf_size": len(sel.cf_ids),
+        "cf_drift_selected": _f(_mean(sel.scanned_drift[idx])),
+        "cf_drift_recency": _f(_mean(sel.cf_drift)),
+        "cf_headroom_selected": _f(_mean(sel.scanned_headroom[idx])),
+        "cf_headroom_recency": _f(_mean(sel.cf_headroom)),
+    }
+
+
 #: keys of a step record exported as flat ``replay/<key>`` metrics.
 METRIC_KEYS = (
     "buffer_size", "ingress", "scanned", "accepted", "accept_rate", "budget_fill",
-    "drift_accepted", "drift_rejected", "replay_kl", "mean_age", "evicted", "scorer_calls",
+    "drift_accepted", "drift_rejected", "replay_kl", "mean_age", "evicted", "scorer_calls", "tau",
 )
 
 

@@ -106,6 +106,11 @@ class Selection:
     scorer_calls: int = 0
     chunk_sizes: list[int] = field(default_factory=list)
     buffer_size: int = 0
+    tau: float = float("nan")
+    #: same-buffer counterfactual (``config.counterfactual``): the recency subset of the same size
+    cf_ids: np.ndarray | None = None
+    cf_drift: np.ndarray | None = None
+    cf_headroom: np.ndarray | None = None
 
 
 def _empty(step: int, name: str, size: int) -> Selection:
@@ -129,18 +134,24 @@ def select_replay(
     *,
     step: int,
     acceptance_rate: float = 1.0,
+    tau: float | None = None,
 ) -> Selection:
-    """Choose this step's replay groups from the pre-existing buffer (does not modify it)."""
+    """Choose this step's replay groups from the pre-existing buffer (does not modify it).
+
+    ``tau`` overrides ``config.tau`` (used by the adaptive-tau controller)."""
     spec = SELECTORS[config.selector]
+    tau = config.tau if tau is None else float(tau)
     K, size = config.k_rep, len(buffer)
     if spec.order is None or K == 0 or size == 0:
-        return _empty(step, spec.name, size)
+        sel = _empty(step, spec.name, size)
+        sel.tau = tau
+        return sel
     order_fn = buffer.order_by_cached_headroom if spec.order == "headroom" else buffer.order_by_recency
 
     if not spec.needs_scoring(config.diagnose_ungated):
         kept, cut = _truncate(order_fn(K), config.truncate_multiple)
         sel = _empty(step, spec.name, size)
-        sel.accepted, sel.truncated, sel.groups = kept, cut, buffer.get(kept.tolist())
+        sel.accepted, sel.truncated, sel.groups, sel.tau = kept, cut, buffer.get(kept.tolist()), tau
         return sel
 
     if scorer is None:
@@ -168,7 +179,7 @@ def select_replay(
             if len(accepted) == K:
                 unused += len(ids) - j
                 break
-            ok = (not spec.gate) or d[j] <= config.tau
+            ok = (not spec.gate) or d[j] <= tau
             scanned.append(gid)
             cols["drift"].append(d[j])
             cols["headroom"].append(h[j])
@@ -181,7 +192,7 @@ def select_replay(
     acc = np.asarray(accepted, dtype=np.int64)
     kept, cut = _truncate(acc, config.truncate_multiple)
     sc_ids = np.asarray(scanned, dtype=np.int64)
-    return Selection(
+    sel = Selection(
         step=step,
         selector=spec.name,
         accepted=kept,
@@ -200,7 +211,32 @@ def select_replay(
         scorer_calls=calls,
         chunk_sizes=chunks,
         buffer_size=size,
+        tau=tau,
     )
+    if config.counterfactual and len(kept) and spec.name != "recency":
+        _counterfactual(sel, buffer, config, scorer, cols)
+    return sel
+
+
+def _counterfactual(sel: Selection, buffer: "ReplayBuffer", config: "ReplayConfig", scorer: Scorer,
+                    cols: dict) -> None:
+    """Score the subset recency replay would take from the same pre-step buffer (same size).
+
+    Groups already scanned reuse their scores; the others cost one extra scorer call.  Nothing
+    here touches the buffer or the scan (no cache refresh for counterfactual-only groups)."""
+    rec = buffer.order_by_recency(len(sel.accepted))
+    known = {g: j for j, g in enumerate(sel.scanned.tolist())}
+    missing = [g for g in rec.tolist() if g not in known]
+    extra = {}
+    if missing:
+        groups = buffer.get(missing)
+        sc = group_scores(groups, check_scorer_output(groups, scorer(groups)), drift_norm=config.drift_norm,
+                          headroom_weighting=config.headroom_weighting)
+        extra = {g: (d, h) for g, d, h in zip(missing, sc.drift.tolist(), sc.headroom.tolist())}
+    val = lambda g: (cols["drift"][known[g]], cols["headroom"][known[g]]) if g in known else extra[g]  # noqa: E731
+    sel.cf_ids = rec
+    sel.cf_drift = np.asarray([val(g)[0] for g in rec.tolist()])
+    sel.cf_headroom = np.asarray([val(g)[1] for g in rec.tolist()])
 
 
 def _truncate(ids: np.ndarray, u: int) -> tuple[np.ndarray, np.ndarray]:

@@ -1,0 +1,94 @@
+"""Adaptive Drift threshold: loosen tau when replay is starved, tighten it when replay KL rises.
+
+The paper calibrates tau with a short log-spaced sweep and notes that the same diagnostics could
+drive an adaptive schedule (Appendix G.2).  This is that schedule, multiplicative and bounded:
+
+* starved:  the running acceptance rate is below ``accept_low`` while the budget is not filled
+            -> tau = min(tau * factor, tau_max)
+* too loose: the fast running mean of replay KL exceeds the slow one by more than ``kl_rise``
+            (relative) -> tau = max(tau / factor, tau_min)
+
+A change is followed by ``patience`` steps without another; nothing changes during ``warmup``.
+The update is a pure function of (state, step record), so it checkpoints as plain numbers.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Any, Mapping
+
+from .errors import ReplayConfigError
+
+
+@dataclass(frozen=True)
+class AdaptiveTau:
+    """Bounds and gains of the adaptive tau schedule (see module docstring)."""
+
+    tau_min: float = 1e-4
+    tau_max: float = 1e-1
+    factor: float = 2.0
+    accept_low: float = 0.1
+    kl_rise: float = 0.25
+    fast: float = 0.3
+    slow: float = 0.05
+    patience: int = 5
+    warmup: int = 5
+
+    def __post_init__(self) -> None:
+        if not (0 < self.tau_min <= self.tau_max) or not math.isfinite(self.tau_max):
+            raise ReplayConfigError(f"adaptive tau needs 0 < tau_min <= tau_max < inf, got [{self.tau_min}, {self.tau_max}]")
+        if not self.factor > 1:
+            raise ReplayConfigError(f"adaptive tau factor must be > 1, got {self.factor}")
+        if not (0 <= self.accept_low < 1):
+            raise ReplayConfigError(f"accept_low must be in [0, 1), got {self.accept_low}")
+        if not self.kl_rise > 0:
+            raise ReplayConfigError(f"kl_rise must be > 0, got {self.kl_rise}")
+        if not (0 < self.slow < self.fast <= 1):
+            raise ReplayConfigError(f"need 0 < slow < fast <= 1 (EMA weights), got slow={self.slow}, fast={self.fast}")
+        if self.patience < 0 or self.warmup < 0:
+            raise ReplayConfigError("patience and warmup must be >= 0")
+
+
+@dataclass
+class TauState:
+    tau: float
+    accept_ema: float | None = None
+    kl_fast: float | None = None
+    kl_slow: float | None = None
+    steps: int = 0
+    since_change: int = 0
+    last_action: str = "hold"
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _ema(old: float | None, new: float, w: float) -> float:
+    return new if old is None else (1 - w) * old + w * new
+
+
+def update_tau(state: TauState, record: Mapping[str, Any], cfg: AdaptiveTau) -> TauState:
+    """The next state after a committed step (``record`` is a diagnostics step record)."""
+    s = TauState(**state.to_dict())
+    s.steps += 1
+    s.since_change += 1
+    rate = record.get("accept_rate")
+    if rate is not None:
+        s.accept_ema = _ema(s.accept_ema, float(rate), cfg.fast)
+    kl = record.get("replay_kl")
+    if kl is not None:
+        s.kl_fast = _ema(s.kl_fast, float(kl), cfg.fast)
+        s.kl_slow = _ema(s.kl_slow, float(kl), cfg.slow)
+    s.last_action = "hold"
+    if s.steps <= cfg.warmup or s.since_change <= cfg.patience:
+        return s
+    fill = record.get("budget_fill")
+    starved = s.accept_ema is not None and s.accept_ema < cfg.accept_low and (fill is None or fill < 1)
+    rising = (s.kl_fast is not None and s.kl_slow is not None and s.kl_slow > 0
+              and s.kl_fast > (1 + cfg.kl_rise) * s.kl_slow)
+    if starved and s.tau < cfg.tau_max:
+        s.tau, s.last_action, s.since_change = min(s.tau * cfg.factor, cfg.tau_max), "loosen", 0
+    elif rising and not starved and s.tau > cfg.tau_min:
+        s.tau, s.last_action, s.since_change = max(s.tau / cfg.factor, cfg.tau_min), "tighten", 0
+    return s
