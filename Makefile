@@ -1,31 +1,50 @@
 # Two commands: `make demo` runs the CPU sandbox demo, `make test` runs the test suite.
-# Both create or refresh the local virtual environment .venv (re-installed when
-# pyproject.toml or constraints.txt change) with the pinned versions of constraints.txt.
+# Both create or refresh their virtual environments (re-installed when pyproject.toml or the
+# constraints change) with pinned versions:
+#   .venv       core + TRL integration + sandbox   (constraints.txt: torch 2.13.0, trl 1.16.0, transformers 5.23.0)
+#   .venv-verl  core + verl recipe                 (constraints-verl.txt: torch 2.13.0, verl 0.9.1, transformers 5.10.4)
+# Two environments because verl 0.9.1 requires transformers < 5.11 while the TRL integration is tested on 5.23.
 
-PYTHON ?= python3
-VENV   := .venv
-PY     := $(VENV)/bin/python
-STAMP  := $(VENV)/.hdreplay-installed
-PIP    := $(PY) -m pip install --disable-pip-version-check -q -c constraints.txt
+PYTHON    ?= python3
+VENV      := .venv
+PY        := $(VENV)/bin/python
+STAMP     := $(VENV)/.hdreplay-installed
+VENV_VERL := .venv-verl
+VPY       := $(VENV_VERL)/bin/python
+VSTAMP    := $(VENV_VERL)/.hdreplay-installed
+PIP_FLAGS := --disable-pip-version-check -q
 
-.PHONY: demo test bench venv clean
+.PHONY: demo test test-core test-verl bench venv venv-verl clean
 
 venv: $(STAMP)
+venv-verl: $(VSTAMP)
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PIP) torch==2.13.0
-	$(PIP) -e ".[dev]"
+	$(PY) -m pip install $(PIP_FLAGS) -c constraints.txt torch==2.13.0
+	$(PY) -m pip install $(PIP_FLAGS) -c constraints.txt -e ".[dev]"
 	touch $(STAMP)
+
+$(VSTAMP): pyproject.toml constraints-verl.txt
+	test -x $(VPY) || $(PYTHON) -m venv $(VENV_VERL)
+	$(VPY) -m pip install $(PIP_FLAGS) -c constraints-verl.txt torch==2.13.0
+	$(VPY) -m pip install $(PIP_FLAGS) -c constraints-verl.txt -e ".[verl,test]"
+	touch $(VSTAMP)
 
 demo: $(STAMP)
 	$(VENV)/bin/hdreplay demo
 
-test: $(STAMP)
-	$(PY) -m pytest -q
+test: test-core test-verl
+
+test-core: $(STAMP)
+	$(PY) -m pytest -q -m "not verl"
+
+test-verl: $(VSTAMP)
+	$(VPY) -m pytest -q -m verl
 
 bench: $(STAMP)
-	$(PY) benchmarks/run_all.py
+	$(PY) benchmarks/core.py
+	$(PY) benchmarks/trl_step.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis
+	rm -rf $(VENV) $(VENV_VERL) .pytest_cache .hypothesis

@@ -227,3 +227,49 @@ def test_output_key_contract(model_dir, tmp_path):
         assert keys <= set(ROW_KEYS) | set(SCALAR_KEYS)
     with pytest.raises(RuntimeError, match="'pixel_values'"):
         check_keys({"prompt_ids": 0, "pixel_values": 0})
+
+
+def test_tool_tokens_are_masked_in_buffer_loss_and_replay(model_dir, tmp_path):
+    """Multi-turn rollouts (TRL's rollout_func + env_mask): environment tokens never enter T(g)."""
+    from trl_common import TOOL_TEXT, tool_rollout
+
+    model, tok = tiny_model(model_dir)
+    tr = RecordingTrainer(model=model, reward_funcs=reward_digit, train_dataset=prompts(), processing_class=tok,
+                          rollout_func=tool_rollout, args=make_args(tmp_path / "o", max_steps=3))
+    tr.train()
+    tool_ids = tok(TOOL_TEXT, add_special_tokens=False)["input_ids"]
+    groups = tr.replay.buffer.get(tr.replay.buffer.insertion_ids().tolist())
+    assert groups
+    for g in groups:
+        for resp, m in zip(g.responses(), g.split(g.loss_mask)):
+            assert resp[3:3 + len(tool_ids)].tolist() == tool_ids
+            assert m.tolist() == [True] * 3 + [False] * len(tool_ids) + [True] * 2
+        # Drift/Headroom of the scan are over T(g) only: tool positions carry 0 and are masked
+        assert (g.logprobs[~g.loss_mask] == 0).all()
+    replayed = [r for r in tr.records if r["is_replay"].any()]
+    assert replayed
+    for r in tr.records:
+        ids = r["completion_ids"]
+        for row, m in zip(ids, r["mask"]):
+            tool_pos = [j for j in range(len(row) - len(tool_ids) + 1) if row[j:j + len(tool_ids)].tolist() == tool_ids]
+            for j in tool_pos:
+                assert m[j:j + len(tool_ids)].sum() == 0  # excluded from the loss, replay rows included
+    for cyc in cycles(tr):
+        assert all(r["nib"] == sum(int(x["mask"].sum()) for x in cyc) for r in cyc)
+
+
+def test_generation_spanning_several_optimizer_steps_replays_in_the_first(model_dir, tmp_path):
+    """steps_per_generation = 2 x GA: one generation feeds two optimizer steps; replay goes first."""
+    tr = run(model_dir, tmp_path / "out", max_steps=6, steps_per_generation=4, gradient_accumulation_steps=2,
+             per_device_train_batch_size=4)
+    assert tr.args.steps_per_generation == 4
+    gens = [tr.records[i:i + 4] for i in range(0, len(tr.records), 4)]
+    assert len(gens) == len(tr.selections) == 3
+    assert any(s["groups"] for s in tr.selections)
+    for gen, sel in zip(gens, tr.selections):
+        flags = torch.cat([r["is_replay"] for r in gen])
+        k = int(flags.sum())
+        assert flags.tolist() == [True] * k + [False] * (len(flags) - k)
+        assert k == sum(len(x) for x in sel["lengths"])
+        # the buffered generation is consumed over two optimizer steps
+        assert gen[0]["global_step"] + 1 == gen[-1]["global_step"]

@@ -96,3 +96,29 @@ def tiny_model(tmp_dir, arch="qwen2"):
     if not os.path.exists(os.path.join(path, "config.json")):
         build_tiny_model(path, arch=arch)
     return load_model(path)
+
+
+TOOL_TEXT = "[ok]"
+
+
+def tool_rollout(prompts_batch, trainer):
+    """A two-turn rollout through TRL's ``rollout_func`` hook: the model writes, an environment inserts
+    ``[ok]`` (env_mask 0, like retrieved text), the model writes again."""
+    tok = trainer.processing_class
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    tool = tok(TOOL_TEXT, add_special_tokens=False)["input_ids"]
+    out = {"prompt_ids": [], "completion_ids": [], "logprobs": [], "env_mask": []}
+    for p in prompts_batch:
+        ids = tok(p, add_special_tokens=False)["input_ids"]
+        with torch.no_grad():
+            first = model.generate(torch.tensor([ids]), max_new_tokens=3, do_sample=True, min_new_tokens=3,
+                                   pad_token_id=tok.pad_token_id)[0, len(ids):].tolist()
+            ctx = ids + first + tool
+            second = model.generate(torch.tensor([ctx]), max_new_tokens=2, do_sample=True, min_new_tokens=2,
+                                    pad_token_id=tok.pad_token_id)[0, len(ctx):].tolist()
+        comp = first + tool + second
+        out["prompt_ids"].append(ids)
+        out["completion_ids"].append(comp)
+        out["logprobs"].append([0.0] * len(comp))
+        out["env_mask"].append([1] * len(first) + [0] * len(tool) + [1] * len(second))
+    return out
