@@ -56,8 +56,10 @@ def test_replay_rows_train_through_the_real_loss(model_dir, tmp_path, loss_type,
         # no same-step replay
         assert all(b < sel["step"] for b in sel["births"])
         # replayed rows carry their stored generation log-probs as the ratio denominator
-        rep_old = [r["old"][r["is_replay"]] for r in cyc]
-        rep_mask = [r["mask"][r["is_replay"]] for r in cyc]
+        with_rep = [r for r in cyc if r["is_replay"].any()]
+        assert all(r["old"] is not None for r in with_rep)
+        rep_old = [r["old"][r["is_replay"]] for r in with_rep]
+        rep_mask = [r["mask"][r["is_replay"]] for r in with_rep]
         rows_old = [row[m.bool()] for old, mk in zip(rep_old, rep_mask) for row, m in zip(old, mk)]
         stored = [lp[mk] for lp, mk in zip(sel["stored_logps"], sel["stored_mask"])]
         lens = [x for ls in sel["lengths"] for x in ls]
@@ -65,6 +67,30 @@ def test_replay_rows_train_through_the_real_loss(model_dir, tmp_path, loss_type,
         assert sum(lens) == sum(len(torch.as_tensor(lp)) for lp in sel["stored_logps"])
         if rows_old:
             assert torch.equal(torch.cat(rows_old), flat_stored)
+    # fresh rows: generation log-probs captured from their own (pre-update) training forward are what the
+    # buffer stores, and next to replay rows their ratio denominator is that same value (ratio exactly 1)
+    n = tr.args.num_generations
+    buf = tr.replay.buffer
+    stored = {g.group_id: g for g in buf.get(buf.insertion_ids().tolist())}
+    checked = 0
+    for t, cyc in enumerate(cycles(tr)):
+        for r in cyc:
+            for row, k in enumerate(r["hdr_row"].tolist()):
+                if k < 0:
+                    continue
+                if r["old_after"] is not None:  # a fresh row sharing its micro-step with replay rows
+                    m = r["mask"][row].bool()
+                    assert torch.allclose(r["old_after"][row][m], r["now"][row][m], atol=1e-6, rtol=0)
+                    checked += 1
+                g = stored.get(f"s{t}g{k // n}")
+                if g is None:
+                    continue
+                resp = g.split(g.logprobs)[k % n]
+                m = g.split(g.loss_mask)[k % n]
+                L = len(resp)
+                assert torch.allclose(resp[m], r["now"][row][:L][m], atol=1e-6, rtol=0)
+                checked += 1
+    assert checked > 0
     # after the first update, replayed ratios differ from 1 and equal exp(logp_now - stored)
     later = [r for r in tr.records if r["is_replay"].any() and r["global_step"] >= 1]
     assert later

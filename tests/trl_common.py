@@ -77,8 +77,12 @@ class RecordingTrainer(HDRGRPOTrainer):
             "old": None if inputs.get("old_per_token_logps") is None else inputs["old_per_token_logps"].cpu(),
             "now": now.cpu(), "mask": mask.cpu(), "nib": int(inputs["num_items_in_batch"]),
             "completion_ids": inputs["completion_ids"].cpu(), "advantages": inputs["advantages"].cpu(),
+            "hdr_row": inputs["hdr_row"].cpu() if "hdr_row" in inputs else None,
         })
-        return super()._compute_loss(model, inputs)
+        loss = super()._compute_loss(model, inputs)
+        old = inputs.get("old_per_token_logps")
+        self.records[-1]["old_after"] = None if old is None else old.detach().cpu().clone()
+        return loss
 
 
 def buffer_hash(ctrl) -> str:

@@ -28,6 +28,7 @@ ROW_KEYS: dict[str, tuple[str | None, Any]] = {
     "tool_mask": ("right", 1),
     "advantages": (None, None),
     "hdr_is_replay": (None, None),
+    "hdr_row": (None, None),
 }
 SCALAR_KEYS = ("num_items_in_batch",)
 
@@ -155,6 +156,7 @@ def replay_rows(
         "old_per_token_logps": pg.logprobs[sl, :c_keep],
         "tool_mask": pg.loss_mask[sl, :c_keep],
         "hdr_is_replay": torch.ones(cm.shape[0], dtype=torch.bool),
+        "hdr_row": torch.full((cm.shape[0],), -1, dtype=torch.int64),
     }
     if "sampling_per_token_logps" in keys:
         out["sampling_per_token_logps"] = pg.logprobs[sl, :c_keep]

@@ -82,6 +82,10 @@ class HDRGRPOTrainer(GRPOTrainer):
             diagnostics_dir=diag if (diag and self.accelerator.is_main_process and self.replay_active) else None,
         )
         self._replay_sel: Selection | None = None
+        self._replay_pending: dict | None = None
+        self._replay_capture: torch.Tensor | None = None
+        self._replay_captured: torch.Tensor | None = None
+        self._loss_inputs: dict | None = None
         self._replay_rows_local = 0
         self._replay_rewards: torch.Tensor | None = None
         self._replay_padding_checked = False
@@ -158,42 +162,36 @@ class HDRGRPOTrainer(GRPOTrainer):
         return self._with_replay(out)
 
     def _with_replay(self, out: dict) -> dict:
-        acc, a = self.accelerator, self.args
+        acc = self.accelerator
         if not self._replay_padding_checked:
             self._check_padding_invariance()
             self._replay_padding_checked = True
         step = 0 if self.replay.last_step is None else self.replay.last_step + 1
-        loss_mask = out["completion_mask"] * out["tool_mask"] if "tool_mask" in out else out["completion_mask"]
-        gen_logps = out.get("old_per_token_logps")
-        if gen_logps is None:  # aligned steps: TRL skips this forward, but replay must store pi_gen exactly
-            gen_logps = self._logps(torch.cat([out["prompt_ids"], out["completion_ids"]], 1),
-                                    torch.cat([out["prompt_mask"], out["completion_mask"]], 1),
-                                    out["completion_ids"].shape[1])
-        rows = {"prompt_ids": out["prompt_ids"], "prompt_mask": out["prompt_mask"],
-                "completion_ids": out["completion_ids"], "completion_mask": out["completion_mask"],
-                "loss_mask": loss_mask, "gen_logps": gen_logps.float(), "advantages": out["advantages"]}
-        if "ref_per_token_logps" in out:
-            rows["ref_logps"] = out["ref_per_token_logps"].float()
-        rows = self._gather_rows(rows)
-        rewards = self._replay_rewards
-        if rewards is None:
+        if self._replay_rewards is None:
             raise RuntimeError("HDRGRPOTrainer: rewards of this generation batch were not captured")
+        B, C = out["completion_ids"].shape
+        loss_mask = out["completion_mask"] * out["tool_mask"] if "tool_mask" in out else out["completion_mask"]
+        # What ingress needs at commit time. Generation-time log-probs: TRL's own old_per_token_logps when it
+        # computed them; otherwise (aligned steps) they are captured from the training forward of each fresh
+        # row, which runs before any weight update, so no extra forward pass is spent.
+        self._replay_pending = {
+            "step": step, "rewards": self._replay_rewards,
+            "rows": {"prompt_ids": out["prompt_ids"], "prompt_mask": out["prompt_mask"],
+                     "completion_ids": out["completion_ids"], "completion_mask": out["completion_mask"],
+                     "loss_mask": loss_mask, "advantages": out["advantages"],
+                     **({"ref_logps": out["ref_per_token_logps"]} if "ref_per_token_logps" in out else {})},
+            "gen_logps": out.get("old_per_token_logps"),
+        }
         self._replay_rewards = None
-        groups, problems = groups_from_rows(rows, rewards, num_generations=a.num_generations, step=step,
-                                            id_prefix=f"s{step}g")
-        if problems:
-            warnings.warn(f"hdreplay: {len(problems)} group(s) of step {step} not eligible for the buffer, e.g. "
-                          f"{problems[0]}", stacklevel=2)
-        self._replay_skipped = len(problems)
-        self._replay_fresh_groups = len(groups) + len(problems)
+        capture = out.get("old_per_token_logps") is None
+        self._replay_capture = torch.zeros(B, C, device=acc.device) if capture else None
+        self._replay_captured = torch.zeros(B, dtype=torch.bool, device=acc.device) if capture else None
 
         sel = self.replay.select(step=step, scorer=self._replay_scorer)
-        self.replay.stage(groups, step=step)
         self._replay_sel = sel
-
         fresh = dict(out)
-        fresh["old_per_token_logps"] = gen_logps
-        fresh["hdr_is_replay"] = torch.zeros(out["prompt_ids"].shape[0], dtype=torch.bool, device=acc.device)
+        fresh["hdr_is_replay"] = torch.zeros(B, dtype=torch.bool, device=acc.device)
+        fresh["hdr_row"] = torch.arange(B, device=acc.device)
         if not sel.groups:
             self._replay_rows_local = 0
             return fresh
@@ -201,13 +199,53 @@ class HDRGRPOTrainer(GRPOTrainer):
         W, r = acc.num_processes, acc.process_index
         per = R // W  # whole by construction of the truncation multiple
         fresh.setdefault("tool_mask", torch.ones_like(out["completion_mask"]))
-        rep = replay_rows(sel.groups, slice(r * per, (r + 1) * per), pad_token_id=self._tokenizer.pad_token_id,
-                          keys=set(fresh), device=acc.device)
-        merged = concat_rows(rep, {k: v for k, v in fresh.items() if k in rep}, pad_token_id=self._tokenizer.pad_token_id)
-        replay_tokens = sum(g.num_loss_tokens for g in sel.groups)
-        merged["num_items_in_batch"] = out["num_items_in_batch"] + replay_tokens
+        if capture:  # placeholder: overwritten in place with the rows' own detached log-probs (ratio exactly 1)
+            fresh["old_per_token_logps"] = torch.zeros(B, C, device=acc.device)
+        pad = self._tokenizer.pad_token_id
+        rep = replay_rows(sel.groups, slice(r * per, (r + 1) * per), pad_token_id=pad, keys=set(fresh),
+                          device=acc.device)
+        merged = concat_rows(rep, {k: v for k, v in fresh.items() if k in rep}, pad_token_id=pad)
+        merged["num_items_in_batch"] = out["num_items_in_batch"] + sum(g.num_loss_tokens for g in sel.groups)
         self._replay_rows_local = per
         return merged
+
+    def _compute_loss(self, model, inputs):
+        self._loss_inputs = inputs if self._replay_sel is not None else None
+        try:
+            return super()._compute_loss(model, inputs)
+        finally:
+            self._loss_inputs = None
+
+    def _get_per_token_logps_and_entropies(self, model, input_ids, *args, **kwargs):
+        out = super()._get_per_token_logps_and_entropies(model, input_ids, *args, **kwargs)
+        inp = self._loss_inputs
+        if inp is not None and self._replay_capture is not None and "hdr_row" in inp:
+            self._loss_inputs = None  # the policy forward of this loss only
+            logps, rows = out[0].detach(), inp["hdr_row"]
+            fresh = rows >= 0
+            if "old_per_token_logps" in inp:  # fresh rows beside replay rows: ratio exactly 1, as in plain TRL
+                inp["old_per_token_logps"][fresh] = logps[fresh].to(inp["old_per_token_logps"].dtype)
+            c = min(logps.shape[1], self._replay_capture.shape[1])
+            self._replay_capture[rows[fresh], :c] = logps[fresh, :c].float()
+            self._replay_captured[rows[fresh]] = True
+        return out
+
+    def _ingress_groups(self) -> tuple[list, list[str]]:
+        """This step's fresh groups (gathered from every rank) with their generation-time log-probs."""
+        pend = self._replay_pending
+        rows = dict(pend["rows"])
+        if pend["gen_logps"] is not None:
+            rows["gen_logps"] = pend["gen_logps"].float()
+        else:
+            if not bool(self._replay_captured.all()):
+                raise RuntimeError("HDRGRPOTrainer: some fresh rows were never trained on this step; their "
+                                   "generation log-probs are unknown (this is a bug, please report it)")
+            rows["gen_logps"] = self._replay_capture
+        if "ref_logps" in rows:
+            rows["ref_logps"] = rows["ref_logps"].float()
+        rows = self._gather_rows(rows)
+        return groups_from_rows(rows, pend["rewards"], num_generations=self.args.num_generations,
+                                step=pend["step"], id_prefix=f"s{pend['step']}g")
 
     def _gather_rows(self, rows: dict) -> dict:
         acc = self.accelerator
@@ -247,8 +285,14 @@ class HDRGRPOTrainer(GRPOTrainer):
         return output
 
     def _commit_replay(self) -> None:
-        metrics = self.replay.commit(num_fresh_groups=self._replay_fresh_groups)
-        metrics["replay/ingress_skipped"] = float(self._replay_skipped)
+        groups, problems = self._ingress_groups()
+        if problems:
+            warnings.warn(f"hdreplay: {len(problems)} group(s) of step {self._replay_pending['step']} not eligible "
+                          f"for the buffer, e.g. {problems[0]}", stacklevel=2)
+        self.replay.stage(groups, step=self._replay_pending["step"])
+        metrics = self.replay.commit(num_fresh_groups=len(groups) + len(problems))
+        self._replay_pending = self._replay_capture = self._replay_captured = None
+        metrics["replay/ingress_skipped"] = float(len(problems))
         metrics["replay/truncated"] = float(len(self._replay_sel.truncated))
         self._replay_sel = None
         for k, v in metrics.items():
