@@ -45,6 +45,7 @@ test-verl: $(VSTAMP)
 bench: $(STAMP)
 	$(PY) benchmarks/core.py
 	$(PY) benchmarks/trl_step.py
+	$(PY) benchmarks/trl_step.py --rollout-ms-per-token 0 --out benchmarks/results/trl_step_native.json
 
 clean:
 	rm -rf $(VENV) $(VENV_VERL) .pytest_cache .hypothesis

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from trl import GRPOConfig
 
+from ...adaptive import AdaptiveTau
 from ...config import ReplayConfig
 from ...errors import ReplayConfigError
 
@@ -18,6 +19,7 @@ FIELD_MAP = {
     "ingress": "replay_ingress", "answer_threshold": "replay_answer_threshold",
     "truncate_multiple": "replay_truncate_multiple", "scan_chunk": "replay_scan_chunk",
     "max_scan_chunk": "replay_max_scan_chunk", "diagnose_ungated": "replay_diagnose_ungated",
+    "counterfactual": "replay_counterfactual", "adaptive_tau": "replay_adaptive_tau",
 }
 
 
@@ -53,6 +55,10 @@ class HDRGRPOConfig(GRPOConfig):
         replay_diagnostics_dir (`str` or `None`): where `steps.jsonl` / `groups.jsonl` go; `None` =
             `<output_dir>/replay`, `""` = off.
         replay_diagnose_ungated (`bool`, defaults to `False`): also re-score `recency` picks for diagnostics.
+        replay_counterfactual (`bool`, defaults to `False`): also score the subset recency replay would take
+            from the same buffer (the paper's same-buffer counterfactual; costs a forward over those groups).
+        replay_adaptive_tau (`dict` or `None`): keyword arguments of `hdreplay.AdaptiveTau` (e.g.
+            `{"tau_min": 1e-4, "tau_max": 1e-1}`) to move tau within bounds; `replay_tau` is the start.
         replay_resume_without_state (`bool`, defaults to `False`): allow resuming from a checkpoint that has no
             replay state (e.g. written by plain GRPOTrainer); the buffer then starts empty.
     """
@@ -71,6 +77,8 @@ class HDRGRPOConfig(GRPOConfig):
     replay_score_batch_size: int | None = field(default=None, metadata={"help": "Rows per re-scoring forward."})
     replay_diagnostics_dir: str | None = field(default=None, metadata={"help": "Diagnostics JSONL directory."})
     replay_diagnose_ungated: bool = field(default=False, metadata={"help": "Score recency picks for diagnostics."})
+    replay_counterfactual: bool = field(default=False, metadata={"help": "Score the recency counterfactual."})
+    replay_adaptive_tau: dict | None = field(default=None, metadata={"help": "AdaptiveTau keyword arguments."})
     replay_resume_without_state: bool = field(default=False, metadata={"help": "Allow resume without replay state."})
 
     def __post_init__(self):
@@ -99,13 +107,17 @@ class HDRGRPOConfig(GRPOConfig):
         u = math.lcm(int(self.replay_truncate_multiple), extra_multiple) if isinstance(
             self.replay_truncate_multiple, int) and self.replay_truncate_multiple >= 1 else self.replay_truncate_multiple
         try:
+            adaptive = None if self.replay_adaptive_tau is None else AdaptiveTau(**self.replay_adaptive_tau)
             return ReplayConfig(
                 selector=self.replay_selector, k_rep=k, tau=self.replay_tau, capacity=self.replay_capacity,
                 drift_norm=self.replay_drift_norm, headroom_weighting=self.replay_headroom_weighting,
                 ingress=self.replay_ingress, answer_threshold=self.replay_answer_threshold, truncate_multiple=u,
                 scan_chunk=self.replay_scan_chunk, max_scan_chunk=self.replay_max_scan_chunk,
                 group_size=self.num_generations, diagnose_ungated=self.replay_diagnose_ungated,
+                counterfactual=self.replay_counterfactual, adaptive_tau=adaptive,
             )
+        except TypeError as e:  # unknown AdaptiveTau keyword
+            raise ValueError(f"HDRGRPOConfig: replay_adaptive_tau: {e}") from e
         except ReplayConfigError as e:
             msg = str(e)
             for core, ours in FIELD_MAP.items():  # name the fields the user actually sets
