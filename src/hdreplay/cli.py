@@ -1,23 +1,150 @@
-"""The ``hdreplay`` command."""
+"""The ``hdreplay`` command.
+
+    hdreplay demo        reduced comparison on CPU (what `make demo` runs), < 10 minutes on 2 cores
+    hdreplay compare     the paper's role-aligned comparison in the CPU sandbox
+    hdreplay report      replay analytics (markdown + PNG + JSON) of run directories
+    hdreplay calibrate   the tau sweep (decade-spaced taus + adaptive) and its recommendation
+    hdreplay explain     the replay primitive on synthetic groups, every decision printed (no model)
+"""
 
 from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
+
+#: subcommands that parse their own arguments (everything after the name is handed over)
+DELEGATED = {
+    "report": ("hdreplay.analysis", "main_report", "replay analytics report for run directories"),
+}
+
+
+def _compare_args(p: argparse.ArgumentParser, *, demo: bool) -> None:
+    from .sandbox.methods import COMPARE_METHODS, DEMO_METHODS, METHODS
+    from .sandbox.tasks import TASKS
+
+    p.add_argument("--task", default="add", help=f"one of {sorted(TASKS)}")
+    p.add_argument("--methods", default=",".join(DEMO_METHODS if demo else COMPARE_METHODS),
+                   help=f"comma-separated, from {list(METHODS)}")
+    p.add_argument("--seeds", type=int, default=1 if demo else 3)
+    p.add_argument("--steps", type=int, default=150 if demo else 300, help="optimizer steps per run")
+    p.add_argument("--prompts-per-step", type=int, default=16, help="b: fresh groups per step (even)")
+    p.add_argument("--generations", type=int, default=8, help="n: responses per group")
+    p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--tau", type=float, default=1e-2, help="Drift threshold of the gated methods")
+    p.add_argument("--capacity", type=int, default=512, help="replay buffer capacity (groups)")
+    p.add_argument("--eval-n", type=int, default=8, help="samples per held-out prompt (Mean@n / Best@n)")
+    p.add_argument("--ingress", default="mixed", choices=["mixed", "answer"])
+    p.add_argument("--answer-threshold", type=float, default=None)
+    p.add_argument("--model", default=None, help="local causal-LM checkpoint instead of the warm-started tiny model")
+    p.add_argument("--out", default="hdreplay_runs/demo" if demo else "hdreplay_runs/compare")
+    p.add_argument("--overwrite", action="store_true", help="replace an output directory holding a different run")
+    p.add_argument("--no-progress", action="store_true")
+
+
+def _run_compare(args, *, demo: bool) -> int:
+    from .sandbox.compare import CompareConfig, run_compare
+
+    try:
+        cfg = CompareConfig(task=args.task, methods=tuple(m.strip() for m in args.methods.split(",") if m.strip()),
+                            seeds=args.seeds, steps=args.steps, prompts_per_step=args.prompts_per_step,
+                            generations=args.generations, lr=args.lr, tau=args.tau, capacity=args.capacity,
+                            eval_n=args.eval_n, ingress=args.ingress, answer_threshold=args.answer_threshold,
+                            model=args.model)
+        summary = run_compare(cfg, Path(args.out), overwrite=args.overwrite, progress=not args.no_progress)
+    except (ValueError, FileExistsError) as e:
+        print(f"hdreplay {'demo' if demo else 'compare'}: {e}", file=sys.stderr)
+        return 2
+    out = Path(args.out)
+    print()
+    print((out / "summary.md").read_text())
+    print(f"summary: {out / 'summary.md'}  {out / 'summary.json'}")
+    for p in summary["plots"]:
+        print(f"plot:    {p}")
+    print(f"runs:    {out / 'runs'} (train_log.jsonl, replay/ diagnostics, metrics.json; "
+          f"`hdreplay report {out / 'runs' / 'headroom_drift' / 'seed0'}` for the replay analytics)")
+    if demo:
+        print("\nOne seed shows the method running end to end on CPU, not which method wins; use "
+              "`hdreplay compare` (3 seeds by default) for a comparison with seed spread.")
+    return 0
+
+
+def _calibrate(args) -> int:
+    from .analysis import main_calibrate_summary, run_calibration
+    from .sandbox.compare import CompareConfig
+    from .sandbox.methods import METHODS
+    from .sandbox.runner import run_one
+    from .sandbox.tasks import get_task
+    from .sandbox.warmstart import warm_start
+
+    if args.summarize:
+        return main_calibrate_summary(args.summarize)
+    try:
+        taus = tuple(float(x) for x in args.taus.split(","))
+        cfg = CompareConfig(task=args.task, methods=("headroom_drift",), seeds=1, steps=args.steps,
+                            prompts_per_step=args.prompts_per_step, lr=args.lr, eval_n=args.eval_n)
+    except ValueError as e:
+        print(f"hdreplay calibrate: {e}", file=sys.stderr)
+        return 2
+    task = get_task(cfg.task)
+    out = Path(args.out)
+    model_dir = Path(args.model) if args.model else warm_start(task, out / "warmstart")
+
+    def train_fn(label, tau, adaptive, run_dir):
+        spec = cfg.spec("headroom_drift", 0)
+        spec.tau = tau
+        if adaptive:
+            spec.adaptive_tau = {"tau_min": min(taus), "tau_max": max(taus)}
+        run_one(spec, METHODS["headroom_drift"], task, model_dir, Path(run_dir))
+        return Path(run_dir)
+
+    summary = run_calibration(train_fn, taus=taus, adaptive=not args.no_adaptive, out_dir=out)
+    print(f"calibration: {out}")
+    rec = getattr(summary, "recommendation", None)
+    if rec is not None:
+        print(f"recommendation: {rec}")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in DELEGATED:
+        import importlib
+
+        module, func, _ = DELEGATED[argv[0]]
+        return getattr(importlib.import_module(module), func)(argv[1:])
     ap = argparse.ArgumentParser(prog="hdreplay", description="Headroom-Drift Replay for GRPO")
     sub = ap.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="show the replay primitive working")
-    demo.add_argument("--steps", type=int, default=6)
-    demo.add_argument("--selector", default="headroom_drift")
+    _compare_args(sub.add_parser("demo", help="reduced comparison on CPU (make demo)"), demo=True)
+    _compare_args(sub.add_parser("compare", help="the paper's role-aligned comparison in the CPU sandbox"), demo=False)
+    for name, (_, _, help_) in DELEGATED.items():
+        sub.add_parser(name, help=f"{help_} (see `hdreplay {name} --help`)", add_help=False)
+    cal = sub.add_parser("calibrate", help="tau sweep at decade-spaced values plus adaptive tau")
+    cal.add_argument("--task", default="add")
+    cal.add_argument("--taus", default="1e-3,1e-2,1e-1")
+    cal.add_argument("--no-adaptive", action="store_true")
+    cal.add_argument("--steps", type=int, default=100)
+    cal.add_argument("--prompts-per-step", type=int, default=16)
+    cal.add_argument("--lr", type=float, default=1e-4)
+    cal.add_argument("--eval-n", type=int, default=4)
+    cal.add_argument("--model", default=None)
+    cal.add_argument("--out", default="hdreplay_runs/calibrate")
+    cal.add_argument("--summarize", nargs="+", metavar="ARG",
+                     help="only summarize existing run dirs (arguments of the calibration summary)")
+    ex = sub.add_parser("explain", help="the replay primitive on synthetic groups (no model)")
+    ex.add_argument("--steps", type=int, default=6)
+    ex.add_argument("--selector", default="headroom_drift")
     args = ap.parse_args(argv)
-    if args.command == "demo":
+    if args.command in ("demo", "compare"):
+        return _run_compare(args, demo=args.command == "demo")
+    if args.command == "calibrate":
+        return _calibrate(args)
+    if args.command == "explain":
         from .synthetic import walkthrough
 
         walkthrough(steps=args.steps, selector=args.selector)
-    return 0
+        return 0
+    return 2
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -1,0 +1,1 @@
+"""Hydra config of the verl recipe (``hdr_trainer.yaml``), shipped as package data."""

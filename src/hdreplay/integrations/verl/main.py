@@ -1,0 +1,54 @@
+"""Entry point of the verl recipe: ``python -m hdreplay.integrations.verl.main <hydra overrides>``.
+
+Composes ``config/hdr_trainer.yaml`` (verl's ``ppo_trainer.yaml`` + the ``hdr`` section), checks
+the configuration before Ray starts, and runs verl's own ``run_ppo`` with :class:`HDRTaskRunner`:
+verl's v0 ``TaskRunner.run`` (datasets, workers, ``init_workers``, ``fit``) unchanged except that
+it builds :class:`HDRRayPPOTrainer` instead of ``RayPPOTrainer``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import hydra
+import ray
+import verl.trainer.main_ppo_v0 as _v0
+from verl.trainer.main_ppo import run_ppo
+from verl.utils.device import auto_set_device
+
+from .settings import validate_verl_config
+from .trainer import HDRRayPPOTrainer
+
+#: the undecorated class behind verl's ``@ray.remote class TaskRunner``
+_STOCK_TASK_RUNNER = _v0.TaskRunner.__ray_actor_class__
+
+
+@contextlib.contextmanager
+def trainer_class(cls: type):
+    """Make verl's v0 ``TaskRunner.run`` build ``cls`` (it resolves the module global ``RayPPOTrainer``)."""
+    saved = _v0.RayPPOTrainer
+    _v0.RayPPOTrainer = cls
+    try:
+        yield
+    finally:
+        _v0.RayPPOTrainer = saved
+
+
+class HDRTaskRunner(_v0.BaseTaskRunner):
+    """verl's v0 TaskRunner building :class:`HDRRayPPOTrainer` (runs inside its own Ray actor process)."""
+
+    def run(self, config):
+        validate_verl_config(config)
+        with trainer_class(HDRRayPPOTrainer):
+            return _STOCK_TASK_RUNNER.run(self, config)
+
+
+@hydra.main(config_path="config", config_name="hdr_trainer", version_base=None)
+def main(config) -> None:
+    auto_set_device(config)
+    validate_verl_config(config)  # fail before Ray and the GPUs are touched
+    run_ppo(config, task_runner_class=ray.remote(num_cpus=1)(HDRTaskRunner))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,181 @@
+"""The ``hdr`` config section of the verl recipe and the checks run when training starts.
+
+``hdr`` keys (documented once, in ``config/hdr_trainer.yaml``) map one-to-one onto
+:class:`hdreplay.ReplayConfig` fields, plus two recipe keys (``diagnostics_dir``,
+``resume_without_state``).  :func:`validate_verl_config` rejects verl settings the replay
+layout cannot honour, with errors that name the config key to change.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from ...config import ReplayConfig
+from ...errors import ReplayConfigError
+
+#: hdr keys passed to ReplayConfig (same names)
+REPLAY_KEYS = (
+    "selector", "k_rep", "tau", "capacity", "drift_norm", "headroom_weighting", "ingress", "answer_threshold",
+    "truncate_multiple", "scan_chunk", "max_scan_chunk", "diagnose_ungated", "counterfactual",
+)
+RECIPE_KEYS = ("diagnostics_dir", "resume_without_state")
+
+#: verl advantage estimators whose advantages are not one value per response (token-level or
+#: critic-based); replay stores response-level advantages, so these are rejected.
+TOKEN_LEVEL_ESTIMATORS = ("gae", "reinforce_plus_plus", "remax", "optimal_token_baseline",
+                          "tir_optimal_token_baseline")
+
+ACTOR = "actor_rollout_ref.actor"
+
+
+def verl_truncate_multiple(*, ppo_mini_batch_size: int, n: int, dp: int) -> int:
+    """u in groups: the fewest groups whose ``u * n`` rows fill whole global mini-batches and split
+    evenly over the data-parallel ranks.
+
+    verl's actor update cuts each rank's contiguous slice into mini-batches of
+    ``ppo_mini_batch_size * n / dp`` rows and asserts that they divide exactly, so the replay rows
+    added to a (valid) fresh batch must be a multiple of ``lcm(ppo_mini_batch_size * n, dp)``.
+    With verl's own precondition ``(ppo_mini_batch_size * n) % dp == 0`` this is ``ppo_mini_batch_size``.
+    """
+    for name, v in (("ppo_mini_batch_size", ppo_mini_batch_size), ("n", n), ("dp", dp)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ReplayConfigError(f"{name} must be an int >= 1, got {v!r}")
+    rows = math.lcm(ppo_mini_batch_size * n, dp)
+    return rows // math.gcd(n, rows)
+
+
+def _get(cfg: Any, dotted: str, default=None):
+    cur = cfg
+    for part in dotted.split("."):
+        if cur is None:
+            return default
+        cur = cur.get(part, None) if hasattr(cur, "get") else getattr(cur, part, None)
+    return default if cur is None else cur
+
+
+@dataclass(frozen=True)
+class HDRSettings:
+    """The resolved ``hdr`` section.
+
+    replay_config:         the core ReplayConfig (``truncate_multiple`` = lcm(hdr.truncate_multiple, u_verl),
+                           ``group_size`` = rollout.n)
+    unit:                  u_verl, groups per whole set of mini-batches (see :func:`verl_truncate_multiple`)
+    diagnostics_dir:       where steps.jsonl / groups.jsonl go (None = off)
+    resume_without_state:  allow resuming from a checkpoint without ``hdreplay/`` state
+    """
+
+    replay_config: ReplayConfig
+    unit: int
+    diagnostics_dir: str | None
+    resume_without_state: bool
+
+    @property
+    def active(self) -> bool:
+        return self.replay_config.selector != "none" and self.replay_config.k_rep > 0
+
+    @classmethod
+    def from_config(cls, config: Any, *, dp: int = 1) -> "HDRSettings":
+        """Build and validate from a composed verl config that has an ``hdr`` section."""
+        hdr = _get(config, "hdr")
+        if hdr is None:
+            raise ReplayConfigError(
+                "the config has no `hdr` section; compose hdreplay's hdr_trainer.yaml (python -m "
+                "hdreplay.integrations.verl.main ...) or add `+hdr.selector=headroom_drift` etc."
+            )
+        values: Mapping[str, Any] = dict(hdr.items()) if hasattr(hdr, "items") else dict(hdr)
+        unknown = sorted(set(values) - set(REPLAY_KEYS) - set(RECIPE_KEYS))
+        if unknown:
+            raise ReplayConfigError(f"unknown hdr key(s) {unknown}; valid: {sorted(REPLAY_KEYS + RECIPE_KEYS)}")
+        n = int(_get(config, "actor_rollout_ref.rollout.n", 1))
+        mbs = int(_get(config, f"{ACTOR}.ppo_mini_batch_size", 1))
+        unit = verl_truncate_multiple(ppo_mini_batch_size=mbs, n=n, dp=dp)
+        kwargs = {k: values[k] for k in REPLAY_KEYS if k in values}
+        user_u = kwargs.get("truncate_multiple", 1)
+        if isinstance(user_u, int) and not isinstance(user_u, bool) and user_u >= 1:
+            kwargs["truncate_multiple"] = math.lcm(user_u, unit)
+        for k in ("tau", "answer_threshold"):  # yaml may hand ints (tau: 0) or strings ("1e-3")
+            if isinstance(kwargs.get(k), (int, str)) and not isinstance(kwargs.get(k), bool):
+                try:
+                    kwargs[k] = float(kwargs[k])
+                except ValueError:
+                    pass
+        try:
+            rc = ReplayConfig(**kwargs, group_size=n)
+        except ReplayConfigError as e:
+            msg = str(e)
+            for k in REPLAY_KEYS:
+                msg = re.sub(rf"(?<![\w.]){k}\b", f"hdr.{k}", msg)
+            raise ReplayConfigError(f"hdr: {msg}") from None
+        diag = values.get("diagnostics_dir")
+        return cls(replay_config=rc, unit=unit, diagnostics_dir=str(diag) if diag else None,
+                   resume_without_state=bool(values.get("resume_without_state", False)))
+
+
+def validate_verl_config(config: Any) -> HDRSettings:
+    """Check a composed verl config for the recipe; returns the resolved :class:`HDRSettings`.
+
+    Raises ReplayConfigError listing every problem, each naming the key to change.  With
+    ``hdr.selector=none`` (or ``hdr.k_rep=0``) only the ``hdr`` section is checked: the trainer is
+    then plain verl.
+    """
+    problems: list[str] = []
+    try:
+        settings = HDRSettings.from_config(config)
+    except ReplayConfigError as e:
+        settings = None
+        problems.append(str(e))
+    if _get(config, "trainer.use_v1", False):
+        problems.append("trainer.use_v1=true: the recipe subclasses the v0 RayPPOTrainer; set trainer.use_v1=false")
+    active = settings.active if settings is not None else (
+        _get(config, "hdr.selector", "none") != "none" and _get(config, "hdr.k_rep", 0) != 0)
+    if not active:
+        _raise(problems)
+        return settings
+    if _get(config, f"{ACTOR}.shuffle", False):
+        problems.append(f"{ACTOR}.shuffle=true: replay rows must fill the first mini-batches in order, and verl "
+                        "shuffles each rank's rows; set it to false")
+    epochs = _get(config, f"{ACTOR}.ppo_epochs", 1)
+    if epochs != 1:
+        problems.append(f"{ACTOR}.ppo_epochs={epochs}: the replay-prefix layout is defined for one pass over the "
+                        "actor batch; set it to 1")
+    est = str(_get(config, "algorithm.adv_estimator", "gae"))
+    if est in TOKEN_LEVEL_ESTIMATORS:
+        problems.append(f"algorithm.adv_estimator={est}: replay stores one advantage per response (GRPO-style group "
+                        "estimators such as grpo, rloo, grpo_passk, gpg, opo); token-level or critic-based estimators "
+                        "are not supported")
+    if _get(config, "critic.enable", None):
+        problems.append("critic.enable=true: replayed groups carry no values/returns for a critic; disable the critic")
+    rc = _get(config, "algorithm.rollout_correction")
+    if rc is not None and (_get(rc, "rollout_is") or _get(rc, "rollout_rs") or _get(rc, "bypass_mode", False)):
+        problems.append("algorithm.rollout_correction (rollout_is / rollout_rs / bypass_mode) is set: replayed rows "
+                        "have no rollout importance weights; set rollout_is=null, rollout_rs=null, bypass_mode=false")
+    if _get(config, f"{ACTOR}.use_prefix_grouper", False):
+        problems.append(f"{ACTOR}.use_prefix_grouper=true: it keeps uid groups together on ranks, which conflicts "
+                        "with the per-mini-batch row balancing of the replay layout; set it to false")
+    if _get(config, "distillation.enabled", False):
+        problems.append("distillation.enabled=true: replayed rows carry no teacher outputs; disable distillation")
+    n = int(_get(config, "actor_rollout_ref.rollout.n", 1))
+    if n < 2:
+        problems.append(f"actor_rollout_ref.rollout.n={n}: a GRPO group needs n >= 2 responses to be mixed; "
+                        "raise rollout.n")
+    tbs = _get(config, "data.train_batch_size")
+    mbs = _get(config, f"{ACTOR}.ppo_mini_batch_size")
+    if isinstance(tbs, int) and isinstance(mbs, int) and mbs > 0 and tbs % mbs:
+        problems.append(f"data.train_batch_size={tbs} is not a multiple of {ACTOR}.ppo_mini_batch_size={mbs}; verl "
+                        "trains whole mini-batches, so the fresh batch must divide into them")
+    if settings is not None and settings.replay_config.k_rep < settings.replay_config.truncate_multiple:
+        k, u = settings.replay_config.k_rep, settings.replay_config.truncate_multiple
+        problems.append(f"hdr.k_rep={k} is smaller than the replay unit u={u} groups (lcm of "
+                        f"{ACTOR}.ppo_mini_batch_size={mbs} and hdr.truncate_multiple): accepted groups are cut to "
+                        "a multiple of u, so nothing could ever be replayed; raise hdr.k_rep or lower "
+                        "ppo_mini_batch_size")
+    _raise(problems)
+    return settings
+
+
+def _raise(problems: list[str]) -> None:
+    if problems:
+        raise ReplayConfigError("hdreplay verl recipe: incompatible configuration:\n  - " + "\n  - ".join(problems))

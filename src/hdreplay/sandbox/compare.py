@@ -1,0 +1,278 @@
+"""``hdreplay compare`` / ``hdreplay demo``: the paper's role-aligned comparison at small scale.
+
+Output directory layout:
+    compare.json                 the comparison's settings (a different run refuses to reuse the dir)
+    warmstart/                   cached warm-started models (reused by later runs)
+    runs/<method>/seed<k>/       one run directory each (see runner.py)
+    summary.md, summary.json     the table (methods x benchmarks, Best@n / Mean@n, seed mean and spread,
+                                 fresh responses, step time) and its numbers
+    plots/train_score_steps.png, plots/train_score_wallclock.png, plots/heldout_mean.png
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from .methods import Method, get_methods
+from .runner import RunSpec
+from .tasks import Task, get_task
+
+FORMAT = "hdreplay.compare"
+
+
+@dataclass
+class CompareConfig:
+    task: str = "add"
+    methods: tuple[str, ...] = ()
+    seeds: int = 3
+    steps: int = 300
+    prompts_per_step: int = 16
+    generations: int = 8
+    lr: float = 1e-4
+    tau: float = 1e-2
+    capacity: int = 512
+    eval_n: int = 8
+    ingress: str = "mixed"
+    answer_threshold: float | None = None
+    model: str | None = None  # a local causal-LM checkpoint; None = the warm-started tiny model
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        task = get_task(self.task)  # names the valid tasks
+        methods = get_methods(self.methods)  # names the valid methods
+        for m in methods:
+            m.fresh_groups(self.prompts_per_step)
+            m.replay_groups(self.prompts_per_step)
+        for name in ("seeds", "steps", "prompts_per_step", "eval_n", "capacity"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be an integer >= 1, got {v!r}")
+        if not isinstance(self.generations, int) or self.generations < 2:
+            raise ValueError(f"--generations must be >= 2 (a group needs several responses), got {self.generations!r}")
+        if not (self.tau >= 0):
+            raise ValueError(f"--tau must be >= 0, got {self.tau!r}")
+        if self.ingress == "answer" and self.answer_threshold is None:
+            self.answer_threshold = task.answer_threshold
+            if self.answer_threshold is None:
+                raise ValueError(f"--ingress answer needs --answer-threshold (task {task.name} has no default)")
+        if self.ingress not in ("mixed", "answer"):
+            raise ValueError(f"--ingress must be 'mixed' or 'answer', got {self.ingress!r}")
+
+    def spec(self, method: str, seed: int) -> RunSpec:
+        return RunSpec(task=self.task, method=method, seed=seed, steps=self.steps,
+                       prompts_per_step=self.prompts_per_step, generations=self.generations, lr=self.lr,
+                       tau=self.tau, capacity=self.capacity, eval_n=self.eval_n, ingress=self.ingress,
+                       answer_threshold=self.answer_threshold, extra=dict(self.extra))
+
+
+def prepare_out_dir(out: Path, cfg: CompareConfig, overwrite: bool) -> None:
+    """Refuse a directory holding a different run unless ``overwrite``; never delete anything else."""
+    marker = out / "compare.json"
+    want = json.loads(json.dumps({"format": FORMAT, "config": asdict(cfg)}))  # as stored (tuples -> lists)
+    if out.exists() and any(out.iterdir()):
+        if not marker.is_file():
+            if not overwrite:
+                raise FileExistsError(f"{out} exists and is not an hdreplay comparison directory; choose another "
+                                      "--out or pass --overwrite")
+        else:
+            have = json.loads(marker.read_text())
+            if have != want and not overwrite:
+                diff = sorted(k for k in set(have.get("config", {})) | set(want["config"])
+                              if have.get("config", {}).get(k) != want["config"].get(k))
+                raise FileExistsError(f"{out} holds a different comparison (differs in {diff}); choose another "
+                                      "--out or pass --overwrite to replace it")
+            if have != want and overwrite:
+                for sub in ("runs", "plots"):
+                    shutil.rmtree(out / sub, ignore_errors=True)
+                for f in ("summary.md", "summary.json"):
+                    (out / f).unlink(missing_ok=True)
+    out.mkdir(parents=True, exist_ok=True)
+    marker.write_text(json.dumps(want, indent=2))
+
+
+def run_compare(cfg: CompareConfig, out: Path, *, overwrite: bool = False, log=print, progress: bool = True) -> dict:
+    """Run every method x seed (reusing finished runs of the same comparison) and write the summary."""
+    from .model import load_model  # noqa: F401  (fail early if transformers is missing)
+    from .runner import run_one
+    from .warmstart import warm_start
+
+    out = Path(out)
+    prepare_out_dir(out, cfg, overwrite)
+    task = get_task(cfg.task)
+    methods = get_methods(cfg.methods)
+    if cfg.model is not None:
+        _check_model(Path(cfg.model))
+        model_dir = Path(cfg.model)
+    else:
+        log("warm start (cached after the first run) ...")
+        model_dir = warm_start(task, out / "warmstart", log=log)
+    total = sum(cfg.steps for _ in methods for _ in range(cfg.seeds))
+    bar = _bar(total, progress)
+    t0 = time.perf_counter()
+    try:
+        for m in methods:
+            for seed in range(cfg.seeds):
+                run_dir = out / "runs" / m.name / f"seed{seed}"
+                if (run_dir / "metrics.json").is_file():
+                    bar.update(cfg.steps)
+                    continue
+                bar.set_description(f"{m.name} seed {seed}")
+                shutil.rmtree(run_dir, ignore_errors=True)  # an unfinished run of this comparison
+                run_one(cfg.spec(m.name, seed), m, task, model_dir, run_dir, on_step=bar.update)
+    finally:
+        bar.close()
+    summary = summarize(out, cfg, methods, task)
+    summary["wall_s"] = time.perf_counter() - t0
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    (out / "summary.md").write_text(render_markdown(summary))
+    summary["plots"] = plot(out, summary, methods)
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+def _check_model(path: Path) -> None:
+    from .model import load_model
+
+    try:
+        load_model(path)
+    except (OSError, ValueError, KeyError) as e:
+        raise ValueError(f"--model {path}: not a loadable causal-LM checkpoint ({e})") from e
+
+
+def _bar(total: int, enabled: bool):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, unit="step", disable=not enabled, dynamic_ncols=True)
+
+
+def _stats(xs) -> dict:
+    a = np.asarray([x for x in xs if x is not None], dtype=np.float64)
+    if a.size == 0:
+        return {"mean": None, "std": None, "n": 0}
+    return {"mean": float(a.mean()), "std": float(a.std(ddof=1)) if a.size > 1 else 0.0, "n": int(a.size)}
+
+
+def summarize(out: Path, cfg: CompareConfig, methods: list[Method], task: Task) -> dict:
+    res = {"format": FORMAT, "config": asdict(cfg), "task": task.name, "n": cfg.eval_n,
+           "benchmarks": {b.name: b.size for b in task.benchmarks}, "methods": {}}
+    for m in methods:
+        runs = [json.loads((out / "runs" / m.name / f"seed{s}" / "metrics.json").read_text())
+                for s in range(cfg.seeds)]
+        entry = {"label": m.label, "seeds": len(runs), "benchmarks": {}}
+        for b in task.benchmarks:
+            entry["benchmarks"][b.name] = {
+                "mean_at_n": _stats(r["benchmarks"][b.name]["mean_at_n"] for r in runs),
+                "best_at_n": _stats(r["benchmarks"][b.name]["best_at_n"] for r in runs),
+            }
+        for k in ("macro_mean_at_n", "macro_best_at_n", "weighted_mean_at_n", "weighted_best_at_n",
+                  "mean_step_s", "train_wall_s", "final_train_reward"):
+            entry[k] = _stats(r[k] for r in runs)
+        entry["fresh_responses"] = runs[0]["fresh_responses"]
+        res["methods"][m.name] = entry
+    return res
+
+
+def _cell(best: dict, mean: dict) -> str:
+    f = lambda s: "n/a" if s["mean"] is None else (f"{s['mean']:.3f}" + (f"±{s['std']:.3f}" if s["n"] > 1 else ""))  # noqa: E731
+    return f"{f(best)} / {f(mean)}"
+
+
+def render_markdown(summary: dict) -> str:
+    ms = summary["methods"]
+    names = list(ms)
+    n = summary["n"]
+    seeds = max(e["seeds"] for e in ms.values())
+    lines = [f"# hdreplay compare: task `{summary['task']}`", "",
+             f"Each cell: Best@{n} / Mean@{n} on the held-out benchmark"
+             + (f", mean ± standard deviation over {seeds} seeds." if seeds > 1 else f", {seeds} seed."), ""]
+    lines.append("| Metric | " + " | ".join(ms[k]["label"] for k in names) + " |")
+    lines.append("|---|" + "---|" * len(names))
+    for b, size in summary["benchmarks"].items():
+        lines.append(f"| {b} (n={size}) | " + " | ".join(
+            _cell(ms[k]["benchmarks"][b]["best_at_n"], ms[k]["benchmarks"][b]["mean_at_n"]) for k in names) + " |")
+    lines.append("| Macro Avg | " + " | ".join(_cell(ms[k]["macro_best_at_n"], ms[k]["macro_mean_at_n"])
+                                               for k in names) + " |")
+    lines.append("| Weighted Avg | " + " | ".join(_cell(ms[k]["weighted_best_at_n"], ms[k]["weighted_mean_at_n"])
+                                                  for k in names) + " |")
+    lines.append("| Fresh responses | " + " | ".join(f"{ms[k]['fresh_responses']:,}" for k in names) + " |")
+    lines.append("| Step time (s) | " + " | ".join(
+        "n/a" if ms[k]["mean_step_s"]["mean"] is None else f"{ms[k]['mean_step_s']['mean']:.3f}" for k in names) + " |")
+    lines += ["", _ordering_note(summary, seeds)]
+    return "\n".join(lines) + "\n"
+
+
+def _ordering_note(summary: dict, seeds: int) -> str:
+    ms = summary["methods"]
+    order = sorted(ms, key=lambda k: -(ms[k]["macro_mean_at_n"]["mean"] or -1))
+    spread = max((ms[k]["macro_mean_at_n"]["std"] or 0.0) for k in ms)
+    txt = "Ordering by macro Mean@n in this run: " + " > ".join(ms[k]["label"] for k in order) + "."
+    if seeds == 1:
+        return txt + (" With one seed this shows the methods running end to end; it does not show which "
+                      "method wins (rerun `hdreplay compare` with several seeds for a spread).")
+    return txt + f" Largest seed standard deviation of macro Mean@n: {spread:.3f}; differences smaller than that are noise."
+
+
+def plot(out: Path, summary: dict, methods: list[Method], window: int = 15) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    pdir = out / "plots"
+    pdir.mkdir(exist_ok=True)
+    curves = {}
+    for m in methods:
+        steps, walls, scores = [], [], []
+        for s in range(summary["methods"][m.name]["seeds"]):
+            recs = [json.loads(x) for x in open(out / "runs" / m.name / f"seed{s}" / "train_log.jsonl")]
+            steps.append([r["step"] for r in recs])
+            walls.append([r["wall_s"] for r in recs])
+            scores.append([r.get("reward", np.nan) for r in recs])
+        k = min(map(len, scores))
+        curves[m.name] = (np.asarray(steps[0][:k]), np.mean([w[:k] for w in walls], axis=0),
+                          np.mean([sc[:k] for sc in scores], axis=0))
+    paths = []
+    for xkey, fname, xlabel in ((0, "train_score_steps.png", "training step"),
+                                (1, "train_score_wallclock.png", "wall-clock seconds")):
+        fig, ax = plt.subplots(figsize=(7, 4.2))
+        for m in methods:
+            x, y = curves[m.name][xkey], curves[m.name][2]
+            ax.plot(x, y, alpha=0.2, lw=0.8)
+            ax.plot(x, _running(y, window), lw=1.8, label=m.label, color=ax.lines[-1].get_color())
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel("training score (mean reward)")
+        ax.set_title(f"Training score, running average (window {window}), seed mean")
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(pdir / fname, dpi=120)
+        plt.close(fig)
+        paths.append(str(pdir / fname))
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    names = [m.name for m in methods]
+    means = [summary["methods"][k]["macro_mean_at_n"]["mean"] for k in names]
+    stds = [summary["methods"][k]["macro_mean_at_n"]["std"] or 0.0 for k in names]
+    ax.bar(range(len(names)), means, yerr=stds, capsize=4, color="tab:blue", alpha=0.8)
+    ax.set_xticks(range(len(names)), [summary["methods"][k]["label"] for k in names], rotation=25, ha="right",
+                  fontsize=8)
+    ax.set_ylabel(f"held-out macro Mean@{summary['n']}")
+    ax.set_title("Held-out Mean@n per method (error bar: seed standard deviation)")
+    fig.tight_layout()
+    fig.savefig(pdir / "heldout_mean.png", dpi=120)
+    plt.close(fig)
+    paths.append(str(pdir / "heldout_mean.png"))
+    return paths
+
+
+def _running(y: np.ndarray, w: int) -> np.ndarray:
+    out = np.empty_like(y, dtype=np.float64)
+    for i in range(len(y)):
+        seg = y[max(0, i - w + 1):i + 1]
+        seg = seg[np.isfinite(seg)]
+        out[i] = seg.mean() if seg.size else np.nan
+    return out

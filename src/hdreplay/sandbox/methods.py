@@ -1,0 +1,72 @@
+"""The paper's role-aligned methods at matched fresh-rollout budget, as TRL configurations.
+
+b = fresh groups (prompts) per step, r = b / 2 replay groups (the paper's b128 + r64 / b256 + r128).
+
+=================  ==========================================  ========  =========  ========
+name               role                                        fresh     replay     loss
+=================  ==========================================  ========  =========  ========
+onpolicy_matched   GRPO on-policy, matched fresh budget        b         -          grpo
+onpolicy_larger    GRPO on-policy, 1.5x fresh rollouts         1.5 b     -          grpo
+recency_matched    GRPO + replay (latest r groups)             b         r          grpo
+recency_larger     GRPO + replay (latest 2r groups)            b         2 r        grpo
+dapo               DAPO-style: TRL's dapo loss + clip-higher   b         -          dapo
+headroom_only      Headroom order, no Drift gate               b         r          grpo
+drift_only         recency order + Drift gate                  b         r          grpo
+headroom_drift     Headroom-Drift Replay (the paper)           b         r          grpo
+=================  ==========================================  ========  =========  ========
+
+The DAPO baseline is TRL's ``loss_type="dapo"`` (token-level normalisation) with clip-higher
+(epsilon_high = 0.28); TRL has no dynamic sampling, so DAPO's resampling of all-equal groups is
+not reproduced.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Method:
+    name: str
+    label: str
+    fresh_mult: float = 1.0
+    selector: str = "none"
+    replay_mult: float = 0.0  # replay groups per step, in units of b
+    loss_type: str = "grpo"
+    epsilon_high: float | None = None
+
+    def fresh_groups(self, b: int) -> int:
+        return _whole(self.fresh_mult * b, f"{self.name} needs {self.fresh_mult} x b fresh groups")
+
+    def replay_groups(self, b: int) -> int:
+        return _whole(self.replay_mult * b, f"{self.name} needs {self.replay_mult} x b replay groups")
+
+
+def _whole(x: float, what: str) -> int:
+    if abs(x - round(x)) > 1e-9:
+        raise ValueError(f"{what}, which is {x:g}: choose --prompts-per-step b even so b/2 and 1.5b are whole groups")
+    return int(round(x))
+
+
+METHODS: dict[str, Method] = {
+    m.name: m
+    for m in (
+        Method("onpolicy_matched", "GRPO on-policy matched (b)"),
+        Method("onpolicy_larger", "GRPO on-policy larger (1.5b)", fresh_mult=1.5),
+        Method("recency_matched", "GRPO + replay matched (b+r)", selector="recency", replay_mult=0.5),
+        Method("recency_larger", "GRPO + replay larger (b+2r)", selector="recency", replay_mult=1.0),
+        Method("dapo", "DAPO-style (b)", loss_type="dapo", epsilon_high=0.28),
+        Method("headroom_only", "Headroom only (b+r)", selector="headroom_only", replay_mult=0.5),
+        Method("drift_only", "Drift only (b+r)", selector="drift_only", replay_mult=0.5),
+        Method("headroom_drift", "Headroom-Drift (b+r)", selector="headroom_drift", replay_mult=0.5),
+    )
+}
+COMPARE_METHODS = tuple(METHODS)
+DEMO_METHODS = ("onpolicy_matched", "recency_matched", "headroom_drift")
+
+
+def get_methods(names) -> list[Method]:
+    unknown = [n for n in names if n not in METHODS]
+    if unknown:
+        raise ValueError(f"unknown method(s) {unknown}; valid methods: {list(METHODS)}")
+    return [METHODS[n] for n in names]

@@ -1,0 +1,152 @@
+"""Synthetic verifiable tasks: prompts, held-out benchmarks, exact-match rewards.
+
+Prompts are plain strings (no chat template), e.g. ``"47+385="``; the model answers with the
+digits and EOS.  Each task has a training prompt stream, several held-out *benchmarks* of
+different difficulty (different operand sizes / operations), a reward function for TRL, the
+target completion used by the supervised warm start, and (multi-reward) an answer threshold.
+
+Tasks
+-----
+``add``           2/3-digit addition; benchmarks add2, add3 (in distribution), add2x3 (mixed sizes)
+``arith``         addition and subtraction; benchmarks add2, add3, sub2, sub3
+``multi_reward``  addition whose reward mixes answer and format like the paper's Geometry3K table:
+                  the answer must be followed by ``.``; 1.0 right+format, 0.9 right, 0.1 wrong+format,
+                  0.0 wrong.  Use with answer-based ingress (threshold 0.9).
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from dataclasses import dataclass, field
+from typing import Callable
+
+VOCAB = "0123456789+-=.?"
+
+
+@dataclass(frozen=True)
+class Problem:
+    prompt: str
+    answer: str  # canonical answer digits (with sign)
+
+
+def _operands(rng: random.Random, digits: int) -> int:
+    lo = 10 ** (digits - 1) if digits > 1 else 0
+    return rng.randint(lo, 10 ** digits - 1)
+
+
+def make_problem(rng: random.Random, op: str, da: int, db: int) -> Problem:
+    a, b = _operands(rng, da), _operands(rng, db)
+    if op == "+":
+        return Problem(f"{a}+{b}=", str(a + b))
+    if op == "-":
+        a, b = max(a, b), min(a, b)
+        return Problem(f"{a}-{b}=", str(a - b))
+    raise ValueError(f"unknown op {op!r}")
+
+
+@dataclass(frozen=True)
+class Benchmark:
+    name: str
+    spec: tuple  # (op, digits_a, digits_b) families, sampled uniformly
+    size: int
+
+
+_NUM = re.compile(r"^(-?\d+)")
+
+
+def parse_answer(completion: str) -> tuple[str | None, bool]:
+    """(leading integer or None, format ok = the integer is followed by '.' and nothing else)."""
+    text = completion.strip()
+    m = _NUM.match(text)
+    if not m:
+        return None, False
+    return m.group(1), text[m.end():] == "."
+
+
+def exact_match(completion: str, answer: str) -> float:
+    """1.0 iff the completion is exactly the answer (optionally followed by '.'), else 0.0."""
+    got, _ = parse_answer(completion)
+    rest = completion.strip()[len(got):] if got is not None else None
+    return float(got == answer and rest in ("", "."))
+
+
+def answer_and_format(completion: str, answer: str) -> float:
+    """The Geometry3K-style mixed reward: 1.0 / 0.9 / 0.1 / 0.0 (answer right x format right)."""
+    got, fmt = parse_answer(completion)
+    right = got == answer
+    return {(True, True): 1.0, (True, False): 0.9, (False, True): 0.1, (False, False): 0.0}[(right, fmt)]
+
+
+@dataclass(frozen=True)
+class Task:
+    name: str
+    train_spec: tuple
+    benchmarks: tuple[Benchmark, ...]
+    score: Callable[[str, str], float]
+    answer_threshold: float | None = None  # for answer-based ingress
+    format_rate: float = 0.0  # share of warm-start targets that carry the '.' format marker
+    notes: str = ""
+    extra: dict = field(default_factory=dict)
+
+    def train_problems(self, k: int, seed: int) -> list[Problem]:
+        rng = random.Random(f"{self.name}/train/{seed}")
+        held = self.heldout_prompts()
+        out = []
+        while len(out) < k:
+            p = make_problem(rng, *rng.choice(self.train_spec))
+            if p.prompt not in held:
+                out.append(p)
+        return out
+
+    def benchmark_problems(self, bench: Benchmark) -> list[Problem]:
+        rng = random.Random(f"{self.name}/bench/{bench.name}")
+        seen, out = set(), []
+        while len(out) < bench.size:
+            p = make_problem(rng, *rng.choice(bench.spec))
+            if p.prompt not in seen:
+                seen.add(p.prompt)
+                out.append(p)
+        return out
+
+    def heldout_prompts(self) -> set[str]:
+        return {p.prompt for b in self.benchmarks for p in self.benchmark_problems(b)}
+
+    def target(self, p: Problem, rng: random.Random) -> str:
+        """Warm-start completion for a problem."""
+        return p.answer + ("." if rng.random() < self.format_rate else "")
+
+    def reward_func(self):
+        """A TRL reward function: reads the ``answer`` column of the dataset."""
+        score = self.score
+
+        def reward(completions, answer, **kw):
+            return [score(c, a) for c, a in zip(completions, answer)]
+
+        reward.__name__ = f"{self.name}_reward"
+        return reward
+
+
+TASKS: dict[str, Task] = {
+    t.name: t
+    for t in (
+        Task("add", train_spec=(("+", 2, 2), ("+", 3, 3), ("+", 2, 3), ("+", 3, 2)),
+             benchmarks=(Benchmark("add2", (("+", 2, 2),), 200), Benchmark("add3", (("+", 3, 3),), 300),
+                         Benchmark("add2x3", (("+", 2, 3), ("+", 3, 2)), 100)),
+             score=exact_match),
+        Task("arith", train_spec=(("+", 2, 2), ("+", 3, 3), ("-", 2, 2), ("-", 3, 3)),
+             benchmarks=(Benchmark("add2", (("+", 2, 2),), 150), Benchmark("add3", (("+", 3, 3),), 150),
+                         Benchmark("sub2", (("-", 2, 2),), 150), Benchmark("sub3", (("-", 3, 3),), 150)),
+             score=exact_match),
+        Task("multi_reward", train_spec=(("+", 2, 2), ("+", 3, 3), ("+", 2, 3), ("+", 3, 2)),
+             benchmarks=(Benchmark("add2", (("+", 2, 2),), 200), Benchmark("add3", (("+", 3, 3),), 300)),
+             score=answer_and_format, answer_threshold=0.9, format_rate=0.5,
+             notes="reward 1.0/0.9/0.1/0.0 = answer x format; use --ingress answer"),
+    )
+}
+
+
+def get_task(name: str) -> Task:
+    if name not in TASKS:
+        raise ValueError(f"unknown task {name!r}; valid tasks: {sorted(TASKS)}")
+    return TASKS[name]
