@@ -20,12 +20,13 @@ DELEGATED = {
 
 
 def _compare_args(p: argparse.ArgumentParser, *, demo: bool) -> None:
-    from .sandbox.methods import COMPARE_METHODS, DEMO_METHODS, METHODS
+    from .sandbox.methods import COMPARE_METHODS, DEMO_METHODS, METHODS, SEARCH_METHODS
     from .sandbox.tasks import TASKS
 
     p.add_argument("--task", default="add", help=f"one of {sorted(TASKS)}")
-    p.add_argument("--methods", default=",".join(DEMO_METHODS if demo else COMPARE_METHODS),
-                   help=f"comma-separated, from {list(METHODS)}")
+    p.add_argument("--methods", default=None,
+                   help=f"comma-separated, from {list(METHODS)} (default: {','.join(DEMO_METHODS if demo else COMPARE_METHODS)}"
+                        f"; with --task search: {','.join(SEARCH_METHODS)})")
     p.add_argument("--seeds", type=int, default=1 if demo else 3)
     p.add_argument("--steps", type=int, default=150 if demo else 300, help="optimizer steps per run")
     p.add_argument("--prompts-per-step", type=int, default=16, help="b: fresh groups per step (even)")
@@ -37,6 +38,8 @@ def _compare_args(p: argparse.ArgumentParser, *, demo: bool) -> None:
     p.add_argument("--ingress", default="mixed", choices=["mixed", "answer"])
     p.add_argument("--answer-threshold", type=float, default=None)
     p.add_argument("--model", default=None, help="local causal-LM checkpoint instead of the warm-started tiny model")
+    p.add_argument("--latency-ms", type=float, default=None,
+                   help="search task: environment latency per tool call (default 5 ms)")
     p.add_argument("--out", default="hdreplay_runs/demo" if demo else "hdreplay_runs/compare")
     p.add_argument("--overwrite", action="store_true", help="replace an output directory holding a different run")
     p.add_argument("--no-progress", action="store_true")
@@ -44,13 +47,17 @@ def _compare_args(p: argparse.ArgumentParser, *, demo: bool) -> None:
 
 def _run_compare(args, *, demo: bool) -> int:
     from .sandbox.compare import CompareConfig, run_compare
+    from .sandbox.methods import COMPARE_METHODS, DEMO_METHODS, SEARCH_METHODS
 
+    if args.methods is None:
+        args.methods = ",".join(SEARCH_METHODS if args.task == "search" and not demo else
+                                DEMO_METHODS if demo else COMPARE_METHODS)
     try:
         cfg = CompareConfig(task=args.task, methods=tuple(m.strip() for m in args.methods.split(",") if m.strip()),
                             seeds=args.seeds, steps=args.steps, prompts_per_step=args.prompts_per_step,
                             generations=args.generations, lr=args.lr, tau=args.tau, capacity=args.capacity,
                             eval_n=args.eval_n, ingress=args.ingress, answer_threshold=args.answer_threshold,
-                            model=args.model)
+                            model=args.model, latency_ms=args.latency_ms)
         summary = run_compare(cfg, Path(args.out), overwrite=args.overwrite, progress=not args.no_progress)
     except (ValueError, FileExistsError) as e:
         print(f"hdreplay {'demo' if demo else 'compare'}: {e}", file=sys.stderr)

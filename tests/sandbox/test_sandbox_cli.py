@@ -102,3 +102,47 @@ def test_output_dir_with_a_different_run_is_refused_unless_overwrite(tiny_model,
                 "--seeds", "1", "--lr", "0.5", *TINY)
     assert other.returncode == 2 and "differs in ['lr']" in other.stderr
     assert (tmp_path / "c" / "summary.json").read_text() == before
+
+
+def test_report_and_calibrate_on_real_sandbox_runs(tiny_model, tmp_path):
+    """hdreplay report on real TRL sandbox runs (one and two side by side) and a tiny calibrate sweep."""
+    out = tmp_path / "cmp"
+    p = cli("compare", "--methods", "recency_matched,headroom_drift", "--seeds", "1", "--model", tiny_model,
+            "--out", out, "--tau", "10", *TINY)
+    assert p.returncode == 0, p.stderr[-4000:]
+    hdr, rec = out / "runs" / "headroom_drift" / "seed0", out / "runs" / "recency_matched" / "seed0"
+    r = cli("report", hdr, "--out", tmp_path / "rep1", "--no-progress")
+    assert r.returncode == 0, r.stderr[-3000:]
+    rep = json.loads((tmp_path / "rep1" / "report.json").read_text())
+    (label, run), = rep["runs"].items()
+    assert run["acceptance"]["available"] and run["acceptance"]["n_steps"] == 3
+    assert (tmp_path / "rep1" / "report.md").read_text().startswith("#")
+    assert list((tmp_path / "rep1" / "figures").glob("*.png"))
+    both = cli("report", hdr, rec, "--out", tmp_path / "rep2", "--no-progress")
+    assert both.returncode == 0, both.stderr[-3000:]
+    assert len(json.loads((tmp_path / "rep2" / "report.json").read_text())["runs"]) == 2
+    bad = cli("report", tmp_path / "nothing-here")
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr
+    cal = cli("calibrate", "--model", tiny_model, "--out", tmp_path / "cal", "--steps", "3",
+              "--prompts-per-step", "4", "--eval-n", "2", "--taus", "1e-3,1e-1")
+    assert cal.returncode == 0, cal.stderr[-4000:]
+    assert "recommendation" in cal.stdout
+    summary = json.loads((tmp_path / "cal" / "calibration.json").read_text())
+    assert len(summary["runs"]) == 3  # two fixed taus + adaptive
+
+
+def test_compare_search_reports_the_step_time_table(tmp_path):
+    from hdreplay.sandbox.model import build_tiny_model
+    from hdreplay.sandbox.search import VOCAB as SEARCH_VOCAB
+
+    model = build_tiny_model(tmp_path / "m", chars=SEARCH_VOCAB, hidden=32, layers=1, max_positions=512)
+    out = tmp_path / "s"
+    p = cli("compare", "--task", "search", "--methods", "onpolicy_larger,headroom_drift", "--seeds", "1",
+            "--model", model, "--out", out, "--latency-ms", "1", *TINY)
+    assert p.returncode == 0, p.stderr[-4000:]
+    summary = json.loads((out / "summary.json").read_text())
+    for m in summary["methods"].values():
+        assert m["env_latency_ms"] == 1.0 and m["env_calls_per_step"]["mean"] is not None
+        assert m["mean_step_s"]["mean"] > 0 and m["macro_mean_at_n"]["mean"] is not None
+    md = (out / "summary.md").read_text()
+    assert "Tool calls / step" in md and "environment latency 1 ms" in md

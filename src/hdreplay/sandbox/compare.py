@@ -41,6 +41,7 @@ class CompareConfig:
     ingress: str = "mixed"
     answer_threshold: float | None = None
     model: str | None = None  # a local causal-LM checkpoint; None = the warm-started tiny model
+    latency_ms: float | None = None  # per tool call (search task); None = the task's default
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -63,12 +64,17 @@ class CompareConfig:
                 raise ValueError(f"--ingress answer needs --answer-threshold (task {task.name} has no default)")
         if self.ingress not in ("mixed", "answer"):
             raise ValueError(f"--ingress must be 'mixed' or 'answer', got {self.ingress!r}")
+        if self.latency_ms is None:
+            self.latency_ms = float(getattr(task, "default_latency_ms", 0.0))
+        if not (self.latency_ms >= 0):
+            raise ValueError(f"--latency-ms must be >= 0, got {self.latency_ms!r}")
 
     def spec(self, method: str, seed: int) -> RunSpec:
         return RunSpec(task=self.task, method=method, seed=seed, steps=self.steps,
                        prompts_per_step=self.prompts_per_step, generations=self.generations, lr=self.lr,
                        tau=self.tau, capacity=self.capacity, eval_n=self.eval_n, ingress=self.ingress,
-                       answer_threshold=self.answer_threshold, extra=dict(self.extra))
+                       answer_threshold=self.answer_threshold,
+                       extra={**self.extra, "latency_s": self.latency_ms / 1000.0})
 
 
 def prepare_out_dir(out: Path, cfg: CompareConfig, overwrite: bool) -> None:
@@ -160,6 +166,7 @@ def _stats(xs) -> dict:
 
 def summarize(out: Path, cfg: CompareConfig, methods: list[Method], task: Task) -> dict:
     res = {"format": FORMAT, "config": asdict(cfg), "task": task.name, "n": cfg.eval_n,
+           "multiturn": bool(getattr(task, "is_multiturn", False)),
            "benchmarks": {b.name: b.size for b in task.benchmarks}, "methods": {}}
     for m in methods:
         runs = [json.loads((out / "runs" / m.name / f"seed{s}" / "metrics.json").read_text())
@@ -171,9 +178,10 @@ def summarize(out: Path, cfg: CompareConfig, methods: list[Method], task: Task) 
                 "best_at_n": _stats(r["benchmarks"][b.name]["best_at_n"] for r in runs),
             }
         for k in ("macro_mean_at_n", "macro_best_at_n", "weighted_mean_at_n", "weighted_best_at_n",
-                  "mean_step_s", "train_wall_s", "final_train_reward"):
+                  "mean_step_s", "train_wall_s", "final_train_reward", "env_calls_per_step"):
             entry[k] = _stats(r[k] for r in runs)
         entry["fresh_responses"] = runs[0]["fresh_responses"]
+        entry["env_latency_ms"] = runs[0].get("env_latency_ms", 0.0)
         res["methods"][m.name] = entry
     return res
 
@@ -203,6 +211,16 @@ def render_markdown(summary: dict) -> str:
     lines.append("| Fresh responses | " + " | ".join(f"{ms[k]['fresh_responses']:,}" for k in names) + " |")
     lines.append("| Step time (s) | " + " | ".join(
         "n/a" if ms[k]["mean_step_s"]["mean"] is None else f"{ms[k]['mean_step_s']['mean']:.3f}" for k in names) + " |")
+    if summary.get("multiturn"):
+        lines += ["", f"Mean per-step wall-clock time (environment latency {ms[names[0]]['env_latency_ms']:g} ms "
+                      "per tool call), fastest first, like the paper's step-time table:", "",
+                  "| Method | Step time (s) | Tool calls / step | Fresh responses | Macro Mean@n | Macro Best@n |",
+                  "|---|---|---|---|---|---|"]
+        f = lambda s: "n/a" if s["mean"] is None else f"{s['mean']:.3f}"  # noqa: E731
+        for k in sorted(names, key=lambda k: ms[k]["mean_step_s"]["mean"] or 0):
+            e = ms[k]
+            lines.append(f"| {e['label']} | {f(e['mean_step_s'])} | {e['env_calls_per_step']['mean']:.1f} | "
+                         f"{e['fresh_responses']:,} | {f(e['macro_mean_at_n'])} | {f(e['macro_best_at_n'])} |")
     lines += ["", _ordering_note(summary, seeds)]
     return "\n".join(lines) + "\n"
 

@@ -65,15 +65,21 @@ def sample_completions(model, tok, prompts: Sequence[str], *, n: int, max_new_to
     return out
 
 
-def evaluate(model, tok, task: Task, *, n: int = 8, seed: int = 0, benchmarks: Sequence[str] | None = None) -> dict:
+def evaluate(model, tok, task, *, n: int = 8, seed: int = 0, benchmarks: Sequence[str] | None = None) -> dict:
     """Per-benchmark Mean@n / Best@n plus macro and size-weighted averages."""
     per, sizes = {}, {}
     for b in task.benchmarks:
         if benchmarks is not None and b.name not in benchmarks:
             continue
         probs = task.benchmark_problems(b)
-        width = max(len(p.answer) for p in probs) + 2
-        comps = sample_completions(model, tok, [p.prompt for p in probs], n=n, max_new_tokens=width, seed=seed)
+        if getattr(task, "is_multiturn", False):
+            from .search import rollout
+
+            torch.manual_seed(seed)
+            comps = rollout(model, tok, probs, n=n, max_tool_calls=task.max_tool_calls)
+        else:
+            width = max(len(p.answer) for p in probs) + 2
+            comps = sample_completions(model, tok, [p.prompt for p in probs], n=n, max_new_tokens=width, seed=seed)
         scores = [[task.score(c, p.answer) for c in cs] for cs, p in zip(comps, probs)]
         per[b.name] = {"mean_at_n": mean_at_n(scores), "best_at_n": best_at_n(scores), "size": len(probs)}
         sizes[b.name] = len(probs)

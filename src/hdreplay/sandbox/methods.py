@@ -63,6 +63,8 @@ METHODS: dict[str, Method] = {
 }
 COMPARE_METHODS = tuple(METHODS)
 DEMO_METHODS = ("onpolicy_matched", "recency_matched", "headroom_drift")
+#: the paper's agentic-search set (Search-R1): no recency-larger, no ablations
+SEARCH_METHODS = ("onpolicy_matched", "onpolicy_larger", "recency_matched", "dapo", "headroom_drift")
 
 
 def get_methods(names) -> list[Method]:

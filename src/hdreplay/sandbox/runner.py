@@ -98,7 +98,17 @@ def build_trainer(spec: RunSpec, method: Method, task: Task, model_dir: Path, ru
     model, tok = load_model(model_dir)
     problems = task.train_problems(max(spec.steps * b * 2, 256), seed=spec.seed)
     ds = Dataset.from_dict({"prompt": [p.prompt for p in problems], "answer": [p.answer for p in problems]})
-    width = max(len(p.answer) for p in problems) + 2
+    env_kwargs = {}
+    if getattr(task, "is_multiturn", False):  # TRL's own environment mechanism drives the tool calls
+        from .search import SearchEnv, install_chat_format
+
+        install_chat_format(tok)
+        SearchEnv.latency_s = float(spec.extra.get("latency_s", 0.0))
+        env_kwargs = {"environment_factory": SearchEnv}
+        ds = ds.add_column("question", [p.question for p in problems])
+        width = 56 * task.max_tool_calls + 16
+    else:
+        width = max(len(p.answer) for p in problems) + 2
     args = HDRGRPOConfig(
         output_dir=str(run_dir / "trl"), use_cpu=True, bf16=False, activation_checkpointing=False,
         report_to=["tensorboard"], logging_steps=1, save_strategy="no", max_steps=spec.steps,
@@ -110,9 +120,10 @@ def build_trainer(spec: RunSpec, method: Method, task: Task, model_dir: Path, ru
         replay_ingress=spec.ingress, replay_answer_threshold=spec.answer_threshold,
         replay_diagnostics_dir=str(run_dir / "replay"), replay_diagnose_ungated=False,
         replay_counterfactual=spec.counterfactual, replay_adaptive_tau=spec.adaptive_tau,
+        max_tool_calling_iterations=getattr(task, "max_tool_calls", None),
     )
     trainer = HDRGRPOTrainer(model=model, reward_funcs=task.reward_func(), args=args, train_dataset=ds,
-                             processing_class=tok, callbacks=list(callbacks))
+                             processing_class=tok, callbacks=list(callbacks), **env_kwargs)
     return trainer
 
 
@@ -129,12 +140,14 @@ def run_one(spec: RunSpec, method: Method, task: Task, model_dir: Path, run_dir:
     torch.manual_seed(spec.seed)
     rec = _Recorder(run_dir / "train_log.jsonl", on_step)
     trainer = build_trainer(spec, method, task, model_dir, run_dir, callbacks=[rec])
+    calls0 = _env_calls()
     t0 = time.perf_counter()
     try:
         trainer.train()
     finally:
         rec.close()
     wall = time.perf_counter() - t0
+    env_calls = _env_calls() - calls0
     model = trainer.accelerator.unwrap_model(trainer.model)
     ev = evaluate(model, trainer.processing_class, task, n=spec.eval_n, seed=10_000 + spec.seed)
     b = method.fresh_groups(spec.prompts_per_step)
@@ -148,9 +161,17 @@ def run_one(spec: RunSpec, method: Method, task: Task, model_dir: Path, run_dir:
         "mean_step_s": sum(times) / len(times),
         "train_wall_s": wall,
         "final_train_reward": _last(run_dir / "train_log.jsonl", "reward"),
+        "env_calls_per_step": env_calls / spec.steps,
+        "env_latency_ms": 1000.0 * float(spec.extra.get("latency_s", 0.0)),
     }
     (run_dir / "metrics.json").write_text(json.dumps(metrics, indent=2))
     return metrics
+
+
+def _env_calls() -> int:
+    from .search import SearchEnv
+
+    return SearchEnv.calls
 
 
 def _last(path: Path, key: str):

@@ -12,6 +12,7 @@ Tasks
 ``multi_reward``  addition whose reward mixes answer and format like the paper's Geometry3K table:
                   the answer must be followed by ``.``; 1.0 right+format, 0.9 right, 0.1 wrong+format,
                   0.0 wrong.  Use with answer-based ingress (threshold 0.9).
+``search``        multi-turn agentic search with a local tool (see search.py)
 """
 
 from __future__ import annotations
@@ -87,6 +88,8 @@ class Task:
     answer_threshold: float | None = None  # for answer-based ingress
     format_rate: float = 0.0  # share of warm-start targets that carry the '.' format marker
     notes: str = ""
+    vocab: str = VOCAB
+    is_multiturn: bool = False
     extra: dict = field(default_factory=dict)
 
     def train_problems(self, k: int, seed: int) -> list[Problem]:
@@ -144,6 +147,15 @@ TASKS: dict[str, Task] = {
              notes="reward 1.0/0.9/0.1/0.0 = answer x format; use --ingress answer"),
     )
 }
+
+
+def _register_search() -> None:
+    from .search import SearchTask
+
+    TASKS["search"] = SearchTask()
+
+
+_register_search()
 
 
 def get_task(name: str) -> Task:

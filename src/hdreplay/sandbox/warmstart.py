@@ -25,7 +25,7 @@ import torch
 
 from .evaluate import evaluate
 from .model import build_tiny_model, load_model
-from .tasks import VOCAB, Task
+from .tasks import Task
 
 
 @dataclass(frozen=True)
@@ -46,13 +46,20 @@ class WarmStartConfig:
     target: float = 0.25  # stop once held-out Mean@n reaches this
 
     def key(self, task: Task) -> str:
-        blob = json.dumps({"task": task.name, "vocab": VOCAB, **asdict(self)}, sort_keys=True)
+        blob = json.dumps({"task": task.name, "vocab": task.vocab, **asdict(self)}, sort_keys=True)
         return f"{task.name}-{self.arch}-h{self.hidden}l{self.layers}-s{self.seed}-" + hashlib.sha1(blob.encode()).hexdigest()[:10]
 
 
 def _batch(tok, task: Task, problems, rng: random.Random):
     seqs, labels = [], []
     for p in problems:
+        if task.is_multiturn:  # the ideal trajectory; loss on the assistant turns only (tool text masked)
+            from .search import render_with_mask
+
+            ids, mask = render_with_mask(tok, task.conversation(p))
+            seqs.append(ids)
+            labels.append([t if m else -100 for t, m in zip(ids, mask)])
+            continue
         prompt = tok(p.prompt, add_special_tokens=False)["input_ids"]
         target = tok(task.target(p, rng), add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
         seqs.append(prompt + target)
@@ -66,9 +73,13 @@ def _batch(tok, task: Task, problems, rng: random.Random):
     return ids, att, lab
 
 
-def warm_start(task: Task, cache_dir: str | os.PathLike, cfg: WarmStartConfig = WarmStartConfig(),
+def warm_start(task: Task, cache_dir: str | os.PathLike, cfg: WarmStartConfig | None = None,
                log=print) -> Path:
     """Return the directory of a warm-started model for ``task`` (built once, then reused)."""
+    if cfg is None:
+        from dataclasses import replace
+
+        cfg = replace(WarmStartConfig(), **dict(getattr(task, "warmstart_overrides", ())))
     out = Path(cache_dir) / cfg.key(task)
     if (out / "warmstart.json").is_file():
         return out
@@ -76,9 +87,14 @@ def warm_start(task: Task, cache_dir: str | os.PathLike, cfg: WarmStartConfig = 
     Path(cache_dir).mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".warm-", dir=cache_dir))
     try:
-        build_tiny_model(tmp, arch=cfg.arch, chars=VOCAB, hidden=cfg.hidden, layers=cfg.layers, heads=cfg.heads,
-                         kv_heads=cfg.kv_heads, seed=cfg.seed)
+        build_tiny_model(tmp, arch=cfg.arch, chars=task.vocab, hidden=cfg.hidden, layers=cfg.layers,
+                         heads=cfg.heads, kv_heads=cfg.kv_heads, seed=cfg.seed, max_positions=512)
         model, tok = load_model(tmp)
+        if task.is_multiturn:
+            from .search import install_chat_format
+
+            install_chat_format(tok)
+            tok.save_pretrained(tmp / "tokenizer")
         torch.manual_seed(cfg.seed)
         rng = random.Random(cfg.seed)
         opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0, betas=(0.9, 0.98))
@@ -116,4 +132,8 @@ def _quick_eval(model, tok, task: Task, cfg: WarmStartConfig) -> float:
     from dataclasses import replace
 
     small = replace(task, benchmarks=tuple(replace(b, size=min(b.size, cfg.eval_prompts)) for b in task.benchmarks))
+    if task.is_multiturn:
+        from .search import install_chat_format
+
+        install_chat_format(tok)
     return evaluate(model, tok, small, n=cfg.eval_n, seed=cfg.seed)["macro_mean_at_n"]
