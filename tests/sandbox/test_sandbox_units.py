@@ -64,12 +64,15 @@ def test_answer_based_ingress_on_the_multi_reward_task():
 
 def test_tasks_hold_out_their_benchmarks_and_validate_names():
     for task in TASKS.values():
+        key = (lambda p: p.question) if task.is_multiturn else (lambda p: p.prompt)  # noqa: E731
+        perfect = ((lambda p: [{"role": "assistant", "content": p.answer}]) if task.is_multiturn
+                   else (lambda p: p.answer))  # noqa: E731
         held = task.heldout_prompts()
-        assert not held & {p.prompt for p in task.train_problems(2000, seed=0)}
+        assert not held & {key(p) for p in task.train_problems(2000, seed=0)}
         for b in task.benchmarks:
             probs = task.benchmark_problems(b)
-            assert len(probs) == b.size == len({p.prompt for p in probs})
-            assert all(exact_match(p.answer, p.answer) == 1.0 for p in probs)
+            assert len(probs) == b.size == len({key(p) for p in probs})
+            assert all(task.score(perfect(p), p.answer) == 1.0 for p in probs)
     with pytest.raises(ValueError, match="valid tasks"):
         get_task("algebra")
     with pytest.raises(ValueError, match="valid methods"):

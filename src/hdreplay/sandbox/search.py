@@ -210,6 +210,9 @@ class SearchTask:
         rng.shuffle(pool)
         return pool[: bench.size]
 
+    def heldout_prompts(self) -> set[str]:
+        return {p.question for b in self.benchmarks for p in self.benchmark_problems(b)}
+
     def score(self, completion, answer: str) -> float:
         return exact_answer(completion, answer)
 
