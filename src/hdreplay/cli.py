@@ -33,7 +33,9 @@ def _compare_args(p: argparse.ArgumentParser, *, demo: bool) -> None:
     p.add_argument("--generations", type=int, default=8, help="n: responses per group")
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--tau", type=float, default=1e-2, help="Drift threshold of the gated methods")
-    p.add_argument("--capacity", type=int, default=512, help="replay buffer capacity (groups)")
+    p.add_argument("--capacity", type=int, default=None,
+                   help="replay buffer capacity in groups (default 4 x prompts-per-step: a few steps of fresh "
+                        "groups, as the paper's 512 groups at b=128..256)")
     p.add_argument("--eval-n", type=int, default=8, help="samples per held-out prompt (Mean@n / Best@n)")
     p.add_argument("--ingress", default="mixed", choices=["mixed", "answer"])
     p.add_argument("--answer-threshold", type=float, default=None)

@@ -36,7 +36,7 @@ class CompareConfig:
     generations: int = 8
     lr: float = 1e-4
     tau: float = 1e-2
-    capacity: int = 512
+    capacity: int | None = None  # None = 4 x prompts_per_step (see __post_init__)
     eval_n: int = 8
     ingress: str = "mixed"
     answer_threshold: float | None = None
@@ -46,6 +46,11 @@ class CompareConfig:
 
     def __post_init__(self) -> None:
         task = get_task(self.task)  # names the valid tasks
+        if self.capacity is None:
+            # The buffer should hold a few steps of fresh groups, as in the paper: 512 groups at b = 256
+            # (math, 2 steps) and b = 128 (Search-R1, 4 steps). A fixed 512 at b = 16 would keep ~40 steps of
+            # stale groups and make the gate scan deep for nothing.
+            self.capacity = 4 * self.prompts_per_step if isinstance(self.prompts_per_step, int) else 64
         methods = get_methods(self.methods)  # names the valid methods
         for m in methods:
             m.fresh_groups(self.prompts_per_step)
