@@ -124,6 +124,10 @@ def build_trainer(spec: RunSpec, method: Method, task: Task, model_dir: Path, ru
     )
     trainer = HDRGRPOTrainer(model=model, reward_funcs=task.reward_func(), args=args, train_dataset=ds,
                              processing_class=tok, callbacks=list(callbacks), **env_kwargs)
+    # the comparison shows one progress bar; the per-step log dicts go to train_log.jsonl and TensorBoard
+    from transformers.trainer_callback import PrinterCallback
+
+    trainer.remove_callback(PrinterCallback)
     return trainer
 
 
