@@ -10,7 +10,9 @@
 from __future__ import annotations
 
 import argparse
+import math
 import sys
+import warnings
 from pathlib import Path
 
 #: subcommands that parse their own arguments (everything after the name is handed over)
@@ -69,7 +71,7 @@ def _run_compare(args, *, demo: bool) -> int:
     print((out / "summary.md").read_text())
     print(f"summary: {out / 'summary.md'}  {out / 'summary.json'}")
     for p in summary["plots"]:
-        print(f"plot:    {p}")
+        print(f"plot:    {out / p}")
     print(f"runs:    {out / 'runs'} (train_log.jsonl, replay/ diagnostics, metrics.json; "
           f"`hdreplay report {out / 'runs' / 'headroom_drift' / 'seed0'}` for the replay analytics)")
     if demo:
@@ -89,7 +91,13 @@ def _calibrate(args) -> int:
     if args.summarize:
         return main_calibrate_summary(args.summarize)
     try:
-        taus = tuple(float(x) for x in args.taus.split(","))
+        try:
+            taus = tuple(float(x) for x in args.taus.split(","))
+        except ValueError:
+            raise ValueError(f"--taus {args.taus!r}: expected comma-separated numbers such as 1e-3,1e-2,1e-1")
+        if not all(math.isfinite(t) and t > 0 for t in taus) or len(set(taus)) != len(taus):
+            raise ValueError(f"--taus {args.taus!r}: each tau must be a distinct positive finite number "
+                             "(Drift is a mean squared log-prob change)")
         cfg = CompareConfig(task=args.task, methods=("headroom_drift",), seeds=1, steps=args.steps,
                             prompts_per_step=args.prompts_per_step, lr=args.lr, eval_n=args.eval_n)
     except ValueError as e:
@@ -115,6 +123,16 @@ def _calibrate(args) -> int:
     return 0
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be at least 1")
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in DELEGATED:
@@ -129,21 +147,29 @@ def main(argv: list[str] | None = None) -> int:
     for name, (_, _, help_) in DELEGATED.items():
         sub.add_parser(name, help=f"{help_} (see `hdreplay {name} --help`)", add_help=False)
     cal = sub.add_parser("calibrate", help="tau sweep at decade-spaced values plus adaptive tau")
-    cal.add_argument("--task", default="add")
-    cal.add_argument("--taus", default="1e-3,1e-2,1e-1")
-    cal.add_argument("--no-adaptive", action="store_true")
-    cal.add_argument("--steps", type=int, default=100)
-    cal.add_argument("--prompts-per-step", type=int, default=16)
-    cal.add_argument("--lr", type=float, default=1e-4)
-    cal.add_argument("--eval-n", type=int, default=4)
-    cal.add_argument("--model", default=None)
-    cal.add_argument("--out", default="hdreplay_runs/calibrate")
+    cal.add_argument("--task", default="add", help="sandbox task (default: %(default)s)")
+    cal.add_argument("--taus", default="1e-3,1e-2,1e-1",
+                     help="comma-separated Drift thresholds, one Headroom-Drift run each (default: %(default)s)")
+    cal.add_argument("--no-adaptive", action="store_true",
+                     help="skip the extra run with adaptive tau between the smallest and largest value")
+    cal.add_argument("--steps", type=int, default=100, help="training steps per run (default: %(default)s)")
+    cal.add_argument("--prompts-per-step", type=int, default=16,
+                     help="fresh groups per step b (default: %(default)s)")
+    cal.add_argument("--lr", type=float, default=1e-4, help="learning rate (default: %(default)s)")
+    cal.add_argument("--eval-n", type=int, default=4, help="samples per held-out prompt (default: %(default)s)")
+    cal.add_argument("--model", default=None,
+                     help="local causal-LM checkpoint to start from (default: the sandbox warm start, cached)")
+    cal.add_argument("--out", default="hdreplay_runs/calibrate", help="output directory (default: %(default)s)")
     cal.add_argument("--summarize", nargs="+", metavar="ARG",
                      help="only summarize existing run dirs (arguments of the calibration summary)")
     ex = sub.add_parser("explain", help="the replay primitive on synthetic groups (no model)")
-    ex.add_argument("--steps", type=int, default=6)
-    ex.add_argument("--selector", default="headroom_drift")
+    ex.add_argument("--steps", type=_positive_int, default=6, help="steps to walk through (default: %(default)s)")
+    ex.add_argument("--selector", default="headroom_drift",
+                    help="selector name: headroom_drift, headroom_only, drift_only, recency, none "
+                         "(default: %(default)s)")
     args = ap.parse_args(argv)
+    # TRL 1.16 itself calls the name transformers 5.2x deprecated; nothing a user of this CLI can act on
+    warnings.filterwarnings("ignore", message=r".*is_gradient_checkpointing.*", category=FutureWarning)
     if args.command in ("demo", "compare"):
         return _run_compare(args, demo=args.command == "demo")
     if args.command == "calibrate":
@@ -151,7 +177,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "explain":
         from .synthetic import walkthrough
 
-        walkthrough(steps=args.steps, selector=args.selector)
+        try:
+            walkthrough(steps=args.steps, selector=args.selector)
+        except ValueError as e:
+            print(f"hdreplay explain: {e}", file=sys.stderr)
+            return 2
         return 0
     return 2
 

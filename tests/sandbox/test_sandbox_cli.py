@@ -52,6 +52,7 @@ def test_compare_writes_every_output(tiny_model, tmp_path):
     pngs = sorted(p.name for p in (out / "plots").glob("*.png"))
     assert pngs == ["heldout_mean.png", "train_score_steps.png", "train_score_wallclock.png"]
     assert all((out / "plots" / n).stat().st_size > 1000 for n in pngs)
+    assert sorted(summary["plots"]) == [f"plots/{n}" for n in pngs], "plot paths relative to the comparison dir"
     # the same comparison again reuses the finished runs
     again = cli("compare", "--methods", "onpolicy_matched,headroom_drift", "--seeds", "2", "--model", tiny_model,
                 "--out", out, "--tau", "10", *TINY)
@@ -146,3 +147,15 @@ def test_compare_search_reports_the_step_time_table(tmp_path):
         assert m["mean_step_s"]["mean"] > 0 and m["macro_mean_at_n"]["mean"] is not None
     md = (out / "summary.md").read_text()
     assert "Tool calls / step" in md and "environment latency 1 ms" in md
+
+
+@pytest.mark.parametrize("taus, needle", [
+    ("1e-2,abc", "expected comma-separated numbers"),
+    ("-1e-2", "distinct positive finite"),
+    ("1e-2,1e-2", "distinct positive finite"),
+    ("nan", "distinct positive finite"),
+])
+def test_calibrate_refuses_bad_taus_before_training(tmp_path, taus, needle):
+    p = cli("calibrate", f"--taus={taus}", "--out", tmp_path / "cal")
+    assert p.returncode == 2 and needle in p.stderr and "Traceback" not in p.stderr
+    assert not (tmp_path / "cal").exists()

@@ -142,7 +142,8 @@ def run_compare(cfg: CompareConfig, out: Path, *, overwrite: bool = False, log=p
     summary["wall_s"] = time.perf_counter() - t0
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     (out / "summary.md").write_text(render_markdown(summary))
-    summary["plots"] = plot(out, summary, methods)
+    # relative to the comparison directory, so the summary stays valid when the directory is moved or shared
+    summary["plots"] = [str(Path(p).relative_to(out)) for p in plot(out, summary, methods)]
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
 

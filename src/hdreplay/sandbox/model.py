@@ -8,6 +8,7 @@ qwen2, ``AutoTokenizer`` would silently swap in Qwen2's byte-level pre-tokenizer
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 
@@ -62,6 +63,20 @@ def build_tiny_model(directory: str | os.PathLike, *, arch: str = "qwen2", chars
     return directory
 
 
+@contextlib.contextmanager
+def _quiet_loading():
+    """Silence transformers' "Loading weights" bar for one load, restoring the caller's setting."""
+    from transformers.utils import logging as hf_logging
+
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            hf_logging.enable_progress_bar()
+
+
 def load_model(path: str | os.PathLike, *, dtype=torch.float32):
     """(model, tokenizer) from a directory made by :func:`build_tiny_model` or any local causal-LM checkpoint."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
@@ -73,7 +88,8 @@ def load_model(path: str | os.PathLike, *, dtype=torch.float32):
     archs = getattr(cfg, "architectures", None) or []
     if archs and not any(a.endswith("ForCausalLM") or a.endswith("LMHeadModel") for a in archs):
         raise ValueError(f"{path}: architectures {archs} is not a causal LM (expected *ForCausalLM)")
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
+    with _quiet_loading():  # a tiny model loads in milliseconds; its bar would only break the comparison's
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
     tok_dir = path / "tokenizer" if (path / "tokenizer").is_dir() else path
     tok = AutoTokenizer.from_pretrained(tok_dir, local_files_only=True)
     if tok.pad_token is None:
