@@ -81,15 +81,13 @@ def _run_compare(args, *, demo: bool) -> int:
 
 
 def _calibrate(args) -> int:
-    from .analysis import main_calibrate_summary, run_calibration
+    from .analysis import run_calibration
     from .sandbox.compare import CompareConfig
     from .sandbox.methods import METHODS
     from .sandbox.runner import run_one
     from .sandbox.tasks import get_task
     from .sandbox.warmstart import warm_start
 
-    if args.summarize:
-        return main_calibrate_summary(args.summarize)
     try:
         try:
             taus = tuple(float(x) for x in args.taus.split(","))
@@ -140,6 +138,11 @@ def main(argv: list[str] | None = None) -> int:
 
         module, func, _ = DELEGATED[argv[0]]
         return getattr(importlib.import_module(module), func)(argv[1:])
+    if argv[:1] == ["calibrate"] and "--summarize" in argv:
+        # summarizing finished runs has its own arguments (run dirs, labels, criteria): hand them over whole
+        from .analysis import main_calibrate_summary
+
+        return main_calibrate_summary([a for a in argv[1:] if a != "--summarize"])
     ap = argparse.ArgumentParser(prog="hdreplay", description="Headroom-Drift Replay for GRPO")
     sub = ap.add_subparsers(dest="command", required=True)
     _compare_args(sub.add_parser("demo", help="reduced comparison on CPU (make demo)"), demo=True)
@@ -160,8 +163,9 @@ def main(argv: list[str] | None = None) -> int:
     cal.add_argument("--model", default=None,
                      help="local causal-LM checkpoint to start from (default: the sandbox warm start, cached)")
     cal.add_argument("--out", default="hdreplay_runs/calibrate", help="output directory (default: %(default)s)")
-    cal.add_argument("--summarize", nargs="+", metavar="ARG",
-                     help="only summarize existing run dirs (arguments of the calibration summary)")
+    cal.add_argument("--summarize", action="store_true",
+                     help="only summarize existing runs: `hdreplay calibrate --summarize RUN_DIR... | --run LABEL "
+                          "RUN_DIR ... [--out DIR] [criteria]` (see `hdreplay calibrate --summarize --help`)")
     ex = sub.add_parser("explain", help="the replay primitive on synthetic groups (no model)")
     ex.add_argument("--steps", type=_positive_int, default=6, help="steps to walk through (default: %(default)s)")
     ex.add_argument("--selector", default="headroom_drift",

@@ -102,7 +102,15 @@ def test_recommendation_tie_breaks():
     b = diag(steps_log(accept=0.6), label="b", tau=3e-2)
     assert recommend([b, a]).label == "a"  # same budget fill: the smaller tau
     a_half = diag(steps_log(accept=0.4, fill=0.5), label="a", tau=1e-2)
-    assert recommend([a_half, b]).label == "b"  # higher budget fill first
+    assert recommend([a_half, b]).label == "b"  # a budget that fills before a smaller tau
+    a_near = diag(steps_log(accept=0.4, fill=0.97), label="a", tau=1e-2)
+    r = recommend([a_near, b])  # 97% vs 100%: both fill the budget, so the tighter gate wins
+    assert r.label == "a" and "within 5 points of the best" in r.reason
+    assert recommend([a_near, b], CalibrationCriteria(fill_tolerance=0.01)).label == "b"
+    a_short, b_short = (diag(steps_log(accept=0.4, fill=f), label=lab, tau=t)
+                        for f, lab, t in ((0.6, "a", 1e-2), (0.7, "b", 3e-2)))
+    assert recommend([a_short, b_short, diag(steps_log(accept=0.5, fill=0.9), label="c", tau=1e-1)]).label == "c"
+    assert recommend([a_short, b_short]).label == "b"  # 0.6 is more than 5 points short of 0.7
     inactive = diag(steps_log(accept=0.95), label="c", tau=3e-2)
     r = recommend([a_half, inactive])
     assert r.label == "a" and "also viable: c" in r.reason  # a selective gate before an inactive one

@@ -128,6 +128,13 @@ def test_report_and_calibrate_on_real_sandbox_runs(tiny_model, tmp_path):
               "--prompts-per-step", "4", "--eval-n", "2", "--taus", "1e-3,1e-1")
     assert cal.returncode == 0, cal.stderr[-4000:]
     assert "recommendation" in cal.stdout
+    runs = sorted(p for p in (tmp_path / "cal" / "runs").iterdir())
+    assert [p.name for p in runs] == ["adaptive", "tau=0.001", "tau=0.1"]
+    again = cli("calibrate", "--summarize", *runs[1:], "--run", "adapt", runs[0], "--out", tmp_path / "cal2",
+                "--no-progress")
+    assert again.returncode == 0, again.stderr[-3000:]
+    summary = json.loads((tmp_path / "cal2" / "calibration.json").read_text())
+    assert set(summary["runs"]) == {"tau=0.001", "tau=0.1", "adapt"} and "recommendation" in summary
     summary = json.loads((tmp_path / "cal" / "calibration.json").read_text())
     assert len(summary["runs"]) == 3  # two fixed taus + adaptive
 

@@ -68,7 +68,7 @@ def summarize_calibration(
             d.reasons.insert(0, f"{r.path}: no replay diagnostics (replay/steps.jsonl)")
         diags[r.label] = d
     warnings += mismatches(infos, ignore=("tau",))
-    rec = recommend(list(diags.values()))
+    rec = recommend(list(diags.values()), criteria)
     summary = CalibrationSummary(diags, rec, compare_adaptive(list(diags.values()), rec), warnings, criteria)
     summary.paths = write_calibration(summary, out_dir, figures=figures) if out_dir is not None else {}
     return summary
@@ -118,8 +118,9 @@ def render_calibration(summary: CalibrationSummary) -> str:
          f"Criteria: **starved** if final-third mean acceptance < {c.starved_accept:.0%} or it fell by more "
          f"than {c.starved_drop:.0%} from the first third; **too loose** if replay KL final-third mean > "
          f"{c.loose_kl_ratio:g}x its early-third mean while mean acceptance > {c.loose_accept:.0%}; gate "
-         f"**inactive** (note) if mean acceptance > {c.inactive_accept:.0%}. Thirds are over updates "
-         "(steps with a non-empty pre-step buffer).\n\n"]
+         f"**inactive** (note) if mean acceptance > {c.inactive_accept:.0%}. Recommended: a viable selective "
+         f"gate that fills the replay budget (within {c.fill_tolerance * 100:g} points of the best fill), "
+         "smallest tau first. Thirds are over updates (steps with a non-empty pre-step buffer).\n\n"]
     rows = []
     for lab, d in summary.runs.items():
         kl = d.replay_kl_by_interval
@@ -206,6 +207,8 @@ def calibrate_parser() -> argparse.ArgumentParser:
     ap.add_argument("--starved-drop", type=float, default=CalibrationCriteria.starved_drop)
     ap.add_argument("--loose-kl-ratio", type=float, default=CalibrationCriteria.loose_kl_ratio)
     ap.add_argument("--loose-accept", type=float, default=CalibrationCriteria.loose_accept)
+    ap.add_argument("--fill-tolerance", type=float, default=CalibrationCriteria.fill_tolerance,
+                    help="budget fills within this of the best count as full; the smaller tau wins among them")
     ap.add_argument("--score-key", default="reward")
     ap.add_argument("--entropy-key", default="entropy")
     ap.add_argument("--no-figures", action="store_true")
@@ -225,7 +228,8 @@ def main_calibrate_summary(argv: list[str] | None = None) -> int:
         if len(set(labels)) != len(labels):
             raise AnalysisInputError(f"run labels must be unique, got {labels}; use --run LABEL RUN_DIR")
         crit = CalibrationCriteria(starved_accept=args.starved_accept, starved_drop=args.starved_drop,
-                                   loose_kl_ratio=args.loose_kl_ratio, loose_accept=args.loose_accept)
+                                   loose_kl_ratio=args.loose_kl_ratio, loose_accept=args.loose_accept,
+                                   fill_tolerance=args.fill_tolerance)
         summary = summarize_calibration(dict(pairs), out_dir=args.out, criteria=crit, on_bad_line=args.on_bad_line,
                                         figures=not args.no_figures, show_progress=not args.no_progress,
                                         score_key=args.score_key, entropy_key=args.entropy_key)
