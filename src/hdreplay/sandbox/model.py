@@ -58,14 +58,16 @@ def build_tiny_model(directory: str | os.PathLike, *, arch: str = "qwen2", chars
         raise ValueError(f"unknown arch {arch!r}; valid: ['qwen2', 'gpt2']")
     model.generation_config.eos_token_id = 1
     model.generation_config.pad_token_id = 0
-    model.save_pretrained(directory)
+    with quiet_hf_progress():
+        model.save_pretrained(directory)
     tok.save_pretrained(directory / "tokenizer")
     return directory
 
 
 @contextlib.contextmanager
-def _quiet_loading():
-    """Silence transformers' "Loading weights" bar for one load, restoring the caller's setting."""
+def quiet_hf_progress():
+    """Silence transformers' "Loading weights" / "Writing model shards" bars around one call, restoring the
+    caller's setting: a tiny model loads in milliseconds and the bars would only break the comparison's."""
     from transformers.utils import logging as hf_logging
 
     was_enabled = hf_logging.is_progress_bar_enabled()
@@ -88,7 +90,7 @@ def load_model(path: str | os.PathLike, *, dtype=torch.float32):
     archs = getattr(cfg, "architectures", None) or []
     if archs and not any(a.endswith("ForCausalLM") or a.endswith("LMHeadModel") for a in archs):
         raise ValueError(f"{path}: architectures {archs} is not a causal LM (expected *ForCausalLM)")
-    with _quiet_loading():  # a tiny model loads in milliseconds; its bar would only break the comparison's
+    with quiet_hf_progress():
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
     tok_dir = path / "tokenizer" if (path / "tokenizer").is_dir() else path
     tok = AutoTokenizer.from_pretrained(tok_dir, local_files_only=True)

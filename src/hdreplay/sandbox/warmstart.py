@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from .evaluate import evaluate
-from .model import build_tiny_model, load_model
+from .model import build_tiny_model, load_model, quiet_hf_progress
 from .tasks import Task
 
 
@@ -114,7 +114,8 @@ def warm_start(task: Task, cache_dir: str | os.PathLike, cfg: WarmStartConfig | 
                 log(f"  warm start step {step}: loss {loss.item():.3f}, held-out Mean@{cfg.eval_n} {acc:.3f}")
                 if acc >= cfg.target:
                     break
-        model.save_pretrained(tmp)
+        with quiet_hf_progress():
+            model.save_pretrained(tmp)
         meta = {"task": task.name, "config": asdict(cfg), "steps": step, "mean_at_n": acc, "history": history,
                 "seconds": time.perf_counter() - t0, "method": "teacher-forced AdamW loop (hdreplay.sandbox.warmstart)"}
         (tmp / "warmstart.json").write_text(json.dumps(meta, indent=2))
