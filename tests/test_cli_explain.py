@@ -20,7 +20,8 @@ def test_explain_prints_decisions_that_obey_the_gate():
     scans = re.findall(r"Drift ([0-9.e-]+)\s+(ACCEPT|reject)", p.stdout)
     assert scans and {d for _, d in scans} == {"ACCEPT", "reject"}, "the walkthrough shows both decisions"
     for drift, decision in scans:
-        assert (float(drift) <= tau) == (decision == "ACCEPT")
+        if abs(float(drift) - tau) > 1e-5:  # the printout rounds Drift to 5 decimals
+            assert (float(drift) <= tau) == (decision == "ACCEPT")
     for line in re.findall(r"replayed \[(.*?)\]", p.stdout):
         assert len([g for g in line.split(",") if g.strip()]) <= k_rep
     # no same-step replay: a group replayed at step t was born before t

@@ -82,7 +82,7 @@ def _run_compare(args, *, demo: bool) -> int:
 
 def _calibrate(args) -> int:
     from .analysis import run_calibration
-    from .sandbox.compare import CompareConfig
+    from .sandbox.compare import CompareConfig, check_model
     from .sandbox.methods import METHODS
     from .sandbox.runner import run_one
     from .sandbox.tasks import get_task
@@ -98,6 +98,8 @@ def _calibrate(args) -> int:
                              "(Drift is a mean squared log-prob change)")
         cfg = CompareConfig(task=args.task, methods=("headroom_drift",), seeds=1, steps=args.steps,
                             prompts_per_step=args.prompts_per_step, lr=args.lr, eval_n=args.eval_n)
+        if args.model:
+            check_model(Path(args.model))  # before anything is written under --out
     except ValueError as e:
         print(f"hdreplay calibrate: {e}", file=sys.stderr)
         return 2
@@ -121,6 +123,9 @@ def _calibrate(args) -> int:
     return 0
 
 
+SWEEP_FLAGS = {"--task", "--taus", "--no-adaptive", "--steps", "--prompts-per-step", "--lr", "--eval-n", "--model"}
+
+
 def _positive_int(text: str) -> int:
     try:
         value = int(text)
@@ -142,14 +147,22 @@ def main(argv: list[str] | None = None) -> int:
         # summarizing finished runs has its own arguments (run dirs, labels, criteria): hand them over whole
         from .analysis import main_calibrate_summary
 
-        return main_calibrate_summary([a for a in argv[1:] if a != "--summarize"])
+        rest = [a for a in argv[1:] if a != "--summarize"]
+        sweep_only = sorted({a.split("=", 1)[0] for a in rest} & SWEEP_FLAGS)
+        if sweep_only:
+            print(f"hdreplay calibrate: {', '.join(sweep_only)} configure a new sweep and cannot be combined with "
+                  "--summarize, which only reads finished runs; drop them, or drop --summarize to train",
+                  file=sys.stderr)
+            return 2
+        return main_calibrate_summary(rest)
     ap = argparse.ArgumentParser(prog="hdreplay", description="Headroom-Drift Replay for GRPO")
     sub = ap.add_subparsers(dest="command", required=True)
     _compare_args(sub.add_parser("demo", help="reduced comparison on CPU (make demo)"), demo=True)
     _compare_args(sub.add_parser("compare", help="the paper's role-aligned comparison in the CPU sandbox"), demo=False)
     for name, (_, _, help_) in DELEGATED.items():
         sub.add_parser(name, help=f"{help_} (see `hdreplay {name} --help`)", add_help=False)
-    cal = sub.add_parser("calibrate", help="tau sweep at decade-spaced values plus adaptive tau")
+    # no abbreviations: "--summ" must not silently start a training sweep instead of a summary
+    cal = sub.add_parser("calibrate", help="tau sweep at decade-spaced values plus adaptive tau", allow_abbrev=False)
     cal.add_argument("--task", default="add", help="sandbox task (default: %(default)s)")
     cal.add_argument("--taus", default="1e-3,1e-2,1e-1",
                      help="comma-separated Drift thresholds, one Headroom-Drift run each (default: %(default)s)")

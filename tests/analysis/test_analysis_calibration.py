@@ -114,6 +114,25 @@ def test_recommendation_tie_breaks():
     inactive = diag(steps_log(accept=0.95), label="c", tau=3e-2)
     r = recommend([a_half, inactive])
     assert r.label == "a" and "also viable: c" in r.reason  # a selective gate before an inactive one
+    assert "leaves replay budget unfilled (50.0%, against 100.0%" in r.reason
+    assert "unfilled" not in recommend([a_near, b]).reason
+    a_edge = diag(steps_log(accept=0.4, fill=0.95), label="a", tau=1e-2)
+    assert recommend([a_edge, b]).label == "a"  # exactly 5 points short still counts as full
+
+
+def test_recommendation_without_recorded_budget_fill():
+    a = diag(steps_log(accept=0.4), label="a", tau=1e-2)
+    a.mean_budget_fill = None  # e.g. a log from a tool that does not record it
+    b = diag(steps_log(accept=0.6), label="b", tau=3e-2)
+    r = recommend([b, a])
+    assert r.label == "a" and "not compared" in r.reason  # an unknown fill is not ranked as an empty one
+    r = recommend([a])
+    assert "budget fill n/a" in r.reason and "points" not in r.reason
+
+
+def test_fill_tolerance_is_a_fraction():
+    with pytest.raises(AnalysisInputError, match=r"--fill-tolerance\) is a fraction .*0.05 = 5 points"):
+        CalibrationCriteria(fill_tolerance=5)
 
 
 def test_recommendation_when_nothing_is_viable():

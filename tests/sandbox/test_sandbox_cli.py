@@ -130,11 +130,19 @@ def test_report_and_calibrate_on_real_sandbox_runs(tiny_model, tmp_path):
     assert "recommendation" in cal.stdout
     runs = sorted(p for p in (tmp_path / "cal" / "runs").iterdir())
     assert [p.name for p in runs] == ["adaptive", "tau=0.001", "tau=0.1"]
-    again = cli("calibrate", "--summarize", *runs[1:], "--run", "adapt", runs[0], "--out", tmp_path / "cal2",
+    # flags may come before --summarize; everything after `calibrate` belongs to the summary
+    again = cli("calibrate", "--out", tmp_path / "cal2", "--summarize", *runs[1:], "--run", "adapt", runs[0],
                 "--no-progress")
     assert again.returncode == 0, again.stderr[-3000:]
     summary = json.loads((tmp_path / "cal2" / "calibration.json").read_text())
-    assert set(summary["runs"]) == {"tau=0.001", "tau=0.1", "adapt"} and "recommendation" in summary
+    assert set(summary["runs"]) == {"tau=0.001", "tau=0.1", "adapt"}
+    assert summary["runs"]["adapt"]["adaptive"] and not summary["runs"]["tau=0.1"]["adaptive"]
+    assert summary["recommendation"]["label"] in {"tau=0.001", "tau=0.1", None}  # never the adaptive run
+    assert f"markdown: {tmp_path / 'cal2' / 'calibration.md'}" in again.stdout
+    mixed = cli("calibrate", "--summarize", *runs, "--taus", "1e-2", "--out", tmp_path / "cal3")
+    assert mixed.returncode == 2 and "--taus configure a new sweep" in mixed.stderr
+    abbrev = cli("calibrate", "--summ", *runs, "--out", tmp_path / "cal4")
+    assert abbrev.returncode == 2 and not (tmp_path / "cal4").exists(), "an abbreviation must not start training"
     summary = json.loads((tmp_path / "cal" / "calibration.json").read_text())
     assert len(summary["runs"]) == 3  # two fixed taus + adaptive
 

@@ -16,11 +16,14 @@ pre-step buffer was non-empty; acceptance = the per-step gate acceptance rate, a
     gate inactive (a note, not a flag) mean acceptance > ``inactive_accept`` (0.90): tau filters little.
     viable     neither starved nor too loose (and there was scan data).
 
-Recommendation among fixed-tau runs: the viable run, preferring a selective gate (not inactive),
-then a run that fills the replay budget (mean fill within ``fill_tolerance`` = 5 points of the best
-viable run's), then the smaller tau.  Once the budget fills, a looser tau buys nothing but staler,
-higher-KL replay (in the add sandbox: tau 1e-1 filled 99.7 % against 97.7 % at 1e-2, with 6x the
-replay KL), so budget fill is compared with a tolerance, not exactly.  With no viable run: all starved ->
+Recommendation among fixed-tau runs: the viable run, preferring a selective gate (not inactive) even
+over an inactive one that fills more, then a run that fills the replay budget (mean fill within
+``fill_tolerance`` = 5 points of the best fill among the runs still in contention; a run filling less
+ranks by its fill), then the smaller tau.  Once the budget fills, a looser tau buys nothing but staler,
+higher-KL replay (in the add sandbox, docs/results/calibrate: tau 1e-1 filled 99.7 % against 97.7 % at
+1e-2, with 6x the replay KL), so budget fill is compared with a tolerance, not exactly.  Fill is
+compared only when every viable run recorded it.  The reason says when the chosen run leaves budget
+unfilled.  With no viable run: all starved ->
 try 10x the largest tau; all too loose -> try a tenth of the smallest; starved below and too loose
 above -> try the geometric mean of the bracketing taus.
 """
@@ -52,7 +55,9 @@ class CalibrationCriteria:
         for name in ("starved_accept", "starved_drop", "loose_accept", "inactive_accept", "fill_tolerance"):
             v = getattr(self, name)
             if num(v) is None or not 0 <= v <= 1:
-                raise AnalysisInputError(f"{name} is a fraction in [0, 1], got {v!r}")
+                flag = "--" + name.replace("_", "-")
+                raise AnalysisInputError(f"{name} ({flag}) is a fraction in [0, 1], got {v!r}"
+                                         + (" (0.05 = 5 points)" if name == "fill_tolerance" else ""))
         if num(self.loose_kl_ratio) is None or self.loose_kl_ratio <= 1:
             raise AnalysisInputError(f"loose_kl_ratio must be > 1 (a rise factor), got {self.loose_kl_ratio!r}")
         if isinstance(self.kl_window, bool) or not isinstance(self.kl_window, int) or self.kl_window < 1:
@@ -194,23 +199,33 @@ def recommend(diags: Sequence[RunDiagnostics], criteria: CalibrationCriteria | N
     ruled = f"; ruled out: {', '.join(out)}" if out else ""
     if viable:
         pool = [d for d in viable if not d.gate_inactive] or viable
-        top_fill = max(d.mean_budget_fill or 0.0 for d in pool)
+        fills_known = all(d.mean_budget_fill is not None for d in viable)
+        top_fill = max(d.mean_budget_fill for d in pool) if fills_known else None
+
+        def short_of_budget(d: RunDiagnostics) -> bool:
+            # 1e-9: fills are float means, and "within 5 points" includes exactly 5 points
+            return fills_known and d.mean_budget_fill < top_fill - tol - 1e-9
 
         def preference(d: RunDiagnostics) -> tuple:
-            fill = d.mean_budget_fill or 0.0
-            short = fill < top_fill - tol  # runs that fill the budget tie on fill; shorter ones rank by fill
-            return (d.gate_inactive, short, -fill if short else 0.0, d.tau)
+            short = short_of_budget(d)  # runs that fill the budget tie on fill; shorter ones rank by fill
+            return (d.gate_inactive, short, -d.mean_budget_fill if short else 0.0, d.tau)
 
         best = min(viable, key=preference)
         kl = best.kl_final_over_early
         name = f"tau={best.tau:g}" + ("" if best.label == f"tau={best.tau:g}" else f" ({best.label})")
+        fill = "n/a" if best.mean_budget_fill is None else f"{best.mean_budget_fill:.1%}"
         reason = (f"{name} admits replay (mean acceptance {best.mean_accept:.1%}, "
-                  f"budget fill {(best.mean_budget_fill or 0):.1%}) and keeps replay KL stable "
+                  f"budget fill {fill}) and keeps replay KL stable "
                   f"(final/early {'n/a' if kl is None else f'{kl:.2f}x'}){ruled}")
         if len(viable) > 1:
+            order = (f"a full budget (fill within {tol * 100:g} points of the best), then " if fills_known
+                     else "(budget fill not recorded for every run, so not compared) ")
             reason += (f"; also viable: {', '.join(d.label for d in viable if d is not best)} (order of preference: "
-                       f"a selective gate, then a full budget (fill within {tol * 100:g} points of the best), "
-                       "then the smaller tau)")
+                       f"a selective gate, then {order}the smaller tau)")
+        top_any = max(d.mean_budget_fill for d in viable) if fills_known else None
+        if fills_known and best.mean_budget_fill < top_any - tol - 1e-9:
+            reason += (f"; note: it leaves replay budget unfilled ({fill}, against {top_any:.1%} at a tau whose "
+                       "gate filters little); a larger buffer gives the gate more to choose from")
         if best.gate_inactive:
             reason += "; caveat: the gate filters little at this tau, a smaller tau may be as good"
         return Recommendation("selected", best.label, best.tau, reason, [d.label for d in viable])

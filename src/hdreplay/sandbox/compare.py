@@ -118,7 +118,7 @@ def run_compare(cfg: CompareConfig, out: Path, *, overwrite: bool = False, log=p
     task = get_task(cfg.task)
     methods = get_methods(cfg.methods)
     if cfg.model is not None:
-        _check_model(Path(cfg.model))
+        check_model(Path(cfg.model))
         model_dir = Path(cfg.model)
     else:
         log("warm start (cached after the first run) ...")
@@ -148,7 +148,7 @@ def run_compare(cfg: CompareConfig, out: Path, *, overwrite: bool = False, log=p
     return summary
 
 
-def _check_model(path: Path) -> None:
+def check_model(path: Path) -> None:
     from .model import load_model
 
     try:
