@@ -15,6 +15,8 @@ import sys
 import warnings
 from pathlib import Path
 
+from .selection import SELECTORS
+
 #: subcommands that parse their own arguments (everything after the name is handed over)
 DELEGATED = {
     "report": ("hdreplay.analysis", "main_report", "replay analytics report for run directories"),
@@ -123,9 +125,6 @@ def _calibrate(args) -> int:
     return 0
 
 
-SWEEP_FLAGS = {"--task", "--taus", "--no-adaptive", "--steps", "--prompts-per-step", "--lr", "--eval-n", "--model"}
-
-
 def _positive_int(text: str) -> int:
     try:
         value = int(text)
@@ -136,25 +135,8 @@ def _positive_int(text: str) -> int:
     return value
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] in DELEGATED:
-        import importlib
-
-        module, func, _ = DELEGATED[argv[0]]
-        return getattr(importlib.import_module(module), func)(argv[1:])
-    if argv[:1] == ["calibrate"] and "--summarize" in argv:
-        # summarizing finished runs has its own arguments (run dirs, labels, criteria): hand them over whole
-        from .analysis import main_calibrate_summary
-
-        rest = [a for a in argv[1:] if a != "--summarize"]
-        sweep_only = sorted({a.split("=", 1)[0] for a in rest} & SWEEP_FLAGS)
-        if sweep_only:
-            print(f"hdreplay calibrate: {', '.join(sweep_only)} configure a new sweep and cannot be combined with "
-                  "--summarize, which only reads finished runs; drop them, or drop --summarize to train",
-                  file=sys.stderr)
-            return 2
-        return main_calibrate_summary(rest)
+def _parser() -> tuple[argparse.ArgumentParser, set[str]]:
+    """The CLI parser and the option strings that configure a calibration sweep (not its summary)."""
     ap = argparse.ArgumentParser(prog="hdreplay", description="Headroom-Drift Replay for GRPO")
     sub = ap.add_subparsers(dest="command", required=True)
     _compare_args(sub.add_parser("demo", help="reduced comparison on CPU (make demo)"), demo=True)
@@ -163,18 +145,20 @@ def main(argv: list[str] | None = None) -> int:
         sub.add_parser(name, help=f"{help_} (see `hdreplay {name} --help`)", add_help=False)
     # no abbreviations: "--summ" must not silently start a training sweep instead of a summary
     cal = sub.add_parser("calibrate", help="tau sweep at decade-spaced values plus adaptive tau", allow_abbrev=False)
-    cal.add_argument("--task", default="add", help="sandbox task (default: %(default)s)")
-    cal.add_argument("--taus", default="1e-3,1e-2,1e-1",
-                     help="comma-separated Drift thresholds, one Headroom-Drift run each (default: %(default)s)")
-    cal.add_argument("--no-adaptive", action="store_true",
-                     help="skip the extra run with adaptive tau between the smallest and largest value")
-    cal.add_argument("--steps", type=int, default=100, help="training steps per run (default: %(default)s)")
-    cal.add_argument("--prompts-per-step", type=int, default=16,
-                     help="fresh groups per step b (default: %(default)s)")
-    cal.add_argument("--lr", type=float, default=1e-4, help="learning rate (default: %(default)s)")
-    cal.add_argument("--eval-n", type=int, default=4, help="samples per held-out prompt (default: %(default)s)")
-    cal.add_argument("--model", default=None,
-                     help="local causal-LM checkpoint to start from (default: the sandbox warm start, cached)")
+    sweep = [
+        cal.add_argument("--task", default="add", help="sandbox task (default: %(default)s)"),
+        cal.add_argument("--taus", default="1e-3,1e-2,1e-1",
+                         help="comma-separated Drift thresholds, one Headroom-Drift run each (default: %(default)s)"),
+        cal.add_argument("--no-adaptive", action="store_true",
+                         help="skip the extra run with adaptive tau between the smallest and largest value"),
+        cal.add_argument("--steps", type=int, default=100, help="training steps per run (default: %(default)s)"),
+        cal.add_argument("--prompts-per-step", type=int, default=16,
+                         help="fresh groups per step b (default: %(default)s)"),
+        cal.add_argument("--lr", type=float, default=1e-4, help="learning rate (default: %(default)s)"),
+        cal.add_argument("--eval-n", type=int, default=4, help="samples per held-out prompt (default: %(default)s)"),
+        cal.add_argument("--model", default=None,
+                         help="local causal-LM checkpoint to start from (default: the sandbox warm start, cached)"),
+    ]
     cal.add_argument("--out", default="hdreplay_runs/calibrate", help="output directory (default: %(default)s)")
     cal.add_argument("--summarize", action="store_true",
                      help="only summarize existing runs: `hdreplay calibrate --summarize RUN_DIR... | --run LABEL "
@@ -182,8 +166,30 @@ def main(argv: list[str] | None = None) -> int:
     ex = sub.add_parser("explain", help="the replay primitive on synthetic groups (no model)")
     ex.add_argument("--steps", type=_positive_int, default=6, help="steps to walk through (default: %(default)s)")
     ex.add_argument("--selector", default="headroom_drift",
-                    help="selector name: headroom_drift, headroom_only, drift_only, recency, none "
-                         "(default: %(default)s)")
+                    help=f"selector name: {', '.join(SELECTORS)} (default: %(default)s)")
+    return ap, {o for action in sweep for o in action.option_strings}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in DELEGATED:
+        import importlib
+
+        module, func, _ = DELEGATED[argv[0]]
+        return getattr(importlib.import_module(module), func)(argv[1:])
+    ap, sweep_flags = _parser()
+    if argv[:1] == ["calibrate"] and "--summarize" in argv:
+        # summarizing finished runs has its own arguments (run dirs, labels, criteria): hand them over whole
+        from .analysis import main_calibrate_summary
+
+        rest = [a for a in argv[1:] if a != "--summarize"]
+        sweep_only = sorted({a.split("=", 1)[0] for a in rest} & sweep_flags)
+        if sweep_only:
+            print(f"hdreplay calibrate: {', '.join(sweep_only)} configure a new sweep and cannot be combined with "
+                  "--summarize, which only reads finished runs; drop them, or drop --summarize to train",
+                  file=sys.stderr)
+            return 2
+        return main_calibrate_summary(rest)
     args = ap.parse_args(argv)
     # TRL 1.16 itself calls the name transformers 5.2x deprecated; nothing a user of this CLI can act on
     warnings.filterwarnings("ignore", message=r".*is_gradient_checkpointing.*", category=FutureWarning)

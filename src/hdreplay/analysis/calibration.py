@@ -202,9 +202,12 @@ def recommend(diags: Sequence[RunDiagnostics], criteria: CalibrationCriteria | N
         fills_known = all(d.mean_budget_fill is not None for d in viable)
         top_fill = max(d.mean_budget_fill for d in pool) if fills_known else None
 
-        def short_of_budget(d: RunDiagnostics) -> bool:
+        def short_of(fill: float, best_fill: float) -> bool:
             # 1e-9: fills are float means, and "within 5 points" includes exactly 5 points
-            return fills_known and d.mean_budget_fill < top_fill - tol - 1e-9
+            return fill < best_fill - tol - 1e-9
+
+        def short_of_budget(d: RunDiagnostics) -> bool:
+            return fills_known and short_of(d.mean_budget_fill, top_fill)
 
         def preference(d: RunDiagnostics) -> tuple:
             short = short_of_budget(d)  # runs that fill the budget tie on fill; shorter ones rank by fill
@@ -223,7 +226,7 @@ def recommend(diags: Sequence[RunDiagnostics], criteria: CalibrationCriteria | N
             reason += (f"; also viable: {', '.join(d.label for d in viable if d is not best)} (order of preference: "
                        f"a selective gate, then {order}the smaller tau)")
         top_any = max(d.mean_budget_fill for d in viable) if fills_known else None
-        if fills_known and best.mean_budget_fill < top_any - tol - 1e-9:
+        if fills_known and short_of(best.mean_budget_fill, top_any):
             reason += (f"; note: it leaves replay budget unfilled ({fill}, against {top_any:.1%} at a tau whose "
                        "gate filters little); a larger buffer gives the gate more to choose from")
         if best.gate_inactive:
