@@ -60,9 +60,9 @@ import torch  # noqa: E402
 from datasets import Dataset  # noqa: E402
 from transformers import TrainerCallback  # noqa: E402
 
-from hdreplay.batching import pad_groups  # noqa: E402
+from hdreplay.padding import pad_groups  # noqa: E402
 from hdreplay.integrations.trl import HDRGRPOConfig, HDRGRPOTrainer  # noqa: E402
-from hdreplay.sandbox.model import build_tiny_model, load_model  # noqa: E402
+from hdreplay_lab.sandbox.model import build_tiny_model, load_model  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -137,8 +137,8 @@ class StepClock(TrainerCallback):
             # replay bookkeeping: replay code outside model forward/backward
             "bookkeeping": rep_inner + c["commit"] + max(0.0, c["prepare"] - c["gen_and_score"]),
             "train": c["training_step"] - c["commit"] - c["prepare"],
-            "scanned": (self.tr.replay.last_record or {}).get("scanned", 0) if self.tr.replay_active else 0,
-            "accepted": (self.tr.replay.last_record or {}).get("accepted", 0) if self.tr.replay_active else 0,
+            "scanned": getattr(self.tr.replay.last_record, "scanned", 0) if self.tr.replay_active else 0,
+            "accepted": getattr(self.tr.replay.last_record, "accepted", 0) if self.tr.replay_active else 0,
         })
 
 
@@ -156,7 +156,7 @@ def make(name, *, model_dir, b, n, r, selector, min_new, max_new, seed, steps, r
         per_device_train_batch_size=b * n, num_generations=n, max_completion_length=max_new,
         generation_kwargs={"min_new_tokens": min_new}, learning_rate=1e-5, lr_scheduler_type="constant",
         loss_type="grpo", seed=seed, disable_tqdm=True, disable_dropout=True,
-        replay_selector=selector, replay_k=r, replay_tau=1e9, replay_capacity=512, replay_diagnostics_dir="",
+        replay_selector=selector, replay_k_rep=r, replay_tau=1e9, replay_capacity=512, replay_diagnostics_dir="",
         replay_score_batch_size=4096,
     )
     tr = TimedTrainer(model=model, reward_funcs=reward_digits, args=args, train_dataset=ds, processing_class=tok)

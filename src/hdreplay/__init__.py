@@ -16,11 +16,10 @@ Integrations live in ``hdreplay.integrations.trl`` and ``hdreplay.integrations.v
 """
 
 from .adaptive import AdaptiveTau, TauState, update_tau
-from .batching import GroupScores, PaddedGroups, group_scores, pad_groups, reference_headroom
 from .buffer import ReplayBuffer
 from .config import ReplayConfig
 from .controller import ReplayController
-from .diagnostics import METRIC_KEYS, DiagnosticsWriter, metrics_from_record
+from .diagnostics import METRIC_KEYS, STEP_FIELDS, DiagnosticsWriter, StepRecord, metrics_from_record
 from .errors import (
     CheckpointError,
     ReplayConfigError,
@@ -30,14 +29,17 @@ from .errors import (
 )
 from .ingress import AnswerBased, MixedOutcome, make_ingress_rule
 from .layout import balanced_partition, minibatch_layout, replay_prefix_order, truncate_to_multiple
-from .scores import drift, headroom, replay_kl, replay_kl_per_group, token_headroom
+from .padding import PaddedGroups, pad_groups
+from .scores import (
+    GroupScores, drift, group_scores, headroom, reference_headroom, replay_kl, replay_kl_per_group, token_headroom,
+)
 from .selection import SELECTORS, Scorer, Selection, select_replay
-from .types import GroupRecord
+from .record import GroupRecord
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "AdaptiveTau", "TauState", "update_tau", "AnswerBased", "CheckpointError", "DiagnosticsWriter", "GroupRecord", "GroupScores", "METRIC_KEYS",
+    "AdaptiveTau", "TauState", "update_tau", "AnswerBased", "CheckpointError", "DiagnosticsWriter", "GroupRecord", "GroupScores", "METRIC_KEYS", "STEP_FIELDS", "StepRecord",
     "MixedOutcome", "PaddedGroups", "ReplayBuffer", "ReplayConfig", "ReplayConfigError", "ReplayController",
     "ReplayError", "ReplayInputError", "ReplayProtocolError", "SELECTORS", "Scorer", "Selection",
     "balanced_partition", "drift", "group_scores", "headroom", "make_ingress_rule", "metrics_from_record",

@@ -15,8 +15,11 @@ The update is a pure function of (state, step record), so it checkpoints as plai
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
-from typing import Any, Mapping
+from dataclasses import asdict, dataclass, fields
+from typing import TYPE_CHECKING, Any, Mapping
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .diagnostics import StepRecord
 
 from .errors import ReplayConfigError
 
@@ -36,18 +39,29 @@ class AdaptiveTau:
     warmup: int = 5
 
     def __post_init__(self) -> None:
-        if not (0 < self.tau_min <= self.tau_max) or not math.isfinite(self.tau_max):
-            raise ReplayConfigError(f"adaptive tau needs 0 < tau_min <= tau_max < inf, got [{self.tau_min}, {self.tau_max}]")
+        for f in fields(self):
+            v = getattr(self, f.name)
+            ok = (isinstance(v, int) and not isinstance(v, bool)) if f.type in ("int", int) else (
+                isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v))
+            if not ok:
+                raise _err(f"adaptive_tau.{f.name} must be a finite {'int' if f.type in ('int', int) else 'number'}, "
+                           f"got {v!r}")
+        if not (0 < self.tau_min <= self.tau_max):
+            raise _err(f"needs 0 < tau_min <= tau_max, got [{self.tau_min}, {self.tau_max}]")
         if not self.factor > 1:
-            raise ReplayConfigError(f"adaptive tau factor must be > 1, got {self.factor}")
+            raise _err(f"factor must be > 1, got {self.factor}")
         if not (0 <= self.accept_low < 1):
-            raise ReplayConfigError(f"accept_low must be in [0, 1), got {self.accept_low}")
+            raise _err(f"accept_low must be in [0, 1), got {self.accept_low}")
         if not self.kl_rise > 0:
-            raise ReplayConfigError(f"kl_rise must be > 0, got {self.kl_rise}")
+            raise _err(f"kl_rise must be > 0, got {self.kl_rise}")
         if not (0 < self.slow < self.fast <= 1):
-            raise ReplayConfigError(f"need 0 < slow < fast <= 1 (EMA weights), got slow={self.slow}, fast={self.fast}")
+            raise _err(f"needs 0 < slow < fast <= 1 (EMA weights), got slow={self.slow}, fast={self.fast}")
         if self.patience < 0 or self.warmup < 0:
-            raise ReplayConfigError("patience and warmup must be >= 0")
+            raise _err(f"patience and warmup must be >= 0, got {self.patience}, {self.warmup}")
+
+
+def _err(msg: str) -> ReplayConfigError:
+    return ReplayConfigError(f"adaptive_tau: {msg}", field="adaptive_tau")
 
 
 @dataclass
@@ -68,8 +82,11 @@ def _ema(old: float | None, new: float, w: float) -> float:
     return new if old is None else (1 - w) * old + w * new
 
 
-def update_tau(state: TauState, record: Mapping[str, Any], cfg: AdaptiveTau) -> TauState:
-    """The next state after a committed step (``record`` is a diagnostics step record)."""
+def update_tau(state: TauState, record: "StepRecord | Mapping[str, Any]", cfg: AdaptiveTau) -> TauState:
+    """The next state after a committed step (``record``: its :class:`~hdreplay.diagnostics.StepRecord`,
+    or the same as a dict read back from ``steps.jsonl``)."""
+    if not isinstance(record, Mapping):
+        record = vars(record)
     s = TauState(**state.to_dict())
     s.steps += 1
     s.since_change += 1

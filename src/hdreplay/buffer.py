@@ -26,7 +26,7 @@ import torch
 
 from .checkpoint import read_checkpoint_dir, require_keys, write_checkpoint_dir
 from .errors import CheckpointError, ReplayConfigError, ReplayInputError
-from .types import GroupRecord
+from .record import GroupRecord
 
 BUFFER_FORMAT = "hdreplay.buffer"
 BUFFER_VERSION = 1

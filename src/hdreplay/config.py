@@ -1,10 +1,23 @@
-"""ReplayConfig: every knob of the replay primitive, documented once, validated on construction."""
+"""ReplayConfig: every knob of the replay primitive, declared, documented and validated once.
+
+Each field is declared with :func:`knob` (default + one help text).  The integrations derive their
+settings from these declarations instead of restating them:
+
+* TRL: ``HDRGRPOConfig`` gets one ``replay_<name>`` field per knob (type, default and help generated
+  from :func:`knobs`), and builds the core config with :meth:`ReplayConfig.from_flat`;
+* verl: the ``hdr`` section is an OmegaConf structured config generated from :func:`knobs`;
+* the lab CLI (``hdreplay compare ...``) takes ``--replay-<name>`` options generated the same way.
+
+Errors are :class:`~hdreplay.errors.ReplayConfigError` with ``.field`` set, so each front end
+re-labels the field with the name its users type (``replay_tau``, ``hdr.tau``, ``--replay-tau``).
+"""
 
 from __future__ import annotations
 
+import json
 import math
-from dataclasses import asdict, dataclass, fields
-from typing import Any, Callable, Union
+from dataclasses import MISSING, asdict, dataclass, field, fields
+from typing import Any, Callable, Mapping, Union
 
 from .adaptive import AdaptiveTau
 from .errors import ReplayConfigError
@@ -12,97 +25,141 @@ from .ingress import INGRESS_RULES, make_ingress_rule
 from .scores import DRIFT_NORMS, HEADROOM_WEIGHTINGS
 from .selection import SELECTORS
 
+#: upper bound on a buffer capacity (groups): a capacity is a promise the buffer can keep
+MAX_CAPACITY = 1 << 24
+#: upper bound on K_rep, chunk sizes and the truncation multiple
+MAX_COUNT = 1 << 24
+
+
+def knob(default: Any, help: str, *, flat: type | str | None = None, choices: tuple | None = None,
+         derived: bool = False):
+    """Declare a ReplayConfig field.
+
+    Args:
+        default: the default value.
+        help: the one help text every front end shows.
+        flat: the type front ends parse (``int``, ``float``, ``str``, ``bool``, ``"json"``); default:
+            inferred from the default.
+        choices: the valid values of a string knob (shown in help, checked by ``__post_init__``).
+        derived: set by the integration from its own settings (e.g. ``group_size`` from
+            ``num_generations``), not exposed as a knob.
+    """
+    meta = {"help": help, "flat": flat, "choices": choices, "derived": derived}
+    return field(default=default, metadata=meta)
+
+
+@dataclass(frozen=True)
+class Knob:
+    """One exposed replay setting, as front ends see it."""
+
+    name: str
+    flat: type | str  # int | float | str | bool | "json"
+    default: Any
+    optional: bool  # None is a valid value
+    help: str
+    choices: tuple | None
+
 
 def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
+def _is_real(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _err(name: str, msg: str) -> ReplayConfigError:
+    return ReplayConfigError(f"{name}: {msg}", field=name)
+
+
 @dataclass
 class ReplayConfig:
-    """Configuration of Headroom-Drift Replay and its baselines.
+    """Configuration of Headroom-Drift Replay and its baselines (one field per knob, see :func:`knobs`)."""
 
-    Attributes:
-        selector: which replay rule runs (see ``hdreplay.SELECTORS``):
-            ``headroom_drift`` (paper: cached-Headroom order + Drift gate),
-            ``headroom_only`` (Headroom order, no gate), ``drift_only`` (recency order + gate),
-            ``recency`` (latest K groups, the paper's "GRPO + replay"), ``none`` (on-policy).
-        k_rep: replay budget K_rep, groups per step (>= 0).
-        tau: Drift threshold; a scanned group is accepted iff Drift <= tau (>= 0; the paper uses
-            1e-3 for single-turn reasoning and 1e-2 for agentic search with the l2 norm).
-        capacity: FIFO buffer capacity C in groups (>= 1; the paper uses 512).
-        drift_norm: ``l2`` (mean squared log-prob change, paper) or ``l1`` (mean absolute).
-        headroom_weighting: ``sign`` (paper) or ``advantage`` (|A_i|-weighted).
-        ingress: ``mixed`` (rewards not all equal), ``answer`` (answer-mixed, needs
-            ``answer_threshold``) or a callable ``GroupRecord -> bool``.
-        answer_threshold: a_i = 1[r_i >= answer_threshold] for ``ingress="answer"``.
-        truncate_multiple: u; the accepted list is cut to a multiple of u, keeping its
-            highest-priority prefix (1 = no truncation).
-        scan_chunk: groups re-scored per scorer call; ``None`` sizes each chunk from the
-            remaining budget and the running acceptance rate.
-        max_scan_chunk: upper bound on an automatically sized chunk (memory bound of one call).
-        acceptance_ema: weight of the newest step in the running acceptance rate (0, 1].
-        group_size: if set, every ingress group must have exactly this many responses.
-        diagnose_ungated: also re-score groups chosen by ``recency`` (which needs no scoring)
-            so that their Drift and replay KL are reported; costs one forward over them.
-        counterfactual: also score the subset recency replay would take from the same pre-step
-            buffer (same size) and record its Drift / Headroom next to the selection's (the paper's
-            same-buffer counterfactual); costs a forward over the recency groups not scanned anyway.
-        adaptive_tau: if set, an :class:`~hdreplay.adaptive.AdaptiveTau` that moves tau within its
-            bounds (loosen when replay is starved, tighten when replay KL rises); ``tau`` is the start.
-    """
-
-    selector: str = "headroom_drift"
-    k_rep: int = 64
-    tau: float = 1e-3
-    capacity: int = 512
-    drift_norm: str = "l2"
-    headroom_weighting: str = "sign"
-    ingress: Union[str, Callable] = "mixed"
-    answer_threshold: float | None = None
-    truncate_multiple: int = 1
-    scan_chunk: int | None = None
-    max_scan_chunk: int = 1024
-    acceptance_ema: float = 0.5
-    group_size: int | None = None
-    diagnose_ungated: bool = False
-    counterfactual: bool = False
-    adaptive_tau: "AdaptiveTau | None" = None
+    selector: str = knob(
+        "headroom_drift",
+        "replay rule: headroom_drift (the paper: cached-Headroom order + Drift gate), headroom_only (no gate), "
+        "drift_only (recency order + gate), recency (latest K groups, the paper's 'GRPO + replay'), none "
+        "(on-policy)", choices=tuple(SELECTORS))
+    k_rep: int = knob(64, "replay budget K_rep: groups replayed per step (>= 0)")
+    tau: float = knob(1e-3, "Drift threshold: a scanned group is replayed iff Drift <= tau (>= 0; paper: 1e-3 "
+                            "single-turn reasoning, 1e-2 agentic search, l2 norm)")
+    capacity: int = knob(512, "FIFO buffer capacity C in groups (>= 1; paper: 512)")
+    drift_norm: str = knob("l2", "l2: mean squared log-prob change (paper); l1: mean absolute change",
+                           choices=DRIFT_NORMS)
+    headroom_weighting: str = knob("sign", "sign (paper) or advantage (|A_i|-weighted Headroom)",
+                                   choices=HEADROOM_WEIGHTINGS)
+    ingress: Union[str, Callable] = knob(
+        "mixed", "ingress rule: mixed (rewards not all equal) or answer (1 <= #{r_i >= answer_threshold} <= n-1); "
+                 "from Python also a callable GroupRecord -> bool", flat=str, choices=INGRESS_RULES)
+    answer_threshold: float | None = knob(
+        None, "a_i = 1[r_i >= answer_threshold] for ingress=answer (paper: 0.9 for rewards 0/0.1/0.9/1.0)",
+        flat=float)
+    truncate_multiple: int = knob(
+        1, "u: the accepted list is cut to a multiple of u, keeping its highest-priority prefix (1 = no cut)")
+    scan_chunk: int | None = knob(
+        None, "groups re-scored per scorer call; unset = sized from the remaining budget and the running "
+              "acceptance rate", flat=int)
+    max_scan_chunk: int = knob(1024, "upper bound on an automatically sized chunk (memory of one scorer call)")
+    acceptance_ema: float = knob(0.5, "weight of the newest step in the running acceptance rate that sizes "
+                                      "chunks, in (0, 1]")
+    group_size: int | None = knob(None, "if set, every ingress group must have exactly this many responses",
+                                  flat=int, derived=True)
+    diagnose_ungated: bool = knob(False, "also re-score the groups recency replay picks, so their Drift and replay "
+                                         "KL are reported (one forward over them)")
+    counterfactual: bool = knob(False, "also score the subset recency replay would take from the same pre-step "
+                                       "buffer and record it beside the selection (the paper's same-buffer "
+                                       "counterfactual; one forward over the recency groups not scanned anyway)")
+    adaptive_tau: AdaptiveTau | None = knob(
+        None, "move tau within bounds (loosen when replay starves, tighten when replay KL rises); tau is the start. "
+              "An AdaptiveTau, or its fields as a dict / JSON object, e.g. {\"tau_min\": 1e-4, \"tau_max\": 0.1}",
+        flat="json")
 
     def __post_init__(self) -> None:
         if self.selector not in SELECTORS:
-            raise ReplayConfigError(f"unknown selector {self.selector!r}; valid: {sorted(SELECTORS)}")
-        if not _is_int(self.k_rep) or self.k_rep < 0:
-            raise ReplayConfigError(f"k_rep (replay budget in groups) must be an int >= 0, got {self.k_rep!r}")
-        if isinstance(self.tau, bool) or not isinstance(self.tau, (int, float)) or math.isnan(self.tau) or self.tau < 0:
-            raise ReplayConfigError(f"tau (Drift threshold) must be a number >= 0, got {self.tau!r}")
-        if not _is_int(self.capacity) or self.capacity < 1:
-            raise ReplayConfigError(f"capacity (buffer size in groups) must be an int >= 1, got {self.capacity!r}")
+            raise _err("selector", f"unknown selector {self.selector!r}; valid: {sorted(SELECTORS)}")
+        if not _is_int(self.k_rep) or not 0 <= self.k_rep <= MAX_COUNT:
+            raise _err("k_rep", f"the replay budget (groups per step) must be an int in [0, {MAX_COUNT}], "
+                                f"got {self.k_rep!r}")
+        if not _is_real(self.tau) or math.isnan(self.tau) or self.tau < 0:
+            raise _err("tau", f"the Drift threshold must be a number >= 0, got {self.tau!r}")
+        if not _is_int(self.capacity) or not 1 <= self.capacity <= MAX_CAPACITY:
+            raise _err("capacity", f"the buffer size in groups must be an int in [1, {MAX_CAPACITY}], "
+                                   f"got {self.capacity!r}")
         if self.drift_norm not in DRIFT_NORMS:
-            raise ReplayConfigError(f"unknown drift_norm {self.drift_norm!r}; valid: {list(DRIFT_NORMS)}")
+            raise _err("drift_norm", f"unknown drift norm {self.drift_norm!r}; valid: {list(DRIFT_NORMS)}")
         if self.headroom_weighting not in HEADROOM_WEIGHTINGS:
-            raise ReplayConfigError(
-                f"unknown headroom_weighting {self.headroom_weighting!r}; valid: {list(HEADROOM_WEIGHTINGS)}"
-            )
+            raise _err("headroom_weighting", f"unknown weighting {self.headroom_weighting!r}; valid: "
+                                             f"{list(HEADROOM_WEIGHTINGS)}")
         if not callable(self.ingress) and self.ingress not in INGRESS_RULES:
-            raise ReplayConfigError(f"unknown ingress rule {self.ingress!r}; valid: {list(INGRESS_RULES)} or a callable")
-        make_ingress_rule(self.ingress, answer_threshold=self.answer_threshold)  # validates the threshold
-        if not _is_int(self.truncate_multiple) or self.truncate_multiple < 1:
-            raise ReplayConfigError(f"truncate_multiple (u) must be an int >= 1, got {self.truncate_multiple!r}")
-        if self.scan_chunk is not None and (not _is_int(self.scan_chunk) or self.scan_chunk < 1):
-            raise ReplayConfigError(f"scan_chunk must be None (auto) or an int >= 1, got {self.scan_chunk!r}")
-        if not _is_int(self.max_scan_chunk) or self.max_scan_chunk < 1:
-            raise ReplayConfigError(f"max_scan_chunk must be an int >= 1, got {self.max_scan_chunk!r}")
+            raise _err("ingress", f"unknown ingress rule {self.ingress!r}; valid: {list(INGRESS_RULES)} or a callable")
+        if self.answer_threshold is not None and (not _is_real(self.answer_threshold)
+                                                  or not math.isfinite(self.answer_threshold)):
+            raise _err("answer_threshold", f"must be a finite number or unset, got {self.answer_threshold!r}")
+        if self.ingress == "answer" and self.answer_threshold is None:
+            raise _err("answer_threshold", "ingress=answer needs it (a_i = 1[r_i >= threshold]; the paper uses 0.9 "
+                                           "for rewards 0/0.1/0.9/1.0)")
+        make_ingress_rule(self.ingress, answer_threshold=self.answer_threshold)
+        if not _is_int(self.truncate_multiple) or not 1 <= self.truncate_multiple <= MAX_COUNT:
+            raise _err("truncate_multiple", f"u must be an int in [1, {MAX_COUNT}], got {self.truncate_multiple!r}")
+        if self.scan_chunk is not None and (not _is_int(self.scan_chunk) or not 1 <= self.scan_chunk <= MAX_COUNT):
+            raise _err("scan_chunk", f"must be unset (auto) or an int in [1, {MAX_COUNT}], got {self.scan_chunk!r}")
+        if not _is_int(self.max_scan_chunk) or not 1 <= self.max_scan_chunk <= MAX_COUNT:
+            raise _err("max_scan_chunk", f"must be an int in [1, {MAX_COUNT}], got {self.max_scan_chunk!r}")
         a = self.acceptance_ema
-        if isinstance(a, bool) or not isinstance(a, (int, float)) or not (0 < a <= 1):
-            raise ReplayConfigError(f"acceptance_ema must be in (0, 1], got {a!r}")
-        if self.group_size is not None and (not _is_int(self.group_size) or self.group_size < 1):
-            raise ReplayConfigError(f"group_size must be None or an int >= 1, got {self.group_size!r}")
+        if not _is_real(a) or not (0 < a <= 1):
+            raise _err("acceptance_ema", f"must be in (0, 1], got {a!r}")
+        if self.group_size is not None and (not _is_int(self.group_size) or not 1 <= self.group_size <= MAX_COUNT):
+            raise _err("group_size", f"must be unset or an int >= 1, got {self.group_size!r}")
+        for name in ("diagnose_ungated", "counterfactual"):
+            if not isinstance(getattr(self, name), bool):
+                raise _err(name, f"must be True or False, got {getattr(self, name)!r}")
         if self.adaptive_tau is not None:
             if not isinstance(self.adaptive_tau, AdaptiveTau):
-                raise ReplayConfigError(f"adaptive_tau must be None or an AdaptiveTau, got {self.adaptive_tau!r}")
+                raise _err("adaptive_tau", f"must be unset or an AdaptiveTau, got {self.adaptive_tau!r}")
             lo, hi = self.adaptive_tau.tau_min, self.adaptive_tau.tau_max
             if not (lo <= self.tau <= hi):
-                raise ReplayConfigError(f"tau={self.tau:g} must lie within adaptive_tau's bounds [{lo:g}, {hi:g}]")
+                raise _err("tau", f"tau={self.tau:g} must lie within adaptive_tau's bounds [{lo:g}, {hi:g}]")
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-able view (a callable ingress rule is shown by its name)."""
@@ -116,3 +173,69 @@ class ReplayConfig:
     @classmethod
     def field_names(cls) -> tuple[str, ...]:
         return tuple(f.name for f in fields(cls))
+
+    @classmethod
+    def from_flat(cls, values: Mapping[str, Any], *, label: Callable[[str], str] = str,
+                  where: str = "") -> "ReplayConfig":
+        """Build from flat front-end values (``adaptive_tau`` may be a dict or a JSON string).
+
+        Args:
+            values: knob name -> value; names not given keep their defaults.
+            label: how the front end spells a knob (``lambda n: f"replay_{n}"``); errors use it.
+            where: prefix of error messages (e.g. ``"HDRGRPOConfig"``).
+        Raises:
+            ReplayConfigError naming ``label(field)`` and what to change.
+        """
+        pre = f"{where}: " if where else ""
+        unknown = sorted(set(values) - set(cls.field_names()))
+        if unknown:
+            raise ReplayConfigError(f"{pre}unknown replay setting(s) {[label(k) for k in unknown]}; valid: "
+                                    f"{[label(k.name) for k in knobs()]}", field=label(unknown[0]))
+        kw = dict(values)
+        if "adaptive_tau" in kw:
+            try:
+                kw["adaptive_tau"] = adaptive_tau_from(kw["adaptive_tau"])
+            except ReplayConfigError as e:
+                raise ReplayConfigError(f"{pre}{label('adaptive_tau')}: {e.message}", field=label("adaptive_tau"))
+        try:
+            return cls(**kw)
+        except ReplayConfigError as e:
+            name = e.field or ""
+            raise ReplayConfigError(f"{pre}{label(name)}: {e.message}", field=label(name)) from None
+
+
+def adaptive_tau_from(value: Any) -> AdaptiveTau | None:
+    """An :class:`AdaptiveTau` from None, an AdaptiveTau, a mapping of its fields or a JSON object string."""
+    if value is None or isinstance(value, AdaptiveTau):
+        return value
+    if isinstance(value, str):
+        text = value.strip()
+        if text.lower() in ("", "none", "null"):
+            return None
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ReplayConfigError(f"not valid JSON ({e.msg}); pass an object such as "
+                                    '\'{"tau_min": 1e-4, "tau_max": 0.1}\'', field="adaptive_tau") from None
+    if not isinstance(value, Mapping):
+        raise ReplayConfigError(f"expected a mapping of AdaptiveTau fields, got {type(value).__name__}",
+                                field="adaptive_tau")
+    valid = {f.name for f in fields(AdaptiveTau)}
+    bad = sorted(set(value) - valid)
+    if bad:
+        raise ReplayConfigError(f"unknown field(s) {bad}; valid: {sorted(valid)}", field="adaptive_tau")
+    return AdaptiveTau(**dict(value))
+
+
+def knobs(*, include_derived: bool = False) -> list[Knob]:
+    """The exposed replay settings, in declaration order (what every front end generates its options from)."""
+    out = []
+    for f in fields(ReplayConfig):
+        meta = f.metadata
+        if meta.get("derived") and not include_derived:
+            continue
+        default = f.default if f.default is not MISSING else None
+        flat = meta.get("flat") or type(default)
+        out.append(Knob(name=f.name, flat=flat, default=default, optional=default is None or flat == "json",
+                        help=meta["help"], choices=meta.get("choices")))
+    return out

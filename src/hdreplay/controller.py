@@ -23,15 +23,15 @@ import numpy as np
 import torch
 
 from .adaptive import TauState, update_tau
-from .batching import reference_headroom
+from .scores import reference_headroom
 from .buffer import ReplayBuffer
 from .checkpoint import read_checkpoint_dir, require_keys, write_checkpoint_dir
 from .config import ReplayConfig
-from .diagnostics import DiagnosticsWriter, metrics_from_record, step_record
+from .diagnostics import DiagnosticsWriter, StepRecord, metrics_from_record, step_record
 from .errors import CheckpointError, ReplayInputError, ReplayProtocolError
 from .ingress import make_ingress_rule
 from .selection import Scorer, Selection, select_replay
-from .types import GroupRecord
+from .record import GroupRecord
 
 CONTROLLER_FORMAT = "hdreplay.controller"
 CONTROLLER_VERSION = 1
@@ -55,7 +55,7 @@ class ReplayController:
         self.tau_state = TauState(tau=float(config.tau)) if config.adaptive_tau is not None else None
         self.last_step: int | None = None
         self.diagnostics = DiagnosticsWriter(diagnostics_dir) if diagnostics_dir is not None else None
-        self.last_record: dict[str, Any] | None = None
+        self.last_record: StepRecord | None = None
         self._open_step: int | None = None
         self._selection: Selection | None = None
         self._staged: list[GroupRecord] = []
@@ -150,7 +150,7 @@ class ReplayController:
                           buffer_size_after=len(self.buffer))
         if self.tau_state is not None:
             self.tau_state = update_tau(self.tau_state, rec, self.config.adaptive_tau)
-            rec["tau_next"], rec["tau_action"] = self.tau_state.tau, self.tau_state.last_action
+            rec.tau_next, rec.tau_action = self.tau_state.tau, self.tau_state.last_action
         if self.diagnostics is not None:
             self.diagnostics.write_step(rec)
             self.diagnostics.write_groups(evicted)

@@ -1,7 +1,7 @@
 """Per-step and per-group replay records, flat ``replay/*`` metrics, and a JSONL writer.
 
 Files written under a diagnostics directory:
-    steps.jsonl    one record per committed step (see :func:`step_record`)
+    steps.jsonl    one :class:`StepRecord` per committed step
     groups.jsonl   one lifetime record per group when it leaves the buffer (FIFO eviction),
                    plus, at :meth:`DiagnosticsWriter.close`, one per group still buffered
                    (``"evicted_step": null``)
@@ -14,12 +14,14 @@ from __future__ import annotations
 import json
 import math
 import os
-import tempfile
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
+from dataclasses import asdict, dataclass, field, fields
+
 import numpy as np
 
+from .atomic import atomic_write_text
 from .selection import Selection
 
 STEPS_FILE = "steps.jsonl"
@@ -35,6 +37,76 @@ def _mean(a: np.ndarray) -> float:
     return float(np.mean(a)) if len(a) else float("nan")
 
 
+@dataclass
+class StepRecord:
+    """One committed replay step: the schema of ``steps.jsonl`` (one JSON object per line) and of the
+    ``replay/*`` metrics.  Every writer (the controller) and reader (``hdreplay_lab.analysis``) uses it.
+
+    Counts are groups.  ``scan_*`` lists are per scanned group in scan order (length = ``scanned``).
+    ``None`` = not defined this step (e.g. nothing scanned); non-finite floats are written as ``null``.
+    """
+
+    step: int
+    selector: str
+    k_rep: int
+    tau: float | None
+    #: groups in the buffer when selection ran (before this step's ingress) / after commit
+    buffer_size: int = 0
+    buffer_size_after: int = 0
+    #: fresh groups offered to the ingress rule / admitted by it (entered the buffer at commit)
+    ingress_candidates: int = 0
+    ingress_admitted: int = 0
+    evicted: int = 0
+    #: fresh groups in the actor batch, and fresh + replayed (|A_t|)
+    num_fresh_groups: int = 0
+    actor_groups: int = 0
+    #: groups re-scored and counted (scan depth); passed the gate; replayed after truncation; cut by it
+    scanned: int = 0
+    accepted_gate: int = 0
+    accepted: int = 0
+    truncated: int = 0
+    #: gate pass rate among scanned groups (None when nothing was scanned)
+    accept_rate: float | None = None
+    #: accepted / k_rep
+    budget_fill: float | None = None
+    drift_accepted: float | None = None
+    drift_rejected: float | None = None
+    #: token-weighted mean k3 KL(pi_gen || pi_theta) over replayed tokens (None when not scored)
+    replay_kl: float | None = None
+    mean_age: float | None = None
+    accepted_ages: list[int] = field(default_factory=list)
+    scorer_calls: int = 0
+    scored_unused: int = 0
+    scan_age: list[int] = field(default_factory=list)
+    scan_drift: list[float | None] = field(default_factory=list)
+    scan_pass: list[bool] = field(default_factory=list)
+    scan_cached_headroom: list[float | None] = field(default_factory=list)
+    scan_headroom: list[float | None] = field(default_factory=list)
+    #: same-buffer counterfactual (``ReplayConfig.counterfactual``): recency subset of the same size
+    cf_size: int | None = None
+    cf_drift_selected: float | None = None
+    cf_drift_recency: float | None = None
+    cf_headroom_selected: float | None = None
+    cf_headroom_recency: float | None = None
+    #: adaptive tau (``ReplayConfig.adaptive_tau``): the tau of the next step and the action taken
+    tau_next: float | None = None
+    tau_action: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        """The JSON-able dict written to ``steps.jsonl`` (optional sections left out when unset)."""
+        d = asdict(self)
+        for k in OPTIONAL_STEP_FIELDS:
+            if d[k] is None:
+                del d[k]
+        return d
+
+
+#: fields present only when their feature is on (counterfactual, adaptive tau)
+OPTIONAL_STEP_FIELDS = ("cf_size", "cf_drift_selected", "cf_drift_recency", "cf_headroom_selected",
+                        "cf_headroom_recency", "tau_next", "tau_action")
+STEP_FIELDS = tuple(f.name for f in fields(StepRecord))
+
+
 def step_record(
     sel: Selection,
     *,
@@ -46,8 +118,8 @@ def step_record(
     num_fresh_groups: int,
     accepted_ages: np.ndarray,
     buffer_size_after: int,
-) -> dict[str, Any]:
-    """The per-step record (JSON-able)."""
+) -> StepRecord:
+    """The per-step record of a committed selection."""
     gate_ok = sel.scanned_pass
     n_scan = len(sel.scanned)
     n_pass = int(gate_ok.sum())
@@ -59,38 +131,38 @@ def step_record(
         idx = np.asarray([pos[int(g)] for g in sel.accepted.tolist()])
         tok = sel.scanned_tokens[idx]
         kl = float((sel.scanned_kl[idx] * tok).sum() / max(tok.sum(), 1))
-    return {
-        "step": sel.step,
-        "selector": sel.selector,
-        "k_rep": k_rep,
-        "tau": _f(tau),
-        "buffer_size": sel.buffer_size,
-        "buffer_size_after": buffer_size_after,
-        "ingress_candidates": ingress_candidates,
-        "ingress": ingress_admitted,
-        "evicted": evicted,
-        "num_fresh_groups": num_fresh_groups,
-        "actor_groups": num_fresh_groups + kept,
-        "scanned": n_scan,
-        "accepted_gate": n_pass if sel.scored else kept + len(sel.truncated),
-        "accepted": kept,
-        "truncated": len(sel.truncated),
-        "accept_rate": _f(n_pass / n_scan) if n_scan else None,
-        "budget_fill": _f(kept / k_rep) if k_rep else None,
-        "drift_accepted": _f(_mean(sel.scanned_drift[gate_ok])) if n_scan else None,
-        "drift_rejected": _f(_mean(sel.scanned_drift[~gate_ok])) if n_scan else None,
-        "replay_kl": _f(kl),
-        "mean_age": _f(_mean(accepted_ages)),
-        "accepted_ages": [int(a) for a in accepted_ages],
-        "scorer_calls": sel.scorer_calls,
+    return StepRecord(
+        step=sel.step,
+        selector=sel.selector,
+        k_rep=k_rep,
+        tau=_f(tau),
+        buffer_size=sel.buffer_size,
+        buffer_size_after=buffer_size_after,
+        ingress_candidates=ingress_candidates,
+        ingress_admitted=ingress_admitted,
+        evicted=evicted,
+        num_fresh_groups=num_fresh_groups,
+        actor_groups=num_fresh_groups + kept,
+        scanned=n_scan,
+        accepted_gate=n_pass if sel.scored else kept + len(sel.truncated),
+        accepted=kept,
+        truncated=len(sel.truncated),
+        accept_rate=_f(n_pass / n_scan) if n_scan else None,
+        budget_fill=_f(kept / k_rep) if k_rep else None,
+        drift_accepted=_f(_mean(sel.scanned_drift[gate_ok])) if n_scan else None,
+        drift_rejected=_f(_mean(sel.scanned_drift[~gate_ok])) if n_scan else None,
+        replay_kl=_f(kl),
+        mean_age=_f(_mean(accepted_ages)),
+        accepted_ages=[int(a) for a in accepted_ages],
+        scorer_calls=sel.scorer_calls,
+        scored_unused=sel.scored_unused,
+        scan_age=[int(a) for a in sel.scanned_age],
+        scan_drift=[_f(x) for x in sel.scanned_drift],
+        scan_pass=[bool(x) for x in gate_ok],
+        scan_cached_headroom=[_f(x) for x in sel.scanned_cached],
+        scan_headroom=[_f(x) for x in sel.scanned_headroom],
         **_counterfactual_fields(sel, gate_ok),
-        "scored_unused": sel.scored_unused,
-        "scan_age": [int(a) for a in sel.scanned_age],
-        "scan_drift": [_f(x) for x in sel.scanned_drift],
-        "scan_pass": [bool(x) for x in gate_ok],
-        "scan_cached_headroom": [_f(x) for x in sel.scanned_cached],
-        "scan_headroom": [_f(x) for x in sel.scanned_headroom],
-    }
+    )
 
 
 def _counterfactual_fields(sel: Selection, gate_ok: np.ndarray) -> dict[str, Any]:
@@ -109,14 +181,15 @@ def _counterfactual_fields(sel: Selection, gate_ok: np.ndarray) -> dict[str, Any
 
 #: keys of a step record exported as flat ``replay/<key>`` metrics.
 METRIC_KEYS = (
-    "buffer_size", "ingress", "scanned", "accepted", "accept_rate", "budget_fill",
+    "buffer_size", "ingress_admitted", "scanned", "accepted", "accept_rate", "budget_fill",
     "drift_accepted", "drift_rejected", "replay_kl", "mean_age", "evicted", "scorer_calls", "tau",
 )
 
 
-def metrics_from_record(rec: Mapping[str, Any], prefix: str = "replay/") -> dict[str, float]:
+def metrics_from_record(rec: "StepRecord | Mapping[str, Any]", prefix: str = "replay/") -> dict[str, float]:
     """Flat namespaced metrics; missing values (e.g. no scan this step) become NaN."""
-    return {f"{prefix}{k}": (float("nan") if rec.get(k) is None else float(rec[k])) for k in METRIC_KEYS}
+    get = rec.get if isinstance(rec, Mapping) else (lambda k: getattr(rec, k, None))
+    return {f"{prefix}{k}": (float("nan") if get(k) is None else float(get(k))) for k in METRIC_KEYS}
 
 
 def _dumps(obj: Any) -> str:
@@ -138,8 +211,8 @@ class DiagnosticsWriter:
             with open(path, "a") as f:
                 f.write(lines)
 
-    def write_step(self, record: Mapping[str, Any]) -> None:
-        self._append(self.steps_path, [record])
+    def write_step(self, record: "StepRecord | Mapping[str, Any]") -> None:
+        self._append(self.steps_path, [record.to_json() if isinstance(record, StepRecord) else record])
 
     def write_groups(self, records: Iterable[Mapping[str, Any]]) -> None:
         self._append(self.groups_path, records)
@@ -163,7 +236,4 @@ class DiagnosticsWriter:
                     continue  # a torn last line from a crash: drop it
                 if keep(rec):
                     kept.append(line if line.endswith("\n") else line + "\n")
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-        with os.fdopen(fd, "w") as f:
-            f.writelines(kept)
-        os.replace(tmp, path)
+        atomic_write_text(path, "".join(kept))

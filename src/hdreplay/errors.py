@@ -14,7 +14,17 @@ class ReplayInputError(ReplayError, ValueError):
 
 
 class ReplayConfigError(ReplayError, ValueError):
-    """A configuration value is out of range or unknown."""
+    """A configuration value is out of range or unknown.
+
+    ``field`` names the setting (as the raiser spells it; front ends re-label it), ``message`` is the
+    text after ``"<field>: "`` (what is wrong and what to change).
+    """
+
+    def __init__(self, text: str, *, field: str | None = None) -> None:
+        super().__init__(text)
+        self.field = field
+        prefix = f"{field}: "
+        self.message = text[len(prefix):] if field and text.startswith(prefix) else text
 
 
 class ReplayProtocolError(ReplayError, RuntimeError):

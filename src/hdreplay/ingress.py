@@ -18,7 +18,7 @@ from typing import Callable, Union
 import torch
 
 from .errors import ReplayConfigError
-from .types import GroupRecord
+from .record import GroupRecord
 
 IngressRule = Callable[[GroupRecord], bool]
 INGRESS_RULES = ("mixed", "answer")

@@ -22,11 +22,13 @@ The "advantage" weighting normalises by the |A_i| mass so it stays in [0, 1]
 
 from __future__ import annotations
 
-from typing import Literal
+from dataclasses import dataclass
+from typing import Literal, Sequence
 
 import torch
 
 from .errors import ReplayInputError
+from .record import LOGPROB_POSITIVE_TOLERANCE, GroupRecord, check_logprobs
 
 HeadroomWeighting = Literal["sign", "advantage"]
 DriftNorm = Literal["l2", "l1"]
@@ -142,3 +144,105 @@ def replay_kl(*, logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch
     d = logprobs.float() - ref_logprobs.float()
     k3 = torch.expm1(d) - d
     return torch.where(m, k3, torch.zeros_like(k3)).sum() / count.sum()
+
+
+# ---------------------------------------------------------------- per-group scoring of stored groups
+def check_scorer_output(groups: Sequence[GroupRecord], logprobs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Validate a scorer's output: one finite, <= 0, ``(T_g,)`` tensor per group. Returns float32 CPU tensors."""
+    if not isinstance(logprobs, (list, tuple)):
+        raise ReplayInputError(
+            f"scorer must return a list of per-group (T_g,) tensors, got {type(logprobs).__name__}"
+        )
+    if len(logprobs) != len(groups):
+        raise ReplayInputError(f"scorer returned {len(logprobs)} results for {len(groups)} groups")
+    out = []
+    for g, lp in zip(groups, logprobs):
+        t = torch.as_tensor(lp).detach().to("cpu", torch.float32)
+        if t.dim() != 1 or t.numel() != g.num_tokens:
+            raise ReplayInputError(
+                f"scorer output for group {g.group_id!r} has shape {tuple(t.shape)}; expected ({g.num_tokens},) "
+                "= all completion tokens of the group concatenated (use PaddedGroups.split_by_group)"
+            )
+        out.append(t)
+    if out:  # one vectorised check; re-check group by group only to name the culprit
+        flat, mask = torch.cat(out), torch.cat([g.loss_mask for g in groups])
+        sel = flat[mask]
+        if not bool(torch.isfinite(sel).all()) or (sel.numel() and float(sel.max()) > LOGPROB_POSITIVE_TOLERANCE):
+            for g, t in zip(groups, out):
+                check_logprobs("scorer log-probs", t, g.loss_mask, f"group {g.group_id!r}")
+    return out
+
+
+@dataclass(frozen=True)
+class GroupScores:
+    """Per-group scores from one current-policy pass: each a (G,) float32 tensor."""
+
+    drift: torch.Tensor
+    headroom: torch.Tensor
+    replay_kl: torch.Tensor
+    num_loss_tokens: torch.Tensor
+
+
+@dataclass(frozen=True)
+class _Packed:
+    """G groups as padded (G, T_max) rows (one row per group, responses concatenated)."""
+
+    logprobs: torch.Tensor
+    mask: torch.Tensor
+    token_adv: torch.Tensor
+    seg: torch.Tensor
+    pos: torch.Tensor
+
+    @classmethod
+    def of(cls, groups: Sequence[GroupRecord]) -> "_Packed":
+        lengths = torch.tensor([g.num_tokens for g in groups])
+        G, T = len(groups), int(lengths.max())
+        seg = torch.repeat_interleave(torch.arange(G), lengths)
+        starts = torch.cumsum(lengths, 0) - lengths
+        pos = torch.arange(int(lengths.sum())) - starts[seg]
+        resp_len = torch.cat([g.response_lengths for g in groups])
+        tok_adv = torch.repeat_interleave(torch.cat([g.advantages for g in groups]), resp_len)
+
+        def grid(flat: torch.Tensor) -> torch.Tensor:
+            out = flat.new_zeros((G, T))
+            out[seg, pos] = flat
+            return out
+
+        return cls(grid(torch.cat([g.logprobs for g in groups])), grid(torch.cat([g.loss_mask for g in groups])),
+                   grid(tok_adv), seg, pos)
+
+    def grid(self, flat: torch.Tensor) -> torch.Tensor:
+        out = flat.new_zeros(self.mask.shape)
+        out[self.seg, self.pos] = flat
+        return out
+
+
+def group_scores(
+    groups: Sequence[GroupRecord],
+    current_logprobs: Sequence[torch.Tensor],
+    *,
+    drift_norm: DriftNorm = "l2",
+    headroom_weighting: HeadroomWeighting = "sign",
+) -> GroupScores:
+    """Drift, runtime Headroom and replay KL of ``groups`` under the policy that produced ``current_logprobs``.
+
+    Args:
+        groups:           G stored groups.
+        current_logprobs: G tensors ``(T_g,)`` (validated by :func:`check_scorer_output`).
+    """
+    pk = _Packed.of(groups)
+    cur = pk.grid(torch.cat(list(current_logprobs)).float())
+    return GroupScores(
+        drift=drift(logprobs=cur, ref_logprobs=pk.logprobs, mask=pk.mask, norm=drift_norm),
+        headroom=headroom(logprobs=cur, advantages=pk.token_adv, mask=pk.mask, weighting=headroom_weighting),
+        replay_kl=replay_kl_per_group(logprobs=cur, ref_logprobs=pk.logprobs, mask=pk.mask),
+        num_loss_tokens=pk.mask.sum(dim=1),
+    )
+
+
+def reference_headroom(groups: Sequence[GroupRecord], *, weighting: HeadroomWeighting = "sign") -> torch.Tensor:
+    """(G,) H_ref(g) = Headroom(g; pi_gen) from the stored generation-time log-probs."""
+    if not groups:
+        return torch.zeros(0)
+    pk = _Packed.of(groups)
+    return headroom(logprobs=pk.logprobs, advantages=pk.token_adv, mask=pk.mask, weighting=weighting)

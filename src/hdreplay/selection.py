@@ -37,8 +37,8 @@ from typing import TYPE_CHECKING, Callable, Sequence
 import numpy as np
 import torch
 
-from .batching import check_scorer_output, group_scores
-from .types import GroupRecord
+from .scores import check_scorer_output, group_scores
+from .record import GroupRecord
 
 if TYPE_CHECKING:  # pragma: no cover
     from .buffer import ReplayBuffer
@@ -111,6 +111,8 @@ class Selection:
     cf_ids: np.ndarray | None = None
     cf_drift: np.ndarray | None = None
     cf_headroom: np.ndarray | None = None
+    #: (s,) group ids of the scanned groups (scan order), for logs that outlive the buffer's slots
+    scanned_group_ids: list = field(default_factory=list)
 
 
 def _empty(step: int, name: str, size: int) -> Selection:
@@ -212,6 +214,7 @@ def select_replay(
         chunk_sizes=chunks,
         buffer_size=size,
         tau=tau,
+        scanned_group_ids=[buffer.group_id(i) for i in scanned],
     )
     if config.counterfactual and len(kept) and spec.name != "recency":
         _counterfactual(sel, buffer, config, scorer, cols)

@@ -1,85 +1,61 @@
-"""HDRGRPOConfig: GRPOConfig plus the replay settings (documented once, validated in __post_init__)."""
+"""HDRGRPOConfig: GRPOConfig plus ``replay_<knob>`` fields generated from :class:`hdreplay.ReplayConfig`.
+
+Every core knob (:func:`hdreplay.config.knobs`) and every integration knob
+(:data:`hdreplay.integrations.common.INTEGRATION_KNOBS`) becomes one field with the same type, default
+and help, so the settings, their documentation and their validation live in one place.  TRL-specific
+choices (the default of ``replay_k_rep``, the re-scoring batch size) are the only fields written here.
+"""
 
 from __future__ import annotations
 
 import math
-import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, make_dataclass
+from typing import Any, Literal, Optional
 
 from trl import GRPOConfig
 
-from ...adaptive import AdaptiveTau
-from ...config import ReplayConfig
-from ...errors import ReplayConfigError
+from ...config import Knob, ReplayConfig, knobs
+from ..common import INTEGRATION_KNOBS
 
-#: core ReplayConfig field -> HDRGRPOConfig field
-FIELD_MAP = {
-    "selector": "replay_selector", "k_rep": "replay_k", "tau": "replay_tau", "capacity": "replay_capacity",
-    "drift_norm": "replay_drift_norm", "headroom_weighting": "replay_headroom_weighting",
-    "ingress": "replay_ingress", "answer_threshold": "replay_answer_threshold",
-    "truncate_multiple": "replay_truncate_multiple", "scan_chunk": "replay_scan_chunk",
-    "max_scan_chunk": "replay_max_scan_chunk", "diagnose_ungated": "replay_diagnose_ungated",
-    "counterfactual": "replay_counterfactual", "adaptive_tau": "replay_adaptive_tau",
+PREFIX = "replay_"
+
+#: TRL-only defaults and help additions for core knobs
+_TRL_OVERRIDES: dict[str, tuple[Any, Any, str]] = {
+    # name: (type, default, help suffix)
+    "k_rep": (Optional[int], None, " Unset = half the fresh groups of one optimizer update (the paper's b + b/2)."),
 }
+_TRL_KNOBS = (
+    Knob("score_batch_size", int, None, True,
+         "rows per forward call when re-scoring replay candidates; unset = per_device_train_batch_size", None),
+)
+
+
+def _field_type(k: Knob):
+    if k.flat == "json":
+        return Optional[dict | str]
+    base = Literal[tuple(k.choices)] if k.choices else k.flat
+    return Optional[base] if k.optional else base
+
+
+def _replay_fields() -> list[tuple[str, Any, Any]]:
+    out = []
+    for k in (*knobs(), *INTEGRATION_KNOBS, *_TRL_KNOBS):
+        typ, default, help_ = _field_type(k), k.default, k.help
+        if k.name in _TRL_OVERRIDES:
+            typ, default, extra = _TRL_OVERRIDES[k.name]
+            help_ += extra
+        out.append((PREFIX + k.name, typ, field(default=default, metadata={"help": help_})))
+    return out
+
+
+_ReplayFields = make_dataclass("_ReplayFields", _replay_fields())
+REPLAY_FIELDS = tuple(f.name for f in fields(_ReplayFields))
 
 
 @dataclass
-class HDRGRPOConfig(GRPOConfig):
-    r"""GRPOConfig with Headroom-Drift Replay.
-
-    Parameters (in addition to every ``GRPOConfig`` field):
-        replay_selector (`str`, defaults to `"headroom_drift"`):
-            `headroom_drift` (the paper), `headroom_only`, `drift_only`, `recency` ("GRPO + replay") or `none`
-            (plain GRPO: the trainer then behaves exactly like `GRPOTrainer`).
-        replay_k (`int` or `None`, defaults to `None`):
-            Replay budget K_rep in groups per generation step. `None` = half the fresh groups of a generation
-            batch (the paper's b + b/2, e.g. b128 + r64).
-        replay_tau (`float`, defaults to `1e-3`):
-            Drift threshold tau (paper: 1e-3 single-turn reasoning, 1e-2 agentic search, with the l2 norm).
-        replay_capacity (`int`, defaults to `512`):
-            FIFO buffer capacity C in groups.
-        replay_drift_norm (`str`, defaults to `"l2"`): `l2` (mean squared log-prob change) or `l1`.
-        replay_headroom_weighting (`str`, defaults to `"sign"`): `sign` or `advantage` (|A_i|-weighted).
-        replay_ingress (`str`, defaults to `"mixed"`):
-            `mixed` (rewards not all equal) or `answer` (answer-mixed groups, needs `replay_answer_threshold`).
-            The reward used is the weighted sum of the reward functions, as GRPO sums them.
-        replay_answer_threshold (`float` or `None`): a_i = 1[reward_i >= threshold] for `answer` ingress.
-        replay_truncate_multiple (`int`, defaults to `1`):
-            u; accepted groups are cut to a multiple of u. The trainer further rounds to whole rows per rank and
-            micro-step (num_processes x steps_per_generation / gcd with num_generations), so no row is dropped.
-        replay_scan_chunk (`int` or `None`): groups re-scored per forward call batch; `None` = sized from the
-            remaining budget and the running acceptance rate.
-        replay_max_scan_chunk (`int`, defaults to `1024`): cap on an automatically sized chunk.
-        replay_score_batch_size (`int` or `None`): rows per forward call when re-scoring (and when recording
-            generation log-probs); `None` = `per_device_train_batch_size`.
-        replay_diagnostics_dir (`str` or `None`): where `steps.jsonl` / `groups.jsonl` go; `None` =
-            `<output_dir>/replay`, `""` = off.
-        replay_diagnose_ungated (`bool`, defaults to `False`): also re-score `recency` picks for diagnostics.
-        replay_counterfactual (`bool`, defaults to `False`): also score the subset recency replay would take
-            from the same buffer (the paper's same-buffer counterfactual; costs a forward over those groups).
-        replay_adaptive_tau (`dict` or `None`): keyword arguments of `hdreplay.AdaptiveTau` (e.g.
-            `{"tau_min": 1e-4, "tau_max": 1e-1}`) to move tau within bounds; `replay_tau` is the start.
-        replay_resume_without_state (`bool`, defaults to `False`): allow resuming from a checkpoint that has no
-            replay state (e.g. written by plain GRPOTrainer); the buffer then starts empty.
-    """
-
-    replay_selector: str = field(default="headroom_drift", metadata={"help": "Replay selector."})
-    replay_k: int | None = field(default=None, metadata={"help": "Replay budget K_rep (groups per step)."})
-    replay_tau: float = field(default=1e-3, metadata={"help": "Drift threshold tau."})
-    replay_capacity: int = field(default=512, metadata={"help": "Buffer capacity C (groups)."})
-    replay_drift_norm: str = field(default="l2", metadata={"help": "Drift norm: l2 or l1."})
-    replay_headroom_weighting: str = field(default="sign", metadata={"help": "Headroom weighting: sign or advantage."})
-    replay_ingress: str = field(default="mixed", metadata={"help": "Ingress rule: mixed or answer."})
-    replay_answer_threshold: float | None = field(default=None, metadata={"help": "Answer threshold (answer ingress)."})
-    replay_truncate_multiple: int = field(default=1, metadata={"help": "Truncate accepted groups to a multiple of u."})
-    replay_scan_chunk: int | None = field(default=None, metadata={"help": "Groups per re-scoring chunk (None=auto)."})
-    replay_max_scan_chunk: int = field(default=1024, metadata={"help": "Max automatic chunk size."})
-    replay_score_batch_size: int | None = field(default=None, metadata={"help": "Rows per re-scoring forward."})
-    replay_diagnostics_dir: str | None = field(default=None, metadata={"help": "Diagnostics JSONL directory."})
-    replay_diagnose_ungated: bool = field(default=False, metadata={"help": "Score recency picks for diagnostics."})
-    replay_counterfactual: bool = field(default=False, metadata={"help": "Score the recency counterfactual."})
-    replay_adaptive_tau: dict | None = field(default=None, metadata={"help": "AdaptiveTau keyword arguments."})
-    replay_resume_without_state: bool = field(default=False, metadata={"help": "Allow resume without replay state."})
+class HDRGRPOConfig(_ReplayFields, GRPOConfig):
+    """``GRPOConfig`` with Headroom-Drift Replay: every ``GRPOConfig`` field, plus one ``replay_<name>`` field per
+    replay setting (see ``HDRGRPOConfig.replay_help()`` or ``--help`` of a TrlParser script)."""
 
     def __post_init__(self):
         super().__post_init__()
@@ -89,37 +65,34 @@ class HDRGRPOConfig(GRPOConfig):
                 "per-row sampling log-probs for replayed rows, which hdreplay does not store). Use the transformers "
                 "generation backend (use_vllm=False), or the verl recipe for vLLM rollouts."
             )
-        if self.replay_score_batch_size is not None and (
-            not isinstance(self.replay_score_batch_size, int) or self.replay_score_batch_size < 1
-        ):
-            raise ValueError(f"replay_score_batch_size must be None or an int >= 1, got {self.replay_score_batch_size!r}")
-        if self.replay_k is not None and (isinstance(self.replay_k, bool) or not isinstance(self.replay_k, int)):
-            raise ValueError(f"replay_k must be None or an int >= 0, got {self.replay_k!r}")
-        self.to_replay_config()  # validates every replay_* field
+        sbs = self.replay_score_batch_size
+        if sbs is not None and (isinstance(sbs, bool) or not isinstance(sbs, int) or sbs < 1):
+            raise ValueError(f"HDRGRPOConfig: replay_score_batch_size must be unset or an int >= 1, got {sbs!r}")
+        if not isinstance(self.replay_resume_without_state, bool):
+            raise ValueError("HDRGRPOConfig: replay_resume_without_state must be True or False, got "
+                             f"{self.replay_resume_without_state!r}")
+        self.to_replay_config()  # validates every core replay_* field, naming it as the user spells it
 
     @property
     def fresh_groups_per_generation(self) -> int:
         return self.generation_batch_size // self.num_generations
 
+    def replay_values(self) -> dict[str, Any]:
+        """The core knobs as set on this config (name without prefix -> value)."""
+        return {k.name: getattr(self, PREFIX + k.name) for k in knobs()}
+
     def to_replay_config(self, *, extra_multiple: int = 1) -> ReplayConfig:
         """The core ReplayConfig these fields describe (``extra_multiple`` is folded into the truncation)."""
-        k = self.fresh_groups_per_generation // 2 if self.replay_k is None else self.replay_k
-        u = math.lcm(int(self.replay_truncate_multiple), extra_multiple) if isinstance(
-            self.replay_truncate_multiple, int) and self.replay_truncate_multiple >= 1 else self.replay_truncate_multiple
-        try:
-            adaptive = None if self.replay_adaptive_tau is None else AdaptiveTau(**self.replay_adaptive_tau)
-            return ReplayConfig(
-                selector=self.replay_selector, k_rep=k, tau=self.replay_tau, capacity=self.replay_capacity,
-                drift_norm=self.replay_drift_norm, headroom_weighting=self.replay_headroom_weighting,
-                ingress=self.replay_ingress, answer_threshold=self.replay_answer_threshold, truncate_multiple=u,
-                scan_chunk=self.replay_scan_chunk, max_scan_chunk=self.replay_max_scan_chunk,
-                group_size=self.num_generations, diagnose_ungated=self.replay_diagnose_ungated,
-                counterfactual=self.replay_counterfactual, adaptive_tau=adaptive,
-            )
-        except TypeError as e:  # unknown AdaptiveTau keyword
-            raise ValueError(f"HDRGRPOConfig: replay_adaptive_tau: {e}") from e
-        except ReplayConfigError as e:
-            msg = str(e)
-            for core, ours in FIELD_MAP.items():  # name the fields the user actually sets
-                msg = re.sub(rf"(?<![\w.]){core}\b", ours, msg)
-            raise ValueError(f"HDRGRPOConfig: {msg}") from e
+        values = self.replay_values()
+        if values["k_rep"] is None:
+            values["k_rep"] = self.fresh_groups_per_generation // 2
+        u = values["truncate_multiple"]
+        if isinstance(u, int) and not isinstance(u, bool) and u >= 1:
+            values["truncate_multiple"] = math.lcm(u, extra_multiple)
+        values["group_size"] = self.num_generations
+        return ReplayConfig.from_flat(values, label=lambda n: PREFIX + n, where="HDRGRPOConfig")
+
+    @classmethod
+    def replay_help(cls) -> str:
+        """One line per replay field: name, default, help."""
+        return "\n".join(f"{f.name} (default {f.default!r}): {f.metadata['help']}" for f in fields(_ReplayFields))

@@ -25,7 +25,6 @@ from __future__ import annotations
 import math
 import os
 import warnings
-from pathlib import Path
 
 import torch
 from transformers import ProcessorMixin
@@ -35,13 +34,13 @@ from trl.models.utils import disable_gradient_checkpointing
 from trl.trainer.utils import shuffle_sequence_dict
 
 from ...controller import ReplayController
-from ...errors import CheckpointError
+from ...padding import pad_groups
+from ..common import STATE_DIR, restore, trim_rows
 from ...selection import Selection
 from .config import HDRGRPOConfig
 from .positions import active_dropout, install_position_ids, padding_drift
-from .rows import check_keys, concat_rows, groups_from_rows, replay_rows, split_rows, take_rows
+from .batch import check_keys, concat_rows, groups_from_rows, replay_rows, split_rows, take_rows
 
-STATE_DIR = "hdreplay"
 #: max |d logp| tolerated between paddings of one sequence (fp32 / low-precision autocast)
 PADDING_TOLERANCE = {"fp32": 1e-4, "low": 3e-2}
 
@@ -135,19 +134,14 @@ class HDRGRPOTrainer(GRPOTrainer):
 
     def _replay_scorer(self, groups):
         """Current-policy log-probs of ``groups``, the forward sharded over ranks (same call count everywhere)."""
-        from ...batching import pad_groups
-
         pg = pad_groups(groups, pad_token_id=self._tokenizer.pad_token_id)
         R, W, r = pg.num_rows, self.accelerator.num_processes, self.accelerator.process_index
         per = -(-R // W)
         idx = torch.arange(r * per, (r + 1) * per).clamp(max=R - 1)  # the last rank repeats a row as filler
-        pm, cm = pg.prompt_mask[idx], pg.completion_mask[idx]
-        p_keep, c_keep = int(pm.sum(1).max()), int(cm.sum(1).max())
-        P = pg.prompt_ids.shape[1]
+        rows = trim_rows(pg, idx)
         dev = self.accelerator.device
-        ids = torch.cat([pg.prompt_ids[idx, P - p_keep:], pg.completion_ids[idx, :c_keep]], 1).to(dev)
-        mask = torch.cat([pm[:, P - p_keep:], cm[:, :c_keep]], 1).to(dev)
-        logps = self._logps(ids, mask, c_keep).float()
+        logps = self._logps(rows.input_ids().to(dev), rows.attention_mask().to(dev),
+                            rows.completion_ids.shape[1]).float()
         if W > 1:
             logps = self.accelerator.pad_across_processes(logps, dim=1, pad_index=0)
             logps = self.accelerator.gather(logps)[:R]
@@ -311,18 +305,9 @@ class HDRGRPOTrainer(GRPOTrainer):
 
     def _load_optimizer_and_scheduler(self, checkpoint):
         super()._load_optimizer_and_scheduler(checkpoint)
-        if not self.replay_active or checkpoint is None:
-            return
-        path = Path(checkpoint) / STATE_DIR
-        if not path.exists():
-            if self.args.replay_resume_without_state:
-                warnings.warn(f"hdreplay: {checkpoint} has no replay state; starting with an empty buffer", stacklevel=2)
-                return
-            raise CheckpointError(
-                f"{checkpoint} has no {STATE_DIR}/ replay state (written by plain GRPOTrainer?). Set "
-                "replay_resume_without_state=True to resume with an empty buffer."
-            )
-        self.replay.load(path)
+        if self.replay_active and checkpoint is not None:
+            restore(self.replay, checkpoint, allow_missing=self.args.replay_resume_without_state,
+                    option="replay_resume_without_state")
 
     def train(self, *args, **kwargs):
         result = super().train(*args, **kwargs)

@@ -16,6 +16,7 @@ import verl.trainer.main_ppo_v0 as _v0
 from verl.trainer.main_ppo import run_ppo
 from verl.utils.device import auto_set_device
 
+from .schema import register_hdr_schema
 from .settings import validate_verl_config
 from .trainer import HDRRayPPOTrainer
 
@@ -44,10 +45,16 @@ class HDRTaskRunner(_v0.BaseTaskRunner):
 
 
 @hydra.main(config_path="config", config_name="hdr_trainer", version_base=None)
-def main(config) -> None:
+def _main(config) -> None:
     auto_set_device(config)
     validate_verl_config(config)  # fail before Ray and the GPUs are touched
     run_ppo(config, task_runner_class=ray.remote(num_cpus=1)(HDRTaskRunner))
+
+
+def main() -> None:
+    """Register the ``hdr`` schema with Hydra, then compose and run (Hydra parses ``sys.argv``)."""
+    register_hdr_schema()
+    _main()
 
 
 if __name__ == "__main__":

@@ -1,27 +1,21 @@
 """The ``hdr`` config section of the verl recipe and the checks run when training starts.
 
-``hdr`` keys (documented once, in ``config/hdr_trainer.yaml``) map one-to-one onto
-:class:`hdreplay.ReplayConfig` fields, plus two recipe keys (``diagnostics_dir``,
-``resume_without_state``).  :func:`validate_verl_config` rejects verl settings the replay
+``hdr`` keys are the :class:`hdreplay.ReplayConfig` knobs plus the integration knobs
+(``diagnostics_dir``, ``resume_without_state``), declared once in the core and turned into an
+OmegaConf structured schema by :mod:`.schema`.  :func:`validate_verl_config` rejects verl settings the replay
 layout cannot honour, with errors that name the config key to change.
 """
 
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 from ...config import ReplayConfig
 from ...errors import ReplayConfigError
-
-#: hdr keys passed to ReplayConfig (same names)
-REPLAY_KEYS = (
-    "selector", "k_rep", "tau", "capacity", "drift_norm", "headroom_weighting", "ingress", "answer_threshold",
-    "truncate_multiple", "scan_chunk", "max_scan_chunk", "diagnose_ungated", "counterfactual",
-)
-RECIPE_KEYS = ("diagnostics_dir", "resume_without_state")
+from ..common import INTEGRATION_KNOBS
+from .schema import checked_section
 
 #: verl advantage estimators whose advantages are not one value per response (token-level or
 #: critic-based); replay stores response-level advantages, so these are rejected.
@@ -78,40 +72,29 @@ class HDRSettings:
 
     @classmethod
     def from_config(cls, config: Any, *, dp: int = 1) -> "HDRSettings":
-        """Build and validate from a composed verl config that has an ``hdr`` section."""
+        """Build and validate from a composed verl config that has an ``hdr`` section.
+
+        Keys and types are checked by merging the section into the structured schema
+        (:func:`hdr_schema`), ranges by :class:`~hdreplay.ReplayConfig`; errors name ``hdr.<key>``."""
         hdr = _get(config, "hdr")
         if hdr is None:
             raise ReplayConfigError(
                 "the config has no `hdr` section; compose hdreplay's hdr_trainer.yaml (python -m "
                 "hdreplay.integrations.verl.main ...) or add `+hdr.selector=headroom_drift` etc."
             )
-        values: Mapping[str, Any] = dict(hdr.items()) if hasattr(hdr, "items") else dict(hdr)
-        unknown = sorted(set(values) - set(REPLAY_KEYS) - set(RECIPE_KEYS))
-        if unknown:
-            raise ReplayConfigError(f"unknown hdr key(s) {unknown}; valid: {sorted(REPLAY_KEYS + RECIPE_KEYS)}")
+        values = checked_section(hdr)
         n = int(_get(config, "actor_rollout_ref.rollout.n", 1))
         mbs = int(_get(config, f"{ACTOR}.ppo_mini_batch_size", 1))
         unit = verl_truncate_multiple(ppo_mini_batch_size=mbs, n=n, dp=dp)
-        kwargs = {k: values[k] for k in REPLAY_KEYS if k in values}
-        user_u = kwargs.get("truncate_multiple", 1)
+        recipe = {k.name: values.pop(k.name) for k in INTEGRATION_KNOBS}
+        user_u = values.get("truncate_multiple", 1)
         if isinstance(user_u, int) and not isinstance(user_u, bool) and user_u >= 1:
-            kwargs["truncate_multiple"] = math.lcm(user_u, unit)
-        for k in ("tau", "answer_threshold"):  # yaml may hand ints (tau: 0) or strings ("1e-3")
-            if isinstance(kwargs.get(k), (int, str)) and not isinstance(kwargs.get(k), bool):
-                try:
-                    kwargs[k] = float(kwargs[k])
-                except ValueError:
-                    pass
-        try:
-            rc = ReplayConfig(**kwargs, group_size=n)
-        except ReplayConfigError as e:
-            msg = str(e)
-            for k in REPLAY_KEYS:
-                msg = re.sub(rf"(?<![\w.]){k}\b", f"hdr.{k}", msg)
-            raise ReplayConfigError(f"hdr: {msg}") from None
-        diag = values.get("diagnostics_dir")
+            values["truncate_multiple"] = math.lcm(user_u, unit)
+        values["group_size"] = n
+        rc = ReplayConfig.from_flat(values, label=lambda k: f"hdr.{k}", where="hdr")
+        diag = recipe["diagnostics_dir"]
         return cls(replay_config=rc, unit=unit, diagnostics_dir=str(diag) if diag else None,
-                   resume_without_state=bool(values.get("resume_without_state", False)))
+                   resume_without_state=bool(recipe["resume_without_state"]))
 
 
 def validate_verl_config(config: Any) -> HDRSettings:

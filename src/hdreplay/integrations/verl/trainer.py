@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import warnings
 
 from verl import DataProto
 from verl.protocol import pad_dataproto_to_divisor, unpad_dataproto
@@ -34,12 +33,11 @@ from verl.trainer.ppo.ray_trainer import RayPPOTrainer
 from verl.utils.checkpoint.checkpoint_manager import find_latest_ckpt_path
 
 from ...controller import ReplayController
-from ...errors import CheckpointError
+from ..common import STATE_DIR, restore
 from .settings import validate_verl_config, verl_truncate_multiple
-from .layout import build_actor_batch
-from .rows import groups_from_batch, scoring_batch
+from .actor_batch import build_actor_batch
+from .dataproto import groups_from_batch, scoring_batch
 
-STATE_DIR = "hdreplay"
 
 
 class HDRRayPPOTrainer(RayPPOTrainer):
@@ -164,14 +162,7 @@ class HDRRayPPOTrainer(RayPPOTrainer):
         result = super()._load_checkpoint()
         if folder is None:
             return result
-        path = os.path.join(folder, STATE_DIR)
-        if os.path.isdir(path):
-            self.replay.load(path)
-        elif self.hdr.resume_without_state:
-            warnings.warn(f"hdreplay: {folder} has no {STATE_DIR}/ state; resuming with an empty buffer", stacklevel=2)
-        else:
-            raise CheckpointError(f"{folder} has no {STATE_DIR}/ replay state (written without hdreplay?); set "
-                                  "hdr.resume_without_state=true to resume with an empty buffer")
+        restore(self.replay, folder, allow_missing=self.hdr.resume_without_state, option="hdr.resume_without_state")
         return result
 
     def fit(self):

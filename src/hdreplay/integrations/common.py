@@ -1,0 +1,115 @@
+"""What the TRL and verl integrations share: their own settings, the resume policy, row trimming.
+
+Both trainers expose the core :class:`~hdreplay.config.ReplayConfig` knobs (generated from
+:func:`hdreplay.config.knobs`) plus the integration settings declared here once
+(:data:`INTEGRATION_KNOBS`).  Nothing here imports a framework.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..config import Knob
+from ..controller import ReplayController
+from ..errors import CheckpointError
+from ..padding import PaddedGroups
+
+#: name of the replay-state directory inside a framework checkpoint directory
+STATE_DIR = "hdreplay"
+
+#: settings of an integration (not of the primitive): TRL spells them ``replay_<name>``, verl ``hdr.<name>``
+INTEGRATION_KNOBS = (
+    Knob("diagnostics_dir", str, None, True,
+         "directory of steps.jsonl / groups.jsonl; unset = the trainer's default (TRL: <output_dir>/replay, "
+         "verl: <default_local_dir>/hdreplay_diagnostics), empty string = off", None),
+    Knob("resume_without_state", bool, False, False,
+         "allow resuming from a checkpoint that has no replay state (e.g. written without hdreplay); the buffer "
+         "then starts empty. Off by default: losing the buffer silently changes the run", None),
+)
+
+
+@dataclass(frozen=True)
+class ResumeDecision:
+    """What to do with the replay state of a checkpoint being resumed."""
+
+    path: Path | None  # the state directory to load, or None (start empty)
+    warning: str | None
+
+
+def resume_policy(checkpoint: str | os.PathLike, *, allow_missing: bool, option: str) -> ResumeDecision:
+    """Find the replay state of ``checkpoint`` or decide what a missing one means.
+
+    Args:
+        checkpoint: the framework checkpoint directory being resumed (``checkpoint-N``, ``global_step_N``).
+        allow_missing: the user's ``resume_without_state`` setting.
+        option: how that setting is spelled for this front end (named in the error).
+    Raises:
+        CheckpointError if the state is missing and ``allow_missing`` is false.
+    """
+    path = Path(checkpoint) / STATE_DIR
+    if path.exists():
+        return ResumeDecision(path, None)
+    if allow_missing:
+        return ResumeDecision(None, f"hdreplay: {checkpoint} has no {STATE_DIR}/ replay state; resuming with an "
+                                    f"empty buffer ({option}=True)")
+    raise CheckpointError(
+        f"{checkpoint} has no {STATE_DIR}/ replay state: it was written without hdreplay, or the run stopped "
+        f"between the framework's checkpoint and the replay state. Resume from an earlier checkpoint that has "
+        f"{STATE_DIR}/, or set {option}=True to resume with an empty buffer (the replay history is lost)."
+    )
+
+
+def restore(controller: ReplayController, checkpoint: str | os.PathLike, *, allow_missing: bool,
+            option: str) -> bool:
+    """Apply :func:`resume_policy`: load the state into ``controller``; True if a state was loaded."""
+    decision = resume_policy(checkpoint, allow_missing=allow_missing, option=option)
+    if decision.warning:
+        warnings.warn(decision.warning, stacklevel=3)
+    if decision.path is None:
+        return False
+    controller.load(decision.path)
+    return True
+
+
+@dataclass(frozen=True)
+class TrimmedRows:
+    """Rows ``idx`` of a :class:`PaddedGroups`, trimmed to the widths those rows need.
+
+    prompt_ids / prompt_mask: (r, P') left-padded;  completion_ids / completion_mask / loss_mask /
+    logprobs: (r, C') right-padded;  P' / C' = the longest prompt / completion among the rows.
+    """
+
+    prompt_ids: torch.Tensor
+    prompt_mask: torch.Tensor
+    completion_ids: torch.Tensor
+    completion_mask: torch.Tensor
+    loss_mask: torch.Tensor
+    logprobs: torch.Tensor
+    extras: dict[str, torch.Tensor]
+
+    def input_ids(self) -> torch.Tensor:
+        """(r, P' + C') prompt ; completion."""
+        return torch.cat([self.prompt_ids, self.completion_ids], dim=1)
+
+    def attention_mask(self) -> torch.Tensor:
+        """(r, P' + C')."""
+        return torch.cat([self.prompt_mask, self.completion_mask], dim=1)
+
+
+def trim_rows(pg: PaddedGroups, idx: torch.Tensor | slice) -> TrimmedRows:
+    """Select rows ``idx`` of ``pg`` and drop the column padding only other rows needed."""
+    pm, cm = pg.prompt_mask[idx], pg.completion_mask[idx]
+    p_keep = int(pm.sum(1).max()) if pm.numel() else 0
+    c_keep = int(cm.sum(1).max()) if cm.numel() else 0
+    P = pg.prompt_ids.shape[1]
+    return TrimmedRows(
+        prompt_ids=pg.prompt_ids[idx, P - p_keep:], prompt_mask=pm[:, P - p_keep:],
+        completion_ids=pg.completion_ids[idx, :c_keep], completion_mask=cm[:, :c_keep],
+        loss_mask=pg.loss_mask[idx, :c_keep], logprobs=pg.logprobs[idx, :c_keep],
+        extras={k: v[idx, :c_keep] for k, v in pg.extras.items()},
+    )

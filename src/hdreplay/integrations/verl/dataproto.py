@@ -1,0 +1,254 @@
+"""verl ``DataProto`` rows <-> hdreplay groups.
+
+The batch ``RayPPOTrainer._update_actor`` receives holds B = groups x n rows (shape glossary of
+:mod:`hdreplay.record`; P / R are the padded prompt / response widths of the batch):
+
+    prompts         (B, P)     prompt ids, left-padded
+    responses       (B, R)     response ids, right-padded (tool / observation tokens included)
+    input_ids       (B, P+R)   prompts ; responses
+    attention_mask  (B, P+R)   1 on real tokens (prompt suffix + response prefix)
+    position_ids    (B, P+R)   clip(cumsum(attention_mask) - 1, 0)  (text models)
+    response_mask   (B, R)     1 where the policy generated the token (tool tokens 0): the loss mask
+    old_log_probs   (B, R)     log-probs computed by verl before the update (= log pi_gen for replay)
+    advantages      (B, R)     A_i * response_mask, one value per response for GRPO-style estimators
+    uid             (B,)       non-tensor: one id per prompt, i.e. per GRPO group
+
+A group's rows need not be consecutive (``_balance_batch`` reorders rows).  Replay rows are
+rebuilt for *every* tensor key of the fresh batch (:data:`REPLAY_FILL`); a key this module does
+not know fails loudly (:func:`check_batch_keys`) instead of being dropped.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+import torch
+from verl import DataProto
+from verl.utils.model import compute_position_id_with_mask
+
+from ...padding import PaddedGroups, pad_groups
+from ...errors import ReplayInputError
+from ...record import GroupRecord
+
+#: fresh-batch key -> GroupRecord extras name, stored at ingress when the key is present
+STORED_EXTRAS = {"ref_log_prob": "ref_logprobs", "rollout_log_probs": "rollout_logprobs"}
+#: how replay rows fill each tensor key (documentation of :func:`replay_rows`)
+REPLAY_FILL = {
+    "prompts": "stored prompt ids", "responses": "stored response ids", "input_ids": "prompts ; responses",
+    "attention_mask": "from stored lengths", "position_ids": "clip(cumsum(attention_mask) - 1, 0)",
+    "response_mask": "stored loss mask", "old_log_probs": "stored generation-time log-probs",
+    "advantages": "stored A_i * response_mask", "returns": "stored A_i * response_mask (GRPO: returns = advantages)",
+    "ref_log_prob": "stored reference log-probs", "rollout_log_probs": "stored rollout log-probs",
+    "token_level_scores": "stored reward on the last response token",
+    "token_level_rewards": "stored reward on the last response token (no in-reward KL term)",
+    "rm_scores": "stored reward on the last response token", "dummy_tensor": "zeros",
+}
+SEQ_KEYS = ("input_ids", "attention_mask", "position_ids")  # (B, P+R): prompt part left, response part right
+PROMPT_KEYS = ("prompts",)  # (B, P) left-padded
+ROW_KEYS = ("dummy_tensor",)  # (B, ...) not sequence-shaped
+TOKEN_ID_KEYS = ("input_ids", "prompts", "responses")  # padded with the pad token id
+#: non-tensor key marking replay rows in the actor batch (True) vs fresh rows (False)
+REPLAY_FLAG = "hdr_replay"
+
+
+def check_batch_keys(batch: DataProto) -> None:
+    """Raise naming every tensor key replay rows could not fill, and unsupported (multimodal) inputs."""
+    unknown = sorted(k for k in batch.batch.keys() if k not in REPLAY_FILL)
+    if unknown:
+        raise RuntimeError(
+            f"the actor batch has tensor key(s) {unknown} that hdreplay cannot fill for replayed rows (e.g. critic "
+            "values, rollout importance weights, MoE routing replay, distillation targets). Disable the feature that "
+            f"produces them or run with hdr.selector=none. Known keys: {sorted(REPLAY_FILL)}"
+        )
+    for k in ("input_ids", "attention_mask", "response_mask", "prompts", "responses", "old_log_probs", "advantages"):
+        if k not in batch.batch.keys():
+            raise RuntimeError(f"the actor batch has no `{k}`; hdreplay needs it to store and replay groups")
+    if "uid" not in batch.non_tensor_batch:
+        raise RuntimeError("the actor batch has no non-tensor `uid`; GRPO groups are identified by uid")
+    pos = batch.batch["position_ids"] if "position_ids" in batch.batch.keys() else None
+    if pos is not None and pos.dim() != 2:
+        raise RuntimeError(f"position_ids of shape {tuple(pos.shape)} (multimodal rope): hdreplay replays text "
+                           "models only")
+    mm = batch.non_tensor_batch.get("multi_modal_inputs")
+    if mm is not None and any(bool(x) for x in mm):
+        raise RuntimeError("the batch has non-empty multi_modal_inputs: hdreplay does not store images; text only")
+
+
+def row_rewards(batch: DataProto) -> torch.Tensor:
+    """(B,) reward of each row: sum of ``token_level_scores`` (or ``token_level_rewards``) over the response."""
+    for key in ("token_level_scores", "token_level_rewards"):
+        if key in batch.batch.keys():
+            return batch.batch[key].float().sum(dim=-1).cpu()
+    raise RuntimeError("the actor batch has neither token_level_scores nor token_level_rewards; ingress needs rewards")
+
+
+def response_advantages(batch: DataProto, *, estimator: str = "?") -> torch.Tensor:
+    """(B,) A_i: the advantage of each row, checked to be constant over its response_mask tokens."""
+    adv = batch.batch["advantages"].float().cpu()
+    mask = batch.batch["response_mask"].bool().cpu()
+    first = torch.where(mask.any(dim=1), mask.float().argmax(dim=1), torch.zeros(len(adv), dtype=torch.long))
+    value = adv.gather(1, first[:, None]).squeeze(1) * mask.any(dim=1)
+    dev = ((adv - value[:, None]).abs() * mask).amax(dim=1) if adv.numel() else adv.new_zeros(len(adv))
+    bad = dev > 1e-5 * (1 + value.abs())
+    if bool(bad.any()):
+        r = int(bad.nonzero()[0])
+        raise RuntimeError(
+            f"advantages vary within response row {r} (max deviation {float(dev[r]):.3g}) under "
+            f"algorithm.adv_estimator={estimator}: hdreplay stores one advantage per response (GRPO-style "
+            "outcome estimators such as grpo, rloo, grpo_passk, gpg, opo)"
+        )
+    return value
+
+
+def groups_from_batch(
+    batch: DataProto, *, step: int, group_size: int, estimator: str = "?"
+) -> tuple[list[GroupRecord], list[str], int]:
+    """Build one GroupRecord per uid of a fresh verl batch.
+
+    Stores per group: the unpadded prompt (P,), the n responses concatenated (T,) (unpadded with
+    the response part of ``attention_mask``), ``response_mask`` as the loss mask, ``old_log_probs``
+    as generation-time log-probs, response-level advantages and rewards (n,), and
+    :data:`STORED_EXTRAS` present in the batch.  Group ids are ``"<step>:<uid>"``.
+
+    Returns:
+        (groups, problems, num_uids): valid groups in first-appearance order of their uid, one message
+        per uid that could not be stored (wrong row count, empty loss mask, ...), and the number of uids.
+    """
+    check_batch_keys(batch)
+    t = {k: v.detach().cpu() for k, v in batch.batch.items()}
+    P = t["prompts"].shape[1]
+    attn = t["attention_mask"].bool()
+    if "position_ids" in t:
+        expect = compute_position_id_with_mask(t["attention_mask"].long())
+        if not torch.equal(t["position_ids"].long()[attn], expect[attn]):
+            raise RuntimeError("position_ids do not follow verl's clip(cumsum(attention_mask) - 1, 0) convention; "
+                               "hdreplay rebuilds them that way for replayed rows and cannot replay this batch")
+    pmask, rmask = attn[:, :P], attn[:, P:]
+    rewards, adv = row_rewards(batch), response_advantages(batch, estimator=estimator)
+    uids = batch.non_tensor_batch["uid"]
+    rows_of: dict = {}
+    for i, u in enumerate(uids.tolist()):
+        rows_of.setdefault(u, []).append(i)
+    groups, problems = [], []
+    for u, rows in rows_of.items():
+        if len(rows) != group_size:
+            problems.append(f"uid {u!r}: {len(rows)} rows, expected rollout.n={group_size}")
+            continue
+        idx = torch.tensor(rows)
+        prompt = t["prompts"][rows[0]][pmask[rows[0]]]
+        for r in rows[1:]:
+            if not torch.equal(t["prompts"][r][pmask[r]], prompt):
+                raise RuntimeError(f"rows {rows} share uid {u!r} but not one prompt; GRPO groups must share a prompt")
+        extras = {name: t[key][idx] for key, name in STORED_EXTRAS.items() if key in t}
+        try:
+            groups.append(GroupRecord.from_padded(
+                group_id=f"{step}:{u}", prompt_ids=prompt, completion_ids=t["responses"][idx],
+                completion_mask=rmask[idx], logprobs=t["old_log_probs"][idx], loss_mask=t["response_mask"][idx],
+                advantages=adv[idx], rewards=rewards[idx], birth_step=step, extras=extras,
+            ))
+        except ReplayInputError as e:
+            problems.append(str(e))
+    return groups, problems, len(rows_of)
+
+
+def _pad(x: torch.Tensor, width: int, side: str, value) -> torch.Tensor:
+    extra = width - x.shape[1]
+    if extra < 0:
+        raise ValueError(f"cannot pad width {x.shape[1]} down to {width}")
+    if extra == 0:
+        return x
+    pad = x.new_full((x.shape[0], extra, *x.shape[2:]), value)
+    return torch.cat([pad, x], dim=1) if side == "left" else torch.cat([x, pad], dim=1)
+
+
+def pad_batch_tensors(tensors: dict[str, torch.Tensor], *, P: int, R: int, old_P: int,
+                      pad_token_id: int) -> dict[str, torch.Tensor]:
+    """Re-pad row tensors from prompt width ``old_P`` to widths (P, R) (prompt side left, response side right)."""
+    out = {}
+    for k, v in tensors.items():
+        val = pad_token_id if k in TOKEN_ID_KEYS else 0
+        if k in ROW_KEYS:
+            out[k] = v
+        elif k in PROMPT_KEYS:
+            out[k] = _pad(v, P, "left", val)
+        elif k in SEQ_KEYS:
+            out[k] = torch.cat([_pad(v[:, :old_P], P, "left", val), _pad(v[:, old_P:], R, "right", val)], dim=1)
+        else:
+            out[k] = _pad(v, R, "right", val)
+    return out
+
+
+def padded_rows(groups: Sequence[GroupRecord], *, pad_token_id: int) -> tuple[PaddedGroups, dict[str, torch.Tensor]]:
+    """The rows of ``groups`` (each group's n responses consecutive) in verl's layout at tight widths.
+
+    Returns (pg, tensors) with tensors ``prompts (Rr, P') , responses / response_mask / old_log_probs /
+    advantages (Rr, R')``, ``input_ids / attention_mask / position_ids (Rr, P'+R')``, Rr = sum_g n_g.
+    """
+    pg = pad_groups(groups, pad_token_id=pad_token_id)
+    attn = torch.cat([pg.prompt_mask, pg.completion_mask], dim=1)
+    lmask = pg.loss_mask.long()
+    return pg, {
+        "prompts": pg.prompt_ids, "responses": pg.completion_ids,
+        "input_ids": torch.cat([pg.prompt_ids, pg.completion_ids], dim=1), "attention_mask": attn,
+        "position_ids": compute_position_id_with_mask(attn), "response_mask": lmask,
+        "old_log_probs": pg.logprobs, "advantages": pg.advantages[:, None] * lmask,
+    }
+
+
+def replay_rows(groups: Sequence[GroupRecord], *, like: DataProto, P: int, R: int,
+                pad_token_id: int) -> tuple[dict[str, torch.Tensor], dict[str, np.ndarray]]:
+    """Replay rows with exactly the keys of the fresh batch ``like``, at widths (P, R).
+
+    Tensor keys are filled as :data:`REPLAY_FILL` says (dtype of ``like``); non-tensor keys get
+    ``uid`` = group id, empty ``multi_modal_inputs`` and None elsewhere, plus ``hdr_replay=True``.
+    Raises RuntimeError naming a key that cannot be filled (e.g. reference log-probs not stored).
+    """
+    pg, base = padded_rows(groups, pad_token_id=pad_token_id)
+    rows = pg.num_rows
+    base["returns"] = base["advantages"]
+    last = torch.zeros_like(pg.logprobs)
+    last[torch.arange(rows), torch.tensor(pg.response_lengths) - 1] = pg.rewards
+    for k in ("token_level_scores", "token_level_rewards", "rm_scores"):
+        base[k] = last
+    for key, name in STORED_EXTRAS.items():
+        if key in like.batch.keys():
+            if name not in pg.extras:
+                raise RuntimeError(f"the actor batch has `{key}` but replayed groups carry no stored {name} "
+                                   "(buffer filled without it, e.g. resumed with a different KL setting)")
+            base[key] = pg.extras[name]
+    tensors = {}
+    for k, ref in like.batch.items():
+        if k in ROW_KEYS:
+            tensors[k] = torch.zeros((rows, *ref.shape[1:]), dtype=ref.dtype)
+        elif k not in base:
+            raise RuntimeError(f"hdreplay cannot fill actor-batch key `{k}` for replayed rows")
+        else:
+            tensors[k] = base[k].to(ref.dtype)
+    tensors = pad_batch_tensors(tensors, P=P, R=R, old_P=pg.prompt_ids.shape[1], pad_token_id=pad_token_id)
+    uid = np.array([groups[int(g)].group_id for g in pg.row_group.tolist()], dtype=object)
+    non_tensors = {}
+    for k in like.non_tensor_batch:
+        if k == "uid":
+            non_tensors[k] = uid
+        elif k == "multi_modal_inputs":
+            non_tensors[k] = np.array([{} for _ in range(rows)], dtype=object)
+        else:
+            non_tensors[k] = np.full(rows, None, dtype=object)
+    non_tensors[REPLAY_FLAG] = np.ones(rows, dtype=bool)
+    return tensors, non_tensors
+
+
+def scoring_batch(groups: Sequence[GroupRecord], *, pad_token_id: int,
+                  meta_info: dict | None = None) -> tuple[DataProto, PaddedGroups]:
+    """A DataProto of the groups' rows for ``_compute_old_log_prob`` (re-scoring under the current policy).
+
+    Returns (batch, pg); ``pg.split_by_group(old_log_probs)`` turns the ``(Rr, R')`` result back
+    into one flat ``(T_g,)`` tensor per group.
+    """
+    pg, t = padded_rows(groups, pad_token_id=pad_token_id)
+    keep = ("prompts", "responses", "input_ids", "attention_mask", "position_ids", "response_mask")
+    meta = dict(meta_info or {})
+    meta["global_token_num"] = t["attention_mask"].sum(dim=-1).tolist()
+    uid = np.array([groups[int(g)].group_id for g in pg.row_group.tolist()], dtype=object)
+    return DataProto.from_dict(tensors={k: t[k] for k in keep}, non_tensors={"uid": uid}, meta_info=meta), pg

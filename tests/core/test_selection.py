@@ -1,0 +1,166 @@
+"""Selection invariants (DESIGN section 1) on buffers built through the real controller protocol."""
+
+import dataclasses
+from collections import Counter
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from hdreplay import (
+    SELECTORS, ReplayConfig, ReplayConfigError, ReplayInputError, drift, group_scores,
+    select_replay,
+)
+from protocol import build
+
+def reference_scan(ctrl, policy, K, tau, gate=True, order="headroom"):
+    """The paper's loop, one group at a time, over the full buffer order."""
+    buf = ctrl.buffer
+    ids = buf.insertion_ids()
+    if order == "headroom":
+        key = buf.slot_values("cached_headroom", ids)
+        ordered = ids[np.lexsort((ids, -key))]
+    else:
+        ordered = ids[::-1]
+    accepted, scanned = [], []
+    for i in ordered.tolist():
+        if len(accepted) >= K:
+            break
+        g = buf.get([i])[0]
+        d = float(group_scores([g], [policy.token_logprobs(g.completion_ids, g.response_lengths)]).drift[0])
+        scanned.append(i)
+        if not gate or d <= tau:
+            accepted.append(i)
+    return accepted, scanned
+
+
+@given(seed=st.integers(0, 500), K=st.integers(0, 12), tau=st.sampled_from([0.0, 1e-3, 5e-3, 2e-2, 1.0]),
+       cap=st.integers(1, 25), chunk=st.sampled_from([None, 1, 3, 50]))
+def test_headroom_drift_invariants_and_chunked_equals_one_at_a_time(seed, K, tau, cap, chunk):
+    cfg = ReplayConfig(k_rep=K, tau=tau, capacity=cap, scan_chunk=chunk)
+    ctrl, pol = build(cfg, seed=seed)
+    ref_acc, ref_scan = reference_scan(ctrl, pol, K, tau)
+    sel = select_replay(ctrl.buffer, cfg, pol.scorer, step=6, acceptance_rate=ctrl.acceptance_rate)
+    assert sel.accepted.tolist() == ref_acc
+    assert sel.scanned.tolist() == ref_scan
+    assert len(sel.accepted) <= K
+    assert bool((sel.scanned_drift[sel.scanned_pass] <= tau).all())
+    # Proposition 3: R_t = top-K of the Drift-feasible set under cached order, within the scanned prefix
+    feasible = [i for i, ok in zip(sel.scanned.tolist(), sel.scanned_pass) if ok]
+    assert sel.accepted.tolist() == feasible[:K]
+    # early termination: the scan stops right at the K-th acceptance
+    if len(sel.accepted) == K and K > 0:
+        assert sel.scanned_pass[-1]
+    # every group scored at most once
+    assert sum(len(x) for x in [sel.scanned]) == len(set(sel.scanned.tolist()))
+    assert [g.group_id for g in sel.groups] == [ctrl.buffer.group_id(int(i)) for i in sel.accepted]
+
+
+def test_each_group_scored_at_most_once_per_step():
+    cfg = ReplayConfig(k_rep=6, tau=4e-3, capacity=40, scan_chunk=None)
+    ctrl, pol = build(cfg, steps=8, per_step=6)
+    seen = Counter()
+
+    def scorer(groups):
+        seen.update(g.group_id for g in groups)
+        return pol.scorer(groups)
+
+    sel = select_replay(ctrl.buffer, cfg, scorer, step=8, acceptance_rate=0.3)
+    assert max(seen.values()) == 1
+    assert sum(seen.values()) == len(sel.scanned) + sel.scored_unused
+    assert sel.scorer_calls == len(pol.calls[-sel.scorer_calls:])
+
+
+def test_auto_chunk_follows_acceptance_rate():
+    cfg = ReplayConfig(k_rep=4, tau=1.0, capacity=50)
+    ctrl, pol = build(cfg, steps=10)
+    s1 = select_replay(ctrl.buffer, cfg, pol.scorer, step=10, acceptance_rate=1.0)
+    s2 = select_replay(ctrl.buffer, cfg, pol.scorer, step=10, acceptance_rate=0.25)
+    assert s1.chunk_sizes == [4] and s1.scored_unused == 0
+    assert s2.chunk_sizes == [16] and s2.scored_unused == 12
+    assert s1.accepted.tolist() == s2.accepted.tolist()  # chunking never changes the outcome
+
+
+@pytest.mark.parametrize("name", ["recency", "drift_only", "headroom_only", "none"])
+def test_baseline_selectors(name):
+    cfg = ReplayConfig(selector=name, k_rep=4, tau=3e-3, capacity=30)
+    ctrl, pol = build(cfg)
+    n_calls = len(pol.calls)
+    sel = select_replay(ctrl.buffer, cfg, pol.scorer, step=6)
+    gate = SELECTORS[name].gate
+    if name == "none":
+        assert sel.accepted.tolist() == [] and len(pol.calls) == n_calls
+        return
+    order = "recency" if name in ("recency", "drift_only") else "headroom"
+    ref_acc, ref_scan = reference_scan(ctrl, pol, 4, 3e-3, gate=gate, order=order)
+    assert sel.accepted.tolist() == ref_acc
+    if name == "recency":
+        assert len(pol.calls) == n_calls  # no forward pass spent
+        assert sel.accepted.tolist() == ctrl.buffer.insertion_ids()[::-1][:4].tolist()
+    else:
+        assert sel.scanned.tolist() == ref_scan
+
+
+def test_recency_with_diagnostics_is_scored_but_not_gated():
+    cfg = ReplayConfig(selector="recency", k_rep=4, tau=0.0, capacity=30, diagnose_ungated=True)
+    ctrl, pol = build(cfg)
+    sel = select_replay(ctrl.buffer, cfg, pol.scorer, step=6)
+    assert sel.scored and len(sel.accepted) == 4 and sel.scanned_pass.all()
+    assert (sel.scanned_drift > 0).any()
+
+
+def test_truncation_keeps_highest_priority_prefix():
+    cfg = ReplayConfig(k_rep=7, tau=1.0, capacity=30, truncate_multiple=3)
+    ctrl, pol = build(cfg)
+    full = select_replay(ctrl.buffer, dataclasses.replace(cfg, truncate_multiple=1), pol.scorer, step=6)
+    cut = select_replay(ctrl.buffer, cfg, pol.scorer, step=6)
+    assert cut.accepted.tolist() == full.accepted.tolist()[:6]
+    assert cut.truncated.tolist() == full.accepted.tolist()[6:]
+    assert len(cut.groups) == 6
+
+
+@pytest.mark.parametrize("bad", ["length", "nan", "positive", "count", "type"])
+def test_bad_scorer_output_raises_and_buffer_unchanged(bad):
+    cfg = ReplayConfig(k_rep=3, tau=1.0, capacity=10)
+    ctrl, pol = build(cfg, steps=3)
+    before = ctrl.buffer.state_dict()
+
+    def scorer(groups):
+        out = pol.scorer(groups)
+        if bad == "length":
+            out[0] = out[0][:-1]
+        elif bad == "nan":
+            out[0][0] = float("nan")
+        elif bad == "positive":
+            out[0][0] = 0.7
+        elif bad == "count":
+            out = out[:-1]
+        else:
+            out = torch.stack([o[:1] for o in out])
+        return out
+
+    with pytest.raises(ReplayInputError):
+        ctrl.select(step=3, scorer=scorer)
+    after = ctrl.buffer.state_dict()
+    assert before[1] == after[1] and all(torch.equal(before[0][k], after[0][k]) for k in before[0])
+
+
+def test_unknown_selector_lists_valid_names():
+    with pytest.raises(ReplayConfigError) as e:
+        ReplayConfig(selector="per")
+    for name in SELECTORS:
+        assert name in str(e.value)
+
+
+def test_gate_uses_l1_when_configured():
+    cfg2 = ReplayConfig(k_rep=50, tau=0.05, capacity=50, drift_norm="l2")
+    cfg1 = dataclasses.replace(cfg2, drift_norm="l1")
+    ctrl, pol = build(cfg2, steps=8)
+    s1 = select_replay(ctrl.buffer, cfg1, pol.scorer, step=8)
+    for i, d in zip(s1.scanned.tolist(), s1.scanned_drift):
+        g = ctrl.buffer.get([i])[0]
+        cur = pol.token_logprobs(g.completion_ids, g.response_lengths)
+        ref = drift(logprobs=cur[None], ref_logprobs=g.logprobs[None], mask=g.loss_mask[None], norm="l1")
+        assert d == pytest.approx(float(ref), rel=1e-6)

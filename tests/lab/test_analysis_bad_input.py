@@ -1,0 +1,115 @@
+"""Bad input: truncated / malformed JSONL lines (skip or stop, naming file:line), empty and non-run
+directories, runs without usable replay records, bad settings.  Never a traceback from the entry point."""
+
+import json
+import shutil
+
+import pytest
+
+from hdreplay_lab.analysis import AnalysisInputError, BadLineWarning, load_run, main_report, read_jsonl
+
+
+def run_report(args, capsys):
+    rc = main_report([*map(str, args), "--no-progress", "--no-figures"])
+    out = capsys.readouterr()
+    assert "Traceback" not in out.err
+    return rc, out
+
+
+def test_truncated_line_is_skipped_with_a_warning_naming_file_and_line(real_run, tmp_path, capsys):
+    steps = real_run / "replay" / "steps.jsonl"
+    with open(steps, "a") as f:
+        f.write('{"step": 30, "selector": "headr')  # a crash mid-write: no closing brace, no newline
+    rc, out = run_report([real_run, "--out", tmp_path / "o"], capsys)
+    assert rc == 0
+    assert f"warning: {steps}:31: not valid JSON" in out.err and "line skipped" in out.err
+    rep = json.loads((tmp_path / "o" / "report.json").read_text())
+    assert rep["runs"]["hdr"]["acceptance"]["n_steps"] == 30  # the good lines are all used
+    assert any(f"{steps}:31" in p for p in rep["runs"]["hdr"]["problems"])
+    assert "## Data problems" in (tmp_path / "o" / "report.md").read_text()
+
+
+def test_stop_on_bad_line_exits_2_with_file_and_line(real_run, tmp_path, capsys):
+    groups = real_run / "replay" / "groups.jsonl"
+    lines = groups.read_text().splitlines(keepends=True)
+    lines[4] = "this is not json\n"
+    groups.write_text("".join(lines))
+    rc, out = run_report([real_run, "--out", tmp_path / "o", "--on-bad-line", "stop"], capsys)
+    assert rc == 2 and f"{groups}:5: not valid JSON" in out.err and "--on-bad-line skip" in out.err
+    assert not (tmp_path / "o" / "report.md").exists()
+    rc, out = run_report([real_run, "--out", tmp_path / "o"], capsys)
+    assert rc == 0 and f"{groups}:5" in out.err
+
+
+def test_empty_missing_file_and_non_run_directories(tmp_path, capsys):
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "notes.txt").write_text("hi")
+    (tmp_path / "file.jsonl").write_text("{}\n")
+    for path, msg in ((tmp_path / "empty", "the directory is empty"), (tmp_path / "missing", "no such directory"),
+                      (tmp_path / "other", "not a run directory"), (tmp_path / "file.jsonl", "not a directory")):
+        rc, out = run_report([path], capsys)
+        assert rc == 2 and msg in out.err and out.err.startswith("hdreplay report: error:"), (path, out.err)
+
+
+def test_replay_dir_without_usable_records(tmp_path, capsys):
+    run = tmp_path / "run"
+    (run / "replay").mkdir(parents=True)
+    (run / "replay" / "steps.jsonl").write_text('{"step": "seven"}\n{"step": 1, "scan_age": 3}\n')
+    rc, out = run_report([run, "--out", tmp_path / "o"], capsys)
+    assert rc == 0
+    assert "'step' must be an int >= 0" in out.err and "'scan_age' must be a list" in out.err
+    rep = json.loads((tmp_path / "o" / "report.json").read_text())
+    assert "has no usable step records" in rep["runs"]["run"]["acceptance"]["reason"]
+    assert rep["runs"]["run"]["entropy_timing"]["reason"] == "no train_log.jsonl"
+
+
+def test_bad_settings_and_labels_exit_2(real_run, capsys):
+    rc, out = run_report([real_run, "--entropy-low", "0.05", "--entropy-high", "0.04"], capsys)
+    assert rc == 2 and "H_L" in out.err
+    rc, out = run_report([real_run, "--label", "a", "--label", "b"], capsys)
+    assert rc == 2 and "2 --label values for 1 run" in out.err
+    rc, out = run_report([real_run, "--phase-bounds", "20,10"], capsys)
+    assert rc == 2 and "phase bounds" in out.err
+    with pytest.raises(SystemExit):  # argparse usage errors keep argparse's exit code and message
+        main_report([str(real_run), "--on-bad-line", "ignore"])
+
+
+def test_read_jsonl_checks_records_and_policy(tmp_path):
+    p = tmp_path / "s.jsonl"
+    p.write_text('{"step": 0}\n\n[1, 2]\n{"step": 1, "scan_age": [1, 2], "scan_pass": [true]}\n{"step": 2}\n')
+    problems = []
+    from hdreplay_lab.analysis.load import check_step_record
+    recs = read_jsonl(p, check=check_step_record, problems=problems)
+    assert [r["step"] for r in recs] == [0, 2]
+    assert problems[0].startswith(f"{p}:3: expected a JSON object, got list")
+    assert problems[1].startswith(f"{p}:4: scan lists have different lengths")
+    with pytest.raises(AnalysisInputError, match=f"{p}:3"):
+        read_jsonl(p, check=check_step_record, on_bad_line="stop")
+    with pytest.raises(AnalysisInputError, match="on_bad_line"):
+        read_jsonl(p, on_bad_line="ignore")
+
+
+def test_load_run_details(real_run, tmp_path):
+    # repeated step records (a resumed run without rewind): the last one wins, noted as a problem
+    steps = real_run / "replay" / "steps.jsonl"
+    lines = steps.read_text().splitlines(keepends=True)
+    steps.write_text("".join(lines + [lines[-1].replace('"budget_fill":1.0', '"budget_fill":0.5')]))
+    (real_run / "run.json").write_text("{not json")
+    with pytest.warns(BadLineWarning):
+        run = load_run(real_run)
+    assert len(run.steps) == 30 and run.steps[-1]["budget_fill"] == 0.5 and run.meta == {}
+    assert any("repeated step record" in p for p in run.problems)
+    assert any("run.json: not valid JSON" in p for p in run.problems)
+    with pytest.raises(AnalysisInputError, match="run.json"):
+        load_run(real_run, on_bad_line="stop")
+    # a bare diagnostics directory (what ReplayController(diagnostics_dir=...) writes) is a run too
+    bare = tmp_path / "bare"
+    shutil.copytree(real_run / "replay", bare)
+    run = load_run(bare, warn=False)
+    assert run.has_replay and run.replay_dir == bare and run.label == "bare" and len(run.groups) == 150
+
+
+def test_unique_labels_skip_taken_suffixes():
+    from hdreplay_lab.analysis.load import unique_labels
+    assert unique_labels(["a", "a#2", "a", "b", "a"]) == ["a", "a#2", "a#3", "b", "a#4"]

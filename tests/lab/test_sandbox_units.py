@@ -1,0 +1,106 @@
+"""Sandbox pieces: metrics against hand-computed values, rewards, ingress on the multi-reward task, warm start."""
+
+import json
+
+import numpy as np
+import pytest
+
+from hdreplay import AnswerBased, MixedOutcome, ReplayConfig, ReplayController
+from hdreplay_lab.sandbox.evaluate import best_at_n, macro_average, mean_at_n, weighted_average
+from hdreplay_lab.sandbox.methods import METHODS, get_methods
+from hdreplay_lab.sandbox.tasks import TASKS, answer_and_format, exact_match, get_task, parse_answer
+from hdreplay_lab.synthetic import TablePolicy, make_group
+
+
+def test_mean_and_best_at_n_by_hand():
+    scores = [[1, 0, 0, 1], [0, 0, 0, 0], [1, 1, 1, 0]]
+    assert mean_at_n(scores) == pytest.approx((0.5 + 0.0 + 0.75) / 3)
+    assert best_at_n(scores) == pytest.approx(2 / 3)
+    multi = [[0.1, 0.9], [0.0, 1.0]]
+    assert mean_at_n(multi) == pytest.approx((0.5 + 0.5) / 2) and best_at_n(multi) == pytest.approx(0.95)
+    with pytest.raises(ValueError):
+        mean_at_n([])
+
+
+def test_macro_vs_weighted_by_hand():
+    vals, sizes = {"a": 0.5, "b": 0.2}, {"a": 300, "b": 100}
+    assert macro_average(vals) == pytest.approx(0.35)
+    assert weighted_average(vals, sizes) == pytest.approx((0.5 * 300 + 0.2 * 100) / 400)
+
+
+@pytest.mark.parametrize("completion, answer, em, mixed", [
+    ("46", "46", 1.0, 0.9), ("46.", "46", 1.0, 1.0), ("45.", "46", 0.0, 0.1), ("45", "46", 0.0, 0.0),
+    ("46x", "46", 0.0, 0.9), ("", "46", 0.0, 0.0), (" 46.", "46", 1.0, 1.0), ("-3.", "-3", 1.0, 1.0),
+    ("46..", "46", 0.0, 0.9), ("x46.", "46", 0.0, 0.0),
+])
+def test_rewards(completion, answer, em, mixed):
+    assert exact_match(completion, answer) == em
+    assert answer_and_format(completion, answer) == mixed
+
+
+def test_parse_answer():
+    assert parse_answer("12.") == ("12", True)
+    assert parse_answer("12") == ("12", False)
+    assert parse_answer("abc") == (None, False)
+
+
+def test_answer_based_ingress_on_the_multi_reward_task():
+    task = get_task("multi_reward")
+    assert task.answer_threshold == 0.9
+    pol = TablePolicy()
+    # rewards from the task's own reward function on real completions
+    def group(comps, answer="46"):
+        r = [task.score(c, answer) for c in comps]
+        return make_group(str(comps), policy=pol, step=0, rewards=r)
+    format_only = group(["45.", "44", "45", "1."])           # 0.1/0.0 only: no answer variation
+    answer_mixed = group(["46.", "45.", "46", "3"])           # right and wrong answers
+    all_right = group(["46.", "46", "46.", "46"])             # 1.0/0.9 only
+    gs = [format_only, answer_mixed, all_right]
+    assert [MixedOutcome()(g) for g in gs] == [True, True, True]
+    assert [AnswerBased(0.9)(g) for g in gs] == [False, True, False]
+    ctrl = ReplayController(ReplayConfig(ingress="answer", answer_threshold=task.answer_threshold))
+    assert ctrl.stage(gs, step=0) == [False, True, False]
+
+
+def test_tasks_hold_out_their_benchmarks_and_validate_names():
+    for task in TASKS.values():
+        key = (lambda p: p.question) if task.is_multiturn else (lambda p: p.prompt)  # noqa: E731
+        perfect = ((lambda p: [{"role": "assistant", "content": p.answer}]) if task.is_multiturn
+                   else (lambda p: p.answer + "."))  # noqa: E731
+        held = task.heldout_prompts()
+        assert not held & {key(p) for p in task.train_problems(2000, seed=0)}
+        for b in task.benchmarks:
+            probs = task.benchmark_problems(b)
+            assert len(probs) == b.size == len({key(p) for p in probs})
+            assert all(task.score(perfect(p), p.answer) == 1.0 for p in probs)
+    with pytest.raises(ValueError, match="valid tasks"):
+        get_task("algebra")
+    with pytest.raises(ValueError, match="valid methods"):
+        get_methods(["onpolicy_matched", "per"])
+
+
+def test_method_budgets():
+    b = 16
+    assert METHODS["onpolicy_larger"].fresh_groups(b) == 24
+    assert METHODS["headroom_drift"].replay_groups(b) == 8
+    assert METHODS["recency_larger"].replay_groups(b) == 16
+    with pytest.raises(ValueError, match="even"):
+        METHODS["headroom_drift"].replay_groups(7)
+
+
+@pytest.mark.trl
+def test_warm_start_is_cached_and_loads_through_from_pretrained(tmp_path):
+    from hdreplay_lab.sandbox.model import load_model
+    from hdreplay_lab.sandbox.warmstart import WarmStartConfig, warm_start
+
+    cfg = WarmStartConfig(hidden=32, layers=1, max_steps=20, eval_every=10, eval_prompts=4, eval_n=2, target=1.1)
+    logs = []
+    d = warm_start(get_task("add"), tmp_path, cfg, log=logs.append)
+    meta = json.loads((d / "warmstart.json").read_text())
+    assert meta["steps"] == 20 and len(meta["history"]) == 2 and len(logs) == 2
+    assert meta["history"][1]["loss"] < meta["history"][0]["loss"] * 1.5
+    again = warm_start(get_task("add"), tmp_path, cfg, log=logs.append)
+    assert again == d and len(logs) == 2  # reused, not retrained
+    model, tok = load_model(d)
+    assert type(model).__name__ == "Qwen2ForCausalLM" and tok.decode(tok("12+3=").input_ids) == "12+3="
+    assert np.isfinite(meta["mean_at_n"])

@@ -1,0 +1,59 @@
+"""Real run directories for the analysis tests: written by the core ReplayController driven by the
+model-free TablePolicy (no trainer), plus hand-written trainer logs (run.json, train_log.jsonl, metrics.json)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from hdreplay import ReplayConfig, ReplayController
+from hdreplay_lab.synthetic import TablePolicy, make_group
+
+#: hand-written trainer log used by the real-run fixture: 30 log points at steps 0, 2, 4, ...
+LOG_STEPS = [2 * i for i in range(30)]
+LOG_SCORE = [0.05 * i for i in range(30)]                      # first >= 0.40 at i = 8 -> step 16
+LOG_ENTROPY = [0.5] * 12 + [0.02] * 10 + [0.05] * 8             # entry i = 12 -> step 24, rebound i = 22 -> 44
+
+
+def write_train_log(path: Path, steps=LOG_STEPS, score=LOG_SCORE, entropy=LOG_ENTROPY) -> None:
+    with open(path, "w") as f:
+        for s, r, h in zip(steps, score, entropy):
+            f.write(json.dumps({"step": s, "loss": 0.1, "reward": r, "entropy": h, "step_time": 0.1}) + "\n")
+        f.write(json.dumps({"step": steps[-1], "train_runtime": 12.5}) + "\n")  # TRL's closing entry
+
+
+def make_real_run(root: Path, name: str, *, steps: int = 30, per_step: int = 5, seed: int = 1,
+                  train_log: bool = True, **config) -> Path:
+    """RUN_DIR with run.json, train_log.jsonl and replay/{steps,groups}.jsonl from a real controller."""
+    run = root / name
+    run.mkdir(parents=True)
+    cfg = ReplayConfig(**{"k_rep": 3, "tau": 5e-3, "capacity": 12, "counterfactual": True, **config})
+    ctrl = ReplayController(cfg, diagnostics_dir=run / "replay")
+    pol = TablePolicy(seed=seed)
+    for t in range(steps):
+        if t:
+            pol = pol.perturbed(0.05, seed=1000 * seed + t)
+        ctrl.select(step=t, scorer=pol.scorer)
+        ctrl.stage([make_group(f"{t}-{i}", policy=pol, step=t, seed=97 * t + i + seed) for i in range(per_step)],
+                   step=t)
+        ctrl.commit()
+    ctrl.close()
+    meta = {"method": cfg.selector, "seed": seed, "task": "synthetic", "replay": cfg.to_dict()}
+    (run / "run.json").write_text(json.dumps(meta))
+    if train_log:
+        write_train_log(run / "train_log.jsonl")
+    return run
+
+
+def make_plain_run(root: Path, name: str) -> Path:
+    """An on-policy run: run.json with replay null and a trainer log, no replay/ directory."""
+    run = root / name
+    run.mkdir(parents=True)
+    (run / "run.json").write_text(json.dumps({"method": "grpo", "seed": 0, "task": "synthetic", "replay": None}))
+    write_train_log(run / "train_log.jsonl")
+    (run / "metrics.json").write_text(json.dumps({"mean@8": 0.42, "note": "text values are ignored"}))
+    return run
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]

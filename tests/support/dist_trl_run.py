@@ -1,0 +1,70 @@
+"""Run under ``torchrun --nproc_per_node 2`` by test_trl_distributed.py: trains through HDRGRPOTrainer
+and writes what each rank saw to ``<out>/rank<r>.json``.
+
+    torchrun --nproc_per_node 2 tests/dist_trl_run.py OUT_DIR MODEL_DIR [max_steps] [resume_checkpoint]
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from trl_fixtures import RecordingTrainer, make_args, prompts, reward_digit  # noqa: E402
+from hdreplay_lab.sandbox.model import load_model  # noqa: E402
+
+
+class CountingTrainer(RecordingTrainer):
+    forward_calls = 0
+
+    def _logps(self, *a, **k):
+        CountingTrainer.forward_calls += 1
+        return super()._logps(*a, **k)
+
+
+def main() -> None:
+    out, model_dir = sys.argv[1], sys.argv[2]
+    max_steps = int(sys.argv[3]) if len(sys.argv) > 3 else 4
+    resume = sys.argv[4] if len(sys.argv) > 4 else None
+    model, tok = load_model(model_dir)
+    # 2 rows per rank and micro-step, groups of 4: every group spans both ranks
+    args = make_args(out, max_steps=max_steps, per_device_train_batch_size=2, gradient_accumulation_steps=2,
+                     num_generations=4, replay_k_rep=2, replay_tau=0.1, learning_rate=5e-3, save_strategy="steps",
+                     save_steps=2, replay_scan_chunk=3)
+    tr = CountingTrainer(model=model, reward_funcs=reward_digit, args=args, train_dataset=prompts(),
+                         processing_class=tok)
+    tr.train(resume_from_checkpoint=resume)
+    r = tr.accelerator.process_index
+    rec = {
+        "world": tr.accelerator.num_processes,
+        "buffer_hashes": tr.buffer_hashes,
+        "selections": [{"step": s["step"], "groups": s["groups"], "births": s["births"]} for s in tr.selections],
+        "micro": [{"global_step": x["global_step"], "is_replay": x["is_replay"].tolist(),
+                   "mask_sum": int(x["mask"].sum()), "nib": x["nib"],
+                   "replay_ratio_dev": float((torch.exp(x["now"] - x["old"])[x["is_replay"]][
+                       x["mask"][x["is_replay"]].bool()] - 1).abs().max()) if x["is_replay"].any() else None,
+                   "replay_old_vs_now": float((x["now"] - x["old"]).abs().max()) if x["old"] is not None else None}
+                  for x in tr.records],
+        "forward_calls": CountingTrainer.forward_calls,
+        "losses": [h["loss"] for h in tr.state.log_history if "loss" in h],
+        "accepted": [h.get("replay/accepted") for h in tr.state.log_history if "loss" in h],
+    }
+    with open(os.path.join(out, f"rank{r}.json"), "w") as f:
+        json.dump(rec, f)
+    if dist.is_initialized():
+        dist.barrier()
+    # Leave without running destructors: torch 2.13's gloo ProcessGroup destructor (reached through DDP's
+    # Reducer at interpreter teardown) joins its worker thread while holding the GIL, and that thread may
+    # need the GIL to free a finished all-gather's tensors: an occasional deadlock (seen with py-spy).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,128 @@
+"""Shared pieces of the TRL integration tests: a tiny local model, a dataset, a recording trainer."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import torch  # noqa: E402
+from datasets import Dataset  # noqa: E402
+
+from hdreplay.integrations.trl import HDRGRPOConfig, HDRGRPOTrainer  # noqa: E402
+from hdreplay_lab.sandbox.model import build_tiny_model, load_model  # noqa: E402
+
+
+def prompts(k: int = 64) -> Dataset:
+    """Prompts of different lengths ("3+4=" ... "123+45678="), so batches mix left paddings."""
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for i in range(k):
+        a = int(torch.randint(0, 10 ** (1 + i % 3), (1,), generator=g))
+        b = int(torch.randint(0, 10 ** (1 + (i // 3) % 5), (1,), generator=g))
+        out.append(f"{a}+{b}=")
+    return Dataset.from_dict({"prompt": out})
+
+
+def reward_digit(completions, **kw):
+    """1 if a digit appears in the first 3 characters: mixed outcomes under a random model."""
+    return [float(any(ch.isdigit() for ch in c[:3])) for c in completions]
+
+
+def make_args(out_dir, **over) -> HDRGRPOConfig:
+    kw = dict(output_dir=str(out_dir), use_cpu=True, report_to="none", max_steps=4, per_device_train_batch_size=8,
+              num_generations=4, max_completion_length=6, learning_rate=2e-2, logging_steps=1, save_strategy="no",
+              bf16=False, activation_checkpointing=False, seed=0, gradient_accumulation_steps=2,
+              ddp_find_unused_parameters=False, replay_tau=10.0, replay_k_rep=3, disable_tqdm=True)
+    kw.update(over)
+    return HDRGRPOConfig(**kw)
+
+
+class RecordingTrainer(HDRGRPOTrainer):
+    """Records what every micro-step trains on, through the real loss path."""
+
+    def __init__(self, *a, **k):
+        super().__init__(*a, **k)
+        self.records: list[dict] = []
+        self.selections: list[dict] = []
+        self.buffer_hashes: list[str] = []
+
+    def _with_replay(self, out):
+        merged = super()._with_replay(out)
+        sel = self._replay_sel
+        self.selections.append({"step": sel.step, "groups": [g.group_id for g in sel.groups],
+                                "births": [g.birth_step for g in sel.groups],
+                                "stored_logps": [g.logprobs.clone() for g in sel.groups],
+                                "stored_mask": [g.loss_mask.clone() for g in sel.groups],
+                                "lengths": [g.response_lengths.tolist() for g in sel.groups]})
+        return merged
+
+    def _commit_replay(self):
+        super()._commit_replay()
+        self.buffer_hashes.append(buffer_hash(self.replay))
+
+    def _compute_loss(self, model, inputs):
+        ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
+        attn = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)
+        C = inputs["completion_ids"].shape[1]
+        with torch.no_grad():
+            now, _, _ = self._get_per_token_logps_and_entropies(model, ids, attn, C)
+        mask = inputs["completion_mask"] * inputs.get("tool_mask", torch.ones_like(inputs["completion_mask"]))
+        self.records.append({
+            "global_step": self.state.global_step, "micro": self._step,
+            "is_replay": inputs.get("hdr_is_replay", torch.zeros(ids.shape[0], dtype=torch.bool)).cpu(),
+            "old": None if inputs.get("old_per_token_logps") is None else inputs["old_per_token_logps"].cpu(),
+            "now": now.cpu(), "mask": mask.cpu(), "nib": int(inputs["num_items_in_batch"]),
+            "completion_ids": inputs["completion_ids"].cpu(), "advantages": inputs["advantages"].cpu(),
+            "hdr_row": inputs["hdr_row"].cpu() if "hdr_row" in inputs else None,
+        })
+        loss = super()._compute_loss(model, inputs)
+        old = inputs.get("old_per_token_logps")
+        self.records[-1]["old_after"] = None if old is None else old.detach().cpu().clone()
+        return loss
+
+
+def buffer_hash(ctrl) -> str:
+    tensors, meta = ctrl.buffer.state_dict()
+    h = hashlib.sha256(repr(sorted((k, v) for k, v in meta.items() if k != "group_ids")).encode())
+    h.update(repr(meta["group_ids"]).encode())
+    for k in sorted(tensors):
+        h.update(k.encode())
+        h.update(tensors[k].numpy().tobytes())
+    return h.hexdigest()
+
+
+def tiny_model(tmp_dir, arch="qwen2"):
+    path = os.path.join(str(tmp_dir), f"tiny-{arch}")
+    if not os.path.exists(os.path.join(path, "config.json")):
+        build_tiny_model(path, arch=arch)
+    return load_model(path)
+
+
+TOOL_TEXT = "[ok]"
+
+
+def tool_rollout(prompts_batch, trainer):
+    """A two-turn rollout through TRL's ``rollout_func`` hook: the model writes, an environment inserts
+    ``[ok]`` (env_mask 0, like retrieved text), the model writes again."""
+    tok = trainer.processing_class
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    tool = tok(TOOL_TEXT, add_special_tokens=False)["input_ids"]
+    out = {"prompt_ids": [], "completion_ids": [], "logprobs": [], "env_mask": []}
+    for p in prompts_batch:
+        ids = tok(p, add_special_tokens=False)["input_ids"]
+        with torch.no_grad():
+            first = model.generate(torch.tensor([ids]), max_new_tokens=3, do_sample=True, min_new_tokens=3,
+                                   pad_token_id=tok.pad_token_id)[0, len(ids):].tolist()
+            ctx = ids + first + tool
+            second = model.generate(torch.tensor([ctx]), max_new_tokens=2, do_sample=True, min_new_tokens=2,
+                                    pad_token_id=tok.pad_token_id)[0, len(ctx):].tolist()
+        comp = first + tool + second
+        out["prompt_ids"].append(ids)
+        out["completion_ids"].append(comp)
+        out["logprobs"].append([0.0] * len(comp))
+        out["env_mask"].append([1] * len(first) + [0] * len(tool) + [1] * len(second))
+    return out

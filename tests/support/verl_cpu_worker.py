@@ -1,0 +1,198 @@
+"""A CPU verl Worker for the recipe tests: real teacher-forced log-probs of a tiny local Qwen2.
+
+verl's own ActorRolloutRefWorker / FSDP engine need CUDA (NCCL process group, device ids), so
+this worker implements the worker-side contract the v0 ``RayPPOTrainer`` calls, re-using verl's
+own pieces wherever they are device-agnostic:
+
+* ``compute_log_prob`` / ``compute_ref_log_prob`` (nd-dispatch on meshes "actor" / "ref"): the
+  no-padding layout ``left_right_2_no_padding`` produced, value at position t = log p(x_{t+1} | x_{<=t}).
+* ``update_actor`` mirrors ``TrainingWorker.train_mini_batch`` (engine_workers.py:243-339): pops the
+  same keys, iterates with verl's ``tu.make_iterator`` (seed + dp rank, ``dataloader_kwargs``), computes
+  ``batch_num_tokens`` / ``dp_size`` like the FSDP engine, micro-batches with verl's
+  ``prepare_micro_batches``, and takes the loss from verl's own ``ppo_loss`` (so it reads exactly
+  the keys verl's loss reads).  Gradients are averaged over ranks with gloo (like FSDP).
+* It records, per update and mini-batch, what each rank trained (uid, replay flag, tokens, stored
+  log-prob / advantage / reference sums) so tests can check the layout through this real path.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+
+import torch
+from tensordict import TensorDict
+from verl.single_controller.base import Worker
+from verl.single_controller.base.decorator import Dispatch, make_nd_compute_dataproto_dispatch_fn, register
+from verl.utils import tensordict_utils as tu
+from verl.utils.config import omega_conf_to_dataclass
+from verl.workers.engine.utils import prepare_micro_batches
+from verl.workers.utils.losses import ppo_loss
+
+from hdreplay_lab.sandbox.model import load_model
+
+
+def teacher_forced(model, input_ids, position_ids, *, temperature: float = 1.0, grad: bool = False):
+    """Per-sequence log-probs and entropies of nested (jagged) sequences; value t scores token t+1."""
+    lps, ents = [], []
+    with torch.enable_grad() if grad else torch.no_grad():
+        for ids, pos in zip(input_ids.unbind(0), position_ids.unbind(0), strict=True):
+            logits = model(input_ids=ids[None], position_ids=pos[None]).logits[0].float() / temperature
+            logp = torch.log_softmax(logits, dim=-1)
+            nxt = torch.roll(ids, shifts=-1)
+            lp = logp.gather(-1, nxt[:, None]).squeeze(-1)
+            lps.append(torch.cat([lp[:-1], lp.new_zeros(1)]))
+            ents.append(-(logp.exp() * logp).sum(-1))
+    nest = lambda xs: torch.nested.as_nested_tensor(xs, layout=torch.jagged)  # noqa: E731
+    return nest(lps), nest(ents)
+
+
+def _non_tensor_list(td: TensorDict, key: str):
+    if key not in td.keys():
+        return None
+    v = tu.get(td, key)
+    return list(v) if not isinstance(v, list) else v
+
+
+class CPUActorWorker(Worker):
+    def __init__(self, model_dir: str, actor_config, lr: float = 0.0, infer_micro_batch: int = 1):
+        super().__init__()  # WORLD_SIZE / RANK / MASTER_* come from RayWorkerGroup
+        torch.set_num_threads(1)
+        self.infer_micro_batch = infer_micro_batch  # rollout.log_prob_micro_batch_size_per_gpu
+        self.model_dir, self.lr = model_dir, lr
+        self.actor_config = omega_conf_to_dataclass(actor_config)
+        for mesh in ("actor", "ref"):
+            self._register_dispatch_collect_info(mesh_name=mesh, dp_rank=self.rank, is_collect=True)
+        self.history: list = []
+        self.ckpt_log: list = []
+
+    # ------------------------------------------------------------------ lifecycle
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def init_model(self):
+        if self.world_size > 1 and not torch.distributed.is_initialized():
+            torch.distributed.init_process_group(backend="gloo", rank=self.rank, world_size=self.world_size)
+        self.reset(self.lr)
+        return self.rank
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def reset(self, lr: float = 0.0, actor_config=None):
+        """Reload the saved tiny model (from_pretrained), fresh optimizer, empty records; optionally a new
+        actor config (e.g. with use_kl_loss) for verl's ppo_loss."""
+        if actor_config is not None:
+            self.actor_config = omega_conf_to_dataclass(actor_config)
+        self.model, _ = load_model(self.model_dir)
+        self.model.eval()
+        self.ref_model = copy.deepcopy(self.model)
+        self.lr = lr
+        self.optim = torch.optim.SGD(self.model.parameters(), lr=lr)
+        self.history, self.ckpt_log = [], []
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def get_records(self):
+        return {"history": self.history, "ckpt_log": self.ckpt_log}
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def state_dict(self):
+        return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+
+    # ------------------------------------------------------------------ log-probs
+    def _log_probs(self, model, data: TensorDict) -> TensorDict:
+        """Like TrainingWorker.infer_batch: verl's micro-batching (asserts whole micro-batches of
+        rollout.log_prob_micro_batch_size_per_gpu), then per-sequence teacher forcing."""
+        temperature = tu.get(data, "temperature", default=1.0)
+        tu.assign_non_tensor(data, use_dynamic_bsz=False, micro_batch_size_per_gpu=self.infer_micro_batch)
+        micro_batches, _ = prepare_micro_batches(data=data, dp_group=None, same_micro_num_in_dp=True)
+        lps, ents = [], []
+        for micro in micro_batches:
+            lp, ent = teacher_forced(model, micro["input_ids"], micro["position_ids"], temperature=temperature)
+            lps.extend(lp.unbind(0))
+            ents.extend(ent.unbind(0))
+        nest = lambda xs: torch.nested.as_nested_tensor(xs, layout=torch.jagged)  # noqa: E731
+        return tu.get_tensordict({"log_probs": nest(lps), "entropy": nest(ents)},
+                                 non_tensor_dict={"metrics": {"mfu": 0.0}})
+
+    @register(dispatch_mode=make_nd_compute_dataproto_dispatch_fn(mesh_name="actor"))
+    def compute_log_prob(self, data: TensorDict) -> TensorDict:
+        return self._log_probs(self.model, data)
+
+    @register(dispatch_mode=make_nd_compute_dataproto_dispatch_fn(mesh_name="ref"))
+    def compute_ref_log_prob(self, data: TensorDict) -> TensorDict:
+        return self._log_probs(self.ref_model, data)
+
+    # ------------------------------------------------------------------ update
+    def _record(self, mb: TensorDict) -> dict:
+        lens = mb["input_ids"].offsets().diff().tolist()
+        mask = mb["response_mask"].float()
+        rec = {
+            "uid": _non_tensor_list(mb, "uid"),
+            "replay": _non_tensor_list(mb, "hdr_replay"),
+            "tokens": lens,
+            "old_lp_sum": (mb["old_log_probs"] * mask).sum(-1).tolist(),
+            "adv_first": [float(a[m.bool()][0]) if m.any() else 0.0 for a, m in zip(mb["advantages"], mask)],
+            "loss_tokens": mask.sum(-1).tolist(),
+            "responses": [r[: int(n)].tolist() for r, n in
+                          zip(mb["responses"], mb["attention_mask"][:, mb["prompts"].shape[1]:].sum(-1))],
+        }
+        if "ref_log_prob" in mb.keys():
+            rec["ref_lp_sum"] = (mb["ref_log_prob"] * mask).sum(-1).tolist()
+        return rec
+
+    @register(dispatch_mode=make_nd_compute_dataproto_dispatch_fn(mesh_name="actor"))
+    def update_actor(self, data: TensorDict) -> TensorDict:
+        mini_batch_size = tu.pop(data, key="mini_batch_size", default=None)
+        epochs = tu.pop(data, key="epochs", default=1)
+        seed = tu.pop(data, key="seed", default=42)
+        dataloader_kwargs = tu.pop(data, key="dataloader_kwargs", default={})
+        assert mini_batch_size % self.world_size == 0, (mini_batch_size, self.world_size)
+        dataloader = tu.make_iterator(data, mini_batch_size=mini_batch_size // self.world_size, epochs=epochs,
+                                      seed=seed + self.rank, dataloader_kwargs=dataloader_kwargs)
+        cfg = self.actor_config
+        records, losses = [], []
+        self.model.train()
+        for mb in dataloader:
+            records.append(self._record(mb))
+            num_tokens = mb["loss_mask"].sum().float()
+            if self.world_size > 1:
+                torch.distributed.all_reduce(num_tokens)
+            tu.assign_non_tensor(mb, batch_num_tokens=num_tokens.item(), dp_size=self.world_size,
+                                 use_dynamic_bsz=False, micro_batch_size_per_gpu=cfg.ppo_micro_batch_size_per_gpu)
+            micro_batches, _ = prepare_micro_batches(data=mb, dp_group=None, same_micro_num_in_dp=True)
+            self.optim.zero_grad()
+            total = 0.0
+            for micro in micro_batches:
+                lp, _ = teacher_forced(self.model, micro["input_ids"], micro["position_ids"],
+                                       temperature=tu.get(micro, "temperature", default=1.0), grad=True)
+                loss, _metrics = ppo_loss(cfg, {"log_probs": lp}, micro)
+                loss.backward()
+                total += loss.detach().item()
+            if self.world_size > 1:
+                for p in self.model.parameters():
+                    if p.grad is not None:
+                        torch.distributed.all_reduce(p.grad, op=torch.distributed.ReduceOp.AVG)
+            self.optim.step()
+            losses.append(total)
+        self.model.eval()
+        self.history.append(records)
+        return tu.get_tensordict({}, non_tensor_dict={"metrics": {"pg_loss": losses, "mfu": 0.0}})
+
+    # ------------------------------------------------------------------ checkpoints (RayPPOTrainer contract)
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def save_checkpoint(self, local_path, hdfs_path=None, global_step=0, max_ckpt_to_keep=None):
+        step_dir = os.path.dirname(local_path.rstrip("/"))
+        root = os.path.dirname(step_dir)
+        marker = os.path.join(root, "latest_checkpointed_iteration.txt")
+        self.ckpt_log.append({
+            "step": global_step,
+            "hdreplay_present": os.path.isfile(os.path.join(step_dir, "hdreplay", "state.json")),
+            "marker": open(marker).read() if os.path.exists(marker) else None,
+        })
+        if self.rank == 0:
+            os.makedirs(local_path, exist_ok=True)
+            torch.save({"model": self.model.state_dict(), "optim": self.optim.state_dict()},
+                       os.path.join(local_path, "model_optim.pt"))
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def load_checkpoint(self, local_path, hdfs_path=None, del_local_after_load=False):
+        state = torch.load(os.path.join(local_path, "model_optim.pt"), weights_only=False)
+        self.model.load_state_dict(state["model"])
+        self.optim.load_state_dict(state["optim"])

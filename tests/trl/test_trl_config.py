@@ -1,0 +1,68 @@
+"""HDRGRPOConfig's replay fields are generated from ReplayConfig: every knob settable, parsed, validated once."""
+
+import dataclasses
+
+import pytest
+
+pytest.importorskip("trl")
+pytestmark = pytest.mark.trl
+
+from hdreplay import ReplayConfig, ReplayConfigError  # noqa: E402
+from hdreplay.config import knobs  # noqa: E402
+from hdreplay.integrations.trl import HDRGRPOConfig  # noqa: E402
+from hdreplay.integrations.trl.config import REPLAY_FIELDS  # noqa: E402
+
+BASE = dict(output_dir="/tmp/hdr_cfg", use_cpu=True, bf16=False, report_to="none", per_device_train_batch_size=8,
+            num_generations=4)
+#: a non-default value for every core knob (the test fails if ReplayConfig gains a knob not listed here)
+VALUES = dict(selector="drift_only", k_rep=6, tau=0.02, capacity=20, drift_norm="l1", headroom_weighting="advantage",
+              ingress="answer", answer_threshold=0.9, truncate_multiple=3, scan_chunk=5, max_scan_chunk=50,
+              acceptance_ema=0.25, diagnose_ungated=True, counterfactual=True,
+              adaptive_tau='{"tau_min": 0.001, "tau_max": 0.1, "patience": 2}')
+
+
+def test_every_replay_knob_is_a_field_with_the_core_help():
+    exposed = {f.name for f in dataclasses.fields(ReplayConfig)} - {"group_size"}  # derived: num_generations
+    assert {k.name for k in knobs()} == exposed
+    assert set(VALUES) == exposed
+    fields = {f.name: f for f in dataclasses.fields(HDRGRPOConfig)}
+    for k in knobs():
+        assert f"replay_{k.name}" in REPLAY_FIELDS
+        assert fields[f"replay_{k.name}"].metadata["help"].startswith(k.help)
+
+
+def test_every_replay_knob_reaches_the_core_config():
+    args = HDRGRPOConfig(**BASE, **{f"replay_{k}": v for k, v in VALUES.items()})
+    rc = args.to_replay_config()
+    for f in dataclasses.fields(ReplayConfig):
+        if f.name == "adaptive_tau":
+            assert (rc.adaptive_tau.tau_min, rc.adaptive_tau.tau_max, rc.adaptive_tau.patience) == (1e-3, 0.1, 2)
+        elif f.name == "group_size":
+            assert rc.group_size == 4
+        else:
+            assert getattr(rc, f.name) == VALUES[f.name], f.name
+
+
+def test_trl_parser_parses_every_knob_from_the_command_line():
+    from trl import TrlParser
+
+    argv = ["--output_dir=/tmp/hdr_cfg", "--use_cpu", "--bf16=false", "--num_generations=4",
+            "--per_device_train_batch_size=8"]
+    for k, v in VALUES.items():
+        argv.append(f"--replay_{k}={str(v).lower() if isinstance(v, bool) else v}")
+    (args,) = TrlParser((HDRGRPOConfig,)).parse_args_and_config(argv)
+    rc = args.to_replay_config()
+    assert rc.adaptive_tau.patience == 2 and rc.counterfactual is True and rc.tau == 0.02 and rc.scan_chunk == 5
+
+
+@pytest.mark.parametrize("over,needle", [
+    (dict(replay_tau=-1.0), "replay_tau"), (dict(replay_k_rep=-2), "replay_k_rep"), (dict(replay_selector="bogus"), "replay_selector"),
+    (dict(replay_ingress="answer"), "replay_answer_threshold"), (dict(replay_counterfactual="yes"), "replay_counterfactual"),
+    (dict(replay_adaptive_tau='{"tau_min": 1'), "replay_adaptive_tau"),
+    (dict(replay_adaptive_tau={"taumin": 1e-3}), "replay_adaptive_tau"),
+    (dict(replay_acceptance_ema=0.0), "replay_acceptance_ema"), (dict(replay_capacity=0), "replay_capacity"),
+])
+def test_bad_values_are_refused_naming_the_trl_field(over, needle):
+    with pytest.raises(ReplayConfigError, match=needle) as e:
+        HDRGRPOConfig(**BASE, **over)
+    assert e.value.field == needle

@@ -1,0 +1,176 @@
+"""The packaged Hydra config, start-time validation, the task runner and the entry point (no Ray)."""
+
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.verl
+pytest.importorskip("verl", minversion="0.9.1")
+
+from hdreplay.errors import ReplayConfigError  # noqa: E402
+from hdreplay.integrations.verl import HDRRayPPOTrainer, HDRSettings, validate_verl_config  # noqa: E402
+from hdreplay.integrations.verl import verl_truncate_multiple  # noqa: E402
+from verl_helpers import compose_config, make_trainer  # noqa: E402
+
+ACTOR = "actor_rollout_ref.actor"
+
+
+def test_packaged_yaml_composes_verls_ppo_trainer_with_the_hdr_section():
+    cfg = compose_config()
+    assert cfg.trainer.use_v1 is False and cfg.algorithm.adv_estimator == "grpo"
+    assert cfg.actor_rollout_ref.actor.shuffle is False and cfg.actor_rollout_ref.actor.ppo_epochs == 1
+    assert cfg.actor_rollout_ref.actor.clip_ratio == 0.2  # verl's own defaults are there
+    assert set(cfg.hdr) >= {"selector", "k_rep", "tau", "capacity", "drift_norm", "headroom_weighting", "ingress"}
+    s = validate_verl_config(cfg)
+    rc = s.replay_config
+    assert (rc.selector, rc.k_rep, rc.tau, rc.capacity, rc.group_size) == ("headroom_drift", 4, 1e-3, 16, 4)
+    assert s.unit == 2 and rc.truncate_multiple == 2  # u = ppo_mini_batch_size in groups
+
+
+def test_paper_math_configuration_resolves():
+    cfg = compose_config("data.train_batch_size=256", "actor_rollout_ref.rollout.n=16",
+                         f"{ACTOR}.ppo_mini_batch_size=64", "trainer.n_gpus_per_node=8", "hdr.k_rep=128",
+                         "hdr.tau=1e-3", "hdr.capacity=512")
+    rc = validate_verl_config(cfg).replay_config
+    assert (rc.k_rep, rc.tau, rc.capacity, rc.truncate_multiple, rc.group_size) == (128, 1e-3, 512, 64, 16)
+
+
+def test_search_r1_configuration_resolves():
+    cfg = compose_config("data.train_batch_size=128", "actor_rollout_ref.rollout.n=5",
+                         f"{ACTOR}.ppo_mini_batch_size=32", "trainer.n_gpus_per_node=8", f"{ACTOR}.use_kl_loss=true",
+                         "actor_rollout_ref.rollout.multi_turn.enable=true",
+                         "actor_rollout_ref.rollout.agent.default_agent_loop=tool_agent",
+                         "hdr.k_rep=64", "hdr.tau=1e-2", "hdr.capacity=512")
+    rc = validate_verl_config(cfg).replay_config
+    assert (rc.k_rep, rc.tau, rc.capacity, rc.truncate_multiple, rc.group_size) == (64, 1e-2, 512, 32, 5)
+
+
+@pytest.mark.parametrize("mbs,n,dp,u", [(64, 16, 8, 64), (2, 4, 2, 2), (3, 2, 4, 6), (1, 3, 2, 2), (5, 1, 1, 5)])
+def test_truncation_unit_fills_whole_minibatches_on_every_rank(mbs, n, dp, u):
+    assert verl_truncate_multiple(ppo_mini_batch_size=mbs, n=n, dp=dp) == u
+    need = math.lcm(mbs * n, dp)  # rows that fill whole mini-batches and split over dp ranks
+    assert (u * n) % need == 0 and all((v * n) % need for v in range(1, u))  # and u is the smallest
+
+
+def test_user_truncate_multiple_is_folded_with_the_minibatch_unit():
+    cfg = compose_config("hdr.truncate_multiple=3", "hdr.k_rep=12")
+    assert HDRSettings.from_config(cfg).replay_config.truncate_multiple == 6
+
+
+@pytest.mark.parametrize("override,match", [
+    (f"{ACTOR}.shuffle=true", f"{ACTOR}.shuffle"),
+    (f"{ACTOR}.ppo_epochs=2", f"{ACTOR}.ppo_epochs"),
+    ("trainer.use_v1=true", "trainer.use_v1"),
+    ("algorithm.adv_estimator=gae", "algorithm.adv_estimator=gae"),
+    ("critic.enable=true", "critic.enable"),
+    ("algorithm.rollout_correction.bypass_mode=true", "algorithm.rollout_correction"),
+    ("algorithm.rollout_correction.rollout_is=token", "algorithm.rollout_correction"),
+    (f"{ACTOR}.use_prefix_grouper=true", "use_prefix_grouper"),
+    ("distillation.enabled=true", "distillation.enabled"),
+    ("actor_rollout_ref.rollout.n=1", "rollout.n"),
+    ("data.train_batch_size=5", "data.train_batch_size"),
+    ("hdr.k_rep=1", "hdr.k_rep"),
+    ("hdr.tau=-1", "hdr.tau"),
+    ("hdr.selector=bogus", "hdr.selector"),
+    ("hdr.drift_norm=l3", "hdr.drift_norm"),
+    ("hdr.ingress=answer", "hdr.answer_threshold"),
+    ("hdr.adaptive_tau.tau_min=0.5", "hdr.adaptive_tau"),
+])
+def test_incompatible_configuration_is_rejected_naming_the_key(override, match):
+    with pytest.raises(ReplayConfigError, match=match.replace(".", r"\.").replace("=", "=")):
+        validate_verl_config(compose_config(override))
+
+
+@pytest.mark.parametrize("override,needle", [("hdr.typo_key=1", "typo_key"), ("hdr.counterfactual=maybe", "maybe"),
+                                             ("hdr.k_rep=many", "many"), ("hdr.adaptive_tau.taumin=1", "taumin")])
+def test_unknown_keys_and_wrong_types_are_refused_by_the_schema_at_compose_time(override, needle):
+    from hydra.errors import ConfigCompositionException
+
+    with pytest.raises(ConfigCompositionException, match=needle):  # Hydra itself, before anything runs
+        compose_config(override)
+
+
+def test_unknown_hdr_key_in_a_hand_built_config_is_refused():
+    cfg = compose_config()
+    from omegaconf import OmegaConf
+
+    raw = OmegaConf.to_container(cfg, resolve=False)
+    raw["hdr"]["typo_key"] = 1  # a config built by hand, not through Hydra (or with Hydra's +hdr.typo_key=1)
+    with pytest.raises(ReplayConfigError, match=r"hdr\.typo_key"):
+        validate_verl_config(OmegaConf.create(raw))
+
+
+def test_every_replay_knob_is_settable_from_the_verl_config():
+    import dataclasses
+
+    from hdreplay import ReplayConfig
+
+    cfg = compose_config("hdr.selector=drift_only", "hdr.k_rep=6", "hdr.tau=0.02", "hdr.capacity=20",
+                         "hdr.drift_norm=l1", "hdr.headroom_weighting=advantage", "hdr.ingress=answer",
+                         "hdr.answer_threshold=0.9", "hdr.truncate_multiple=3", "hdr.scan_chunk=5",
+                         "hdr.max_scan_chunk=50", "hdr.acceptance_ema=0.25", "hdr.diagnose_ungated=true",
+                         "hdr.counterfactual=true", "hdr.adaptive_tau.enabled=true", "hdr.adaptive_tau.tau_min=0.001",
+                         "hdr.adaptive_tau.patience=2",
+                         "hdr.diagnostics_dir=null", "hdr.resume_without_state=true")
+    s = validate_verl_config(cfg)
+    rc = s.replay_config
+    want = dict(selector="drift_only", k_rep=6, tau=0.02, capacity=20, drift_norm="l1",
+                headroom_weighting="advantage", ingress="answer", answer_threshold=0.9, truncate_multiple=6,
+                scan_chunk=5, max_scan_chunk=50, acceptance_ema=0.25, group_size=4, diagnose_ungated=True,
+                counterfactual=True)
+    for f in dataclasses.fields(ReplayConfig):
+        if f.name == "adaptive_tau":
+            assert (rc.adaptive_tau.tau_min, rc.adaptive_tau.tau_max, rc.adaptive_tau.patience) == (1e-3, 0.1, 2)
+        else:
+            assert getattr(rc, f.name) == want[f.name], f.name  # every field is covered by `want`
+    assert s.resume_without_state is True and s.diagnostics_dir is None
+
+
+def test_all_problems_are_reported_together():
+    with pytest.raises(ReplayConfigError) as e:
+        validate_verl_config(compose_config(f"{ACTOR}.shuffle=true", f"{ACTOR}.ppo_epochs=2", "hdr.tau=-1"))
+    msg = str(e.value)
+    assert f"{ACTOR}.shuffle" in msg and f"{ACTOR}.ppo_epochs" in msg and "hdr.tau" in msg
+
+
+def test_selector_none_is_plain_verl_and_skips_recipe_checks():
+    s = validate_verl_config(compose_config("hdr.selector=none", f"{ACTOR}.shuffle=true", f"{ACTOR}.ppo_epochs=2"))
+    assert not s.active
+
+
+def test_trainer_constructor_validates_the_config():
+    class NoWorkers:
+        pass
+
+    with pytest.raises(ReplayConfigError, match="shuffle"):
+        make_trainer(HDRRayPPOTrainer, compose_config(f"{ACTOR}.shuffle=true"), NoWorkers())
+    trainer = make_trainer(HDRRayPPOTrainer, compose_config(), NoWorkers())
+    assert trainer.replay_active and trainer.replay.config.k_rep == 4
+
+
+def test_task_runner_builds_the_hdr_trainer_inside_verls_v0_run():
+    import verl.trainer.main_ppo_v0 as v0
+
+    from hdreplay.integrations.verl import main
+
+    stock = v0.RayPPOTrainer
+    with main.trainer_class(HDRRayPPOTrainer):
+        assert v0.RayPPOTrainer is HDRRayPPOTrainer
+    assert v0.RayPPOTrainer is stock
+    assert issubclass(main.HDRTaskRunner, v0.BaseTaskRunner)
+    assert main._STOCK_TASK_RUNNER.run is not v0.BaseTaskRunner.run  # verl's TaskRunner.run is what runs
+
+
+def test_entry_point_composes_the_packaged_config_and_checks_it_before_ray(tmp_path):
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HYDRA_FULL_ERROR="0")
+    proc = subprocess.run(  # cwd: Hydra writes outputs/<date>/<time>/ there
+        [sys.executable, "-m", "hdreplay.integrations.verl.main", f"{ACTOR}.shuffle=true", "hdr.tau=1e-2"],
+        capture_output=True, text=True, timeout=240, env=env, cwd=tmp_path,
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert f"{ACTOR}.shuffle=true" in out and "set it to false" in out
+    assert "Started a local Ray instance" not in out

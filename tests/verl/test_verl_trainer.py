@@ -1,0 +1,244 @@
+"""HDRRayPPOTrainer driven through verl's real ``RayPPOTrainer.fit`` with a CPU Ray worker group (dp=2).
+
+The worker group computes real teacher-forced log-probs of a tiny Qwen2 (``verl_cpu_worker``) and
+trains with verl's own mini-batch iterator and ``ppo_loss``; only the rollout and the weight-sync
+engine are stubs.  Two runs are shared by the tests of this module:
+
+* ``frozen``: lr = 0, KL loss on, tau = 1e-3, checkpoints every 2 steps, then a resumed run.  With
+  unchanged weights every re-scored Drift must be exactly 0, so everything scanned is accepted.
+* ``moving``: SGD lr = 0.5, KL loss off, tau = 1e-9: weights move, every scanned group drifts past
+  tau and is rejected, and the actor batch is fresh-only.
+"""
+
+import os
+import shutil
+
+import pytest
+
+pytestmark = pytest.mark.verl
+pytest.importorskip("verl", minversion="0.9.1")
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from hdreplay.errors import CheckpointError  # noqa: E402
+from hdreplay.integrations.verl import STATE_DIR, HDRRayPPOTrainer  # noqa: E402
+from hdreplay_lab.sandbox.model import load_model  # noqa: E402
+from verl_helpers import compose_config, make_trainer  # noqa: E402
+
+N, MB_ROWS, DP = 4, 8, 2  # rollout.n, ppo_mini_batch_size * n, data-parallel ranks
+
+
+class RecordingTrainer(HDRRayPPOTrainer):
+    """Keeps what each step's ``_update_actor`` returned and the controller state right after a resume."""
+
+    def __init__(self, *a, **k):
+        super().__init__(*a, **k)
+        self.step_metrics, self.steps, self.resumed_state = [], [], None
+
+    def _update_actor(self, batch):
+        out = super()._update_actor(batch)
+        self.step_metrics.append(dict(out.meta_info["metrics"]))
+        self.steps.append(self.last_replay)
+        return out
+
+    def _load_checkpoint(self):
+        result = super()._load_checkpoint()
+        self.resumed_state = (self.global_steps, self.replay.state_dict())
+        return result
+
+
+def _run(worker_group, ckpt_dir, *overrides, lr, kl, steps=3):
+    cfg = compose_config(*overrides, f"trainer.total_training_steps={steps}",
+                         f"actor_rollout_ref.actor.use_kl_loss={str(kl).lower()}", ckpt_dir=str(ckpt_dir))
+    worker_group.reset(lr=lr, actor_config=cfg.actor_rollout_ref.actor)
+    trainer = make_trainer(RecordingTrainer, cfg, worker_group)
+    trainer.fit()
+    return trainer, worker_group.get_records()
+
+
+@pytest.fixture(scope="module")
+def frozen(worker_group, tmp_path_factory):
+    ckpt = tmp_path_factory.mktemp("frozen_ckpt")
+    trainer, records = _run(worker_group, ckpt, "trainer.save_freq=2", "trainer.max_actor_ckpt_to_keep=1",
+                            lr=0.0, kl=True)
+    return trainer, records, ckpt
+
+
+@pytest.fixture(scope="module")
+def moving(worker_group, tmp_path_factory):
+    trainer, records = _run(worker_group, tmp_path_factory.mktemp("moving_ckpt"), "hdr.tau=1e-9", lr=0.5, kl=False)
+    return trainer, records
+
+
+def _replay_steps(trainer):
+    return [(i, s) for i, s in enumerate(trainer.steps) if s["num_replay_rows"]]
+
+
+# ---------------------------------------------------------------------------------------------------------- frozen
+def test_ingress_is_the_mixed_groups_of_each_step(frozen):
+    trainer, _, _ = frozen
+    prompts = trainer.async_rollout_manager.prompts  # prompt indices per step; p % 4 == 0 -> all-equal rewards
+    assert len(prompts) == 3
+    for metrics, idx in zip(trainer.step_metrics, prompts):
+        assert metrics["replay/ingress_admitted"] == sum(p % 4 != 0 for p in idx)
+    buf = trainer.replay.buffer
+    groups = buf.get(buf.insertion_ids().tolist())
+    assert groups and all(bool((g.rewards != g.rewards[0]).any()) for g in groups)
+    assert all(g.birth_step in (1, 2, 3) and g.num_responses == N for g in groups)
+
+
+def test_unchanged_weights_give_zero_drift_and_full_acceptance(frozen):
+    trainer, _, _ = frozen
+    steps = _replay_steps(trainer)
+    assert steps, "the frozen run must replay"
+    for _, s in steps:
+        sel = s["selection"]
+        assert len(sel.scanned) and np.abs(sel.scanned_drift).max() < 1e-10
+        assert sel.scanned_pass.all() and len(sel.accepted) <= trainer.replay.config.k_rep
+        assert (sel.scanned_age >= 1).all()  # never replayed in the step it was generated
+
+
+def test_replay_is_truncated_to_whole_minibatches(frozen):
+    trainer, _, _ = frozen
+    for s, m in zip(trainer.steps, trainer.step_metrics):
+        assert s["num_replay_rows"] % MB_ROWS == 0
+        sel = s["selection"]
+        assert len(sel.accepted) % trainer.hdr.replay_config.truncate_multiple == 0
+        assert m["replay/truncated"] == len(sel.truncated) and m["replay/rows"] == s["num_replay_rows"]
+
+
+def test_worker_trains_replay_in_the_first_minibatches_of_every_rank(frozen):
+    trainer, records, _ = frozen
+    assert [len(r["history"]) for r in records] == [3, 3]
+    for step, s in _replay_steps(trainer):
+        k_rep = s["num_replay_rows"] // MB_ROWS
+        per_rank = [r["history"][step] for r in records]  # [rank][k] mini-batch records (verl's iterator)
+        assert all(len(mbs) == len(s["layout"]) for mbs in per_rank)
+        for k in range(len(s["layout"])):
+            flags = [bool(f) for rank in per_rank for f in rank[k]["replay"]]
+            assert all(flags) if k < k_rep else not any(flags)
+            loads = [sum(rank[k]["tokens"]) for rank in per_rank]
+            assert max(loads) - min(loads) <= max(t for rank in per_rank for t in rank[k]["tokens"])
+        assert trainer.step_metrics[step]["replay/minibatches_with_replay"] == k_rep
+
+
+def test_worker_sees_exactly_the_planned_layout(frozen):
+    """Row j of rank r's k-th mini-batch in verl's iterator is row layout[k][r][j] of [replay ; fresh]."""
+    trainer, records, _ = frozen
+    for step, s in enumerate(trainer.steps):
+        for r, rank in enumerate(records):
+            got = [mb["tokens"] for mb in rank["history"][step]]
+            assert got == [[s["lengths"][i] for i in mb[r]] for mb in s["layout"]]
+
+
+def test_replay_rows_carry_stored_logprobs_advantages_ref_and_loss_mask(frozen):
+    trainer, records, _ = frozen
+    step, s = _replay_steps(trainer)[-1]
+    stored = {}
+    for g in s["selection"].groups:
+        for j, resp in enumerate(g.responses()):
+            lm = g.split(g.loss_mask)[j]
+            stored[(g.group_id, tuple(resp.tolist()))] = (
+                float(g.split(g.logprobs)[j][lm].sum()), float(g.advantages[j]),
+                float(g.split(g.extras["ref_logprobs"])[j][lm].sum()), int(lm.sum()))
+    seen = 0
+    for rank in records:
+        for mb in rank["history"][step]:
+            for i, is_rep in enumerate(mb["replay"]):
+                if not is_rep:
+                    continue
+                lp, adv, ref, ntok = stored[(mb["uid"][i], tuple(mb["responses"][i]))]
+                assert mb["old_lp_sum"][i] == pytest.approx(lp, abs=1e-5)
+                assert mb["adv_first"][i] == pytest.approx(adv, abs=1e-6)
+                assert mb["ref_lp_sum"][i] == pytest.approx(ref, abs=1e-5)
+                assert mb["loss_tokens"][i] == ntok  # tool tokens are not in the loss
+                seen += 1
+    assert seen == s["num_replay_rows"]
+
+
+def test_replay_metrics_are_merged_into_the_step_metrics(frozen):
+    trainer, _, _ = frozen
+    for m in trainer.step_metrics:
+        keys = {k for k in m if k.startswith("replay/")}
+        assert {"replay/buffer_size", "replay/accepted", "replay/ingress_admitted", "replay/rows",
+                "replay/layout_token_gap"} <= keys
+        assert all(np.isfinite(m[k]) for k in keys) and "actor/pg_loss" in m
+
+
+def test_buffer_is_saved_in_the_step_folder_before_the_latest_marker(frozen):
+    trainer, records, ckpt = frozen
+    for r in records:
+        assert [c["step"] for c in r["ckpt_log"]] == [2, 3]
+        for c in r["ckpt_log"]:  # seen from the worker, i.e. inside super()._save_checkpoint()
+            assert c["hdreplay_present"] and c["marker"] != str(c["step"])
+    assert open(os.path.join(ckpt, "latest_checkpointed_iteration.txt")).read() == "3"
+    assert os.path.isfile(os.path.join(ckpt, "global_step_3", STATE_DIR, "state.json"))
+    assert not os.path.exists(os.path.join(ckpt, "global_step_2", STATE_DIR))  # pruned: max_actor_ckpt_to_keep=1
+
+
+def test_resume_restores_the_buffer_and_continues(frozen, worker_group):
+    trainer, _, ckpt = frozen
+    saved_tensors, saved_meta = trainer.replay.state_dict()
+    cfg = compose_config("trainer.save_freq=-1", "trainer.total_training_steps=4",
+                         "actor_rollout_ref.actor.use_kl_loss=true", ckpt_dir=str(ckpt))
+    worker_group.reset(lr=0.0, actor_config=cfg.actor_rollout_ref.actor)
+    resumed = make_trainer(RecordingTrainer, cfg, worker_group)
+    resumed.fit()
+    step, (tensors, meta) = resumed.resumed_state
+    assert step == 3 and meta == saved_meta
+    assert tensors.keys() == saved_tensors.keys()
+    assert all(torch.equal(tensors[k], saved_tensors[k]) for k in tensors)
+    assert len(resumed.steps) == 1 and resumed.steps[0]["step"] == 4
+    assert resumed.replay.last_step == 4
+
+
+def test_resume_without_replay_state_fails_unless_allowed(frozen, worker_group, tmp_path):
+    _, _, ckpt = frozen
+    copy = tmp_path / "ckpt"
+    shutil.copytree(ckpt, copy)
+    shutil.rmtree(copy / "global_step_3" / STATE_DIR)
+    trainer = make_trainer(HDRRayPPOTrainer, compose_config(ckpt_dir=str(copy)), worker_group)
+    with pytest.raises(CheckpointError, match="resume_without_state"):
+        trainer._load_checkpoint()
+    trainer = make_trainer(HDRRayPPOTrainer, compose_config("hdr.resume_without_state=true", ckpt_dir=str(copy)),
+                           worker_group)
+    with pytest.warns(UserWarning, match="empty buffer"):
+        trainer._load_checkpoint()
+    assert trainer.global_steps == 3 and len(trainer.replay.buffer) == 0
+
+
+# ---------------------------------------------------------------------------------------------------------- moving
+def test_drifted_groups_are_rejected_and_not_trained(moving):
+    trainer, records = moving
+    scanned = [s for s in trainer.steps if len(s["selection"].scanned)]
+    assert scanned
+    for s in scanned:
+        sel = s["selection"]
+        assert (sel.scanned_drift > trainer.replay.tau).all() and len(sel.accepted) == 0
+        assert s["num_replay_rows"] == 0
+    for rank in records:
+        assert not any(f for upd in rank["history"] for mb in upd for f in mb["replay"])
+    assert trainer.step_metrics[-1]["replay/accept_rate"] == 0.0
+
+
+def test_scorer_equals_teacher_forcing_with_the_current_weights(moving, worker_group, tiny_model_dir):
+    trainer, _ = moving
+    buf = trainer.replay.buffer
+    groups = buf.get(buf.insertion_ids().tolist()[:3])
+    got = trainer._replay_scorer(groups)
+    model, _ = load_model(tiny_model_dir)
+    model.load_state_dict(worker_group.state_dict()[0])
+    model.eval()
+    temperature = trainer.config.actor_rollout_ref.rollout.temperature
+    with torch.no_grad():
+        for g, lp in zip(groups, got):
+            want = []
+            for resp in g.responses():
+                ids = torch.cat([g.prompt_ids.long(), resp.long()])[None]
+                logp = torch.log_softmax(model(input_ids=ids).logits[0].float() / temperature, dim=-1)
+                P = g.prompt_ids.numel()
+                want.append(logp[P - 1:-1].gather(-1, resp.long()[:, None]).squeeze(-1))
+            assert torch.allclose(lp, torch.cat(want), atol=1e-5)
+    # and the weights did move: stored generation log-probs differ from the current ones
+    assert max(float((lp - g.logprobs)[g.loss_mask].abs().max()) for g, lp in zip(groups, got)) > 1e-4
