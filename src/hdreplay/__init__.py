@@ -26,6 +26,7 @@ from .errors import (
     ReplayError,
     ReplayInputError,
     ReplayProtocolError,
+    ReplayStarvedWarning,
 )
 from .ingress import AnswerBased, MixedOutcome, make_ingress_rule
 from .layout import balanced_partition, minibatch_layout, replay_prefix_order, truncate_to_multiple
@@ -41,7 +42,7 @@ __version__ = "0.1.0"
 __all__ = [
     "AdaptiveTau", "TauState", "update_tau", "AnswerBased", "CheckpointError", "DiagnosticsWriter", "GroupRecord", "GroupScores", "METRIC_KEYS", "STEP_FIELDS", "StepRecord",
     "MixedOutcome", "PaddedGroups", "ReplayBuffer", "ReplayConfig", "ReplayConfigError", "ReplayController",
-    "ReplayError", "ReplayInputError", "ReplayProtocolError", "SELECTORS", "Scorer", "Selection",
+    "ReplayError", "ReplayInputError", "ReplayProtocolError", "ReplayStarvedWarning", "SELECTORS", "Scorer", "Selection",
     "balanced_partition", "drift", "group_scores", "headroom", "make_ingress_rule", "metrics_from_record",
     "minibatch_layout", "pad_groups", "reference_headroom", "replay_kl", "replay_kl_per_group",
     "replay_prefix_order", "select_replay", "token_headroom", "truncate_to_multiple", "__version__",

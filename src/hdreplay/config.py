@@ -101,6 +101,10 @@ class ReplayConfig:
         None, "groups re-scored per scorer call; unset = sized from the remaining budget and the running "
               "acceptance rate", flat=int)
     max_scan_chunk: int = knob(1024, "upper bound on an automatically sized chunk (memory of one scorer call)")
+    max_scan: int | None = knob(
+        None, "scan budget: at most this many groups are re-scored per step; unset = min(capacity, 8 * k_rep), "
+              "so a gate that passes fewer than 1 in 8 groups cannot fill the budget, and a tau so tight that "
+              "nothing passes costs at most 8 * k_rep re-scores per step instead of the whole buffer", flat=int)
     acceptance_ema: float = knob(0.5, "weight of the newest step in the running acceptance rate that sizes "
                                       "chunks, in (0, 1]")
     group_size: int | None = knob(None, "if set, every ingress group must have exactly this many responses",
@@ -146,6 +150,8 @@ class ReplayConfig:
             raise _err("scan_chunk", f"must be unset (auto) or an int in [1, {MAX_COUNT}], got {self.scan_chunk!r}")
         if not _is_int(self.max_scan_chunk) or not 1 <= self.max_scan_chunk <= MAX_COUNT:
             raise _err("max_scan_chunk", f"must be an int in [1, {MAX_COUNT}], got {self.max_scan_chunk!r}")
+        if self.max_scan is not None and (not _is_int(self.max_scan) or not 1 <= self.max_scan <= MAX_CAPACITY):
+            raise _err("max_scan", f"must be unset (auto) or an int in [1, {MAX_CAPACITY}], got {self.max_scan!r}")
         a = self.acceptance_ema
         if not _is_real(a) or not (0 < a <= 1):
             raise _err("acceptance_ema", f"must be in (0, 1], got {a!r}")
@@ -160,6 +166,11 @@ class ReplayConfig:
             lo, hi = self.adaptive_tau.tau_min, self.adaptive_tau.tau_max
             if not (lo <= self.tau <= hi):
                 raise _err("tau", f"tau={self.tau:g} must lie within adaptive_tau's bounds [{lo:g}, {hi:g}]")
+
+    @property
+    def scan_budget(self) -> int:
+        """Groups that may be re-scored per step (``max_scan``, or its automatic value)."""
+        return self.max_scan if self.max_scan is not None else min(self.capacity, 8 * self.k_rep)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-able view (a callable ingress rule is shown by its name)."""

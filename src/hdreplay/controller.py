@@ -17,6 +17,7 @@ from a checkpoint makes exactly the selections the uninterrupted run makes.
 from __future__ import annotations
 
 import os
+import warnings
 from typing import Any, Sequence
 
 import numpy as np
@@ -28,10 +29,14 @@ from .buffer import ReplayBuffer
 from .checkpoint import read_checkpoint_dir, require_keys, write_checkpoint_dir
 from .config import ReplayConfig
 from .diagnostics import DiagnosticsWriter, StepRecord, metrics_from_record, step_record
-from .errors import CheckpointError, ReplayInputError, ReplayProtocolError
+from .errors import CheckpointError, ReplayInputError, ReplayProtocolError, ReplayStarvedWarning
 from .ingress import make_ingress_rule
 from .selection import Scorer, Selection, select_replay
 from .record import GroupRecord
+
+#: consecutive starved steps (budget unfilled, gate pass rate < STARVED_RATE) before a ReplayStarvedWarning
+STARVED_STEPS = 5
+STARVED_RATE = 1 / 8
 
 CONTROLLER_FORMAT = "hdreplay.controller"
 CONTROLLER_VERSION = 1
@@ -61,6 +66,7 @@ class ReplayController:
         self._staged: list[GroupRecord] = []
         self._staged_ref: list[float] = []
         self._candidates = 0
+        self._starved_steps = 0
 
     # ------------------------------------------------------------------ protocol
     def _open(self, step: int, what: str) -> None:
@@ -151,6 +157,7 @@ class ReplayController:
         if self.tau_state is not None:
             self.tau_state = update_tau(self.tau_state, rec, self.config.adaptive_tau)
             rec.tau_next, rec.tau_action = self.tau_state.tau, self.tau_state.last_action
+        self._watch_starvation(rec)
         if self.diagnostics is not None:
             self.diagnostics.write_step(rec)
             self.diagnostics.write_groups(evicted)
@@ -159,6 +166,18 @@ class ReplayController:
         self._open_step, self._selection = None, None
         self._staged, self._staged_ref, self._candidates = [], [], 0
         return metrics_from_record(rec)
+
+    def _watch_starvation(self, rec: StepRecord) -> None:
+        starved = (rec.k_rep > 0 and rec.buffer_size > 0 and rec.accepted < rec.k_rep
+                   and rec.accept_rate is not None and rec.accept_rate < STARVED_RATE)
+        self._starved_steps = self._starved_steps + 1 if starved else 0
+        if self._starved_steps == STARVED_STEPS:
+            capped = " and the scan stopped at its budget (max_scan)" if rec.scan_capped else ""
+            warnings.warn(
+                f"hdreplay: replay starved for {STARVED_STEPS} steps (through step {rec.step}): the Drift gate passed "
+                f"{rec.accept_rate:.1%} of {rec.scanned} scanned groups at tau={rec.tau:g}{capped}, replaying "
+                f"{rec.accepted} of k_rep={rec.k_rep}. Loosen tau (`hdreplay calibrate` sweeps it), or set "
+                "adaptive_tau to let it move.", ReplayStarvedWarning, stacklevel=3)
 
     def close(self) -> None:
         """Write lifetime records of the groups still buffered (end of training)."""

@@ -77,6 +77,8 @@ class StepRecord:
     accepted_ages: list[int] = field(default_factory=list)
     scorer_calls: int = 0
     scored_unused: int = 0
+    #: the scan stopped at the scan budget (max_scan) before the replay budget was filled
+    scan_capped: bool = False
     scan_age: list[int] = field(default_factory=list)
     scan_drift: list[float | None] = field(default_factory=list)
     scan_pass: list[bool] = field(default_factory=list)
@@ -156,6 +158,7 @@ def step_record(
         accepted_ages=[int(a) for a in accepted_ages],
         scorer_calls=sel.scorer_calls,
         scored_unused=sel.scored_unused,
+        scan_capped=bool(sel.scan_capped),
         scan_age=[int(a) for a in sel.scanned_age],
         scan_drift=[_f(x) for x in sel.scanned_drift],
         scan_pass=[bool(x) for x in gate_ok],
@@ -182,7 +185,7 @@ def _counterfactual_fields(sel: Selection, gate_ok: np.ndarray) -> dict[str, Any
 #: keys of a step record exported as flat ``replay/<key>`` metrics.
 METRIC_KEYS = (
     "buffer_size", "ingress_admitted", "scanned", "accepted", "accept_rate", "budget_fill",
-    "drift_accepted", "drift_rejected", "replay_kl", "mean_age", "evicted", "scorer_calls", "tau",
+    "drift_accepted", "drift_rejected", "replay_kl", "mean_age", "evicted", "scorer_calls", "tau", "scan_capped",
 )
 
 

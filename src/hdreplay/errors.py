@@ -33,3 +33,7 @@ class ReplayProtocolError(ReplayError, RuntimeError):
 
 class CheckpointError(ReplayError, ValueError):
     """A checkpoint directory is missing, truncated, corrupted or was written by something else."""
+
+
+class ReplayStarvedWarning(UserWarning):
+    """The Drift gate has starved replay for several consecutive steps (see ``ReplayController``)."""

@@ -72,7 +72,10 @@ class GroupRecord:
         prompt_ids:        (P,) int32 prompt token ids, unpadded.
         completion_ids:    (T,) int32, the n completions concatenated.
         response_lengths:  (n,) int64, L_i, each >= 1; ``sum == T``.
-        loss_mask:         (T,) bool, 1 where the policy generated the token.
+        loss_mask:         (T,) bool, 1 where the policy generated the token and the loss counts it (T(g));
+                           a response may have none (e.g. a truncated completion masked out of the
+                           loss: it still counts for the group's outcome and advantages), but the
+                           group needs at least one.
         logprobs:          (T,) float32 generation-time log pi_gen(a|s).
         advantages:        (n,) float32 response advantages A_i (finite).
         rewards:           (n,) float32 response rewards (finite).
@@ -142,14 +145,10 @@ class GroupRecord:
                 )
             if not bool(torch.isfinite(v).all()):
                 raise ReplayInputError(f"group {gid!r}: `{name}` has non-finite values {v.tolist()}")
-        per_resp = torch.zeros(n, dtype=torch.int64).index_add_(
-            0, self.response_index(), self.loss_mask.to(torch.int64)
-        )
-        empty = (per_resp == 0).nonzero().flatten().tolist()
-        if empty:
+        if not bool(self.loss_mask.any()):
             raise ReplayInputError(
-                f"group {gid!r}: response(s) {empty} have an all-zero loss mask; every response needs at "
-                "least one generated (loss-mask) token. Drop such groups before ingress."
+                f"group {gid!r}: the loss mask is all zero, so T(g) is empty and Drift / Headroom are undefined; "
+                "a group needs at least one generated (loss-mask) token. Skip such groups before ingress."
             )
         check_logprobs("logprobs", self.logprobs, self.loss_mask, f"group {gid!r}")
         set_(self, "logprobs", self.logprobs.masked_fill(~self.loss_mask, 0.0))

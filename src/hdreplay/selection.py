@@ -113,6 +113,8 @@ class Selection:
     cf_headroom: np.ndarray | None = None
     #: (s,) group ids of the scanned groups (scan order), for logs that outlive the buffer's slots
     scanned_group_ids: list = field(default_factory=list)
+    #: the scan stopped at the scan budget (``ReplayConfig.scan_budget``) with the replay budget unfilled
+    scan_capped: bool = False
 
 
 def _empty(step: int, name: str, size: int) -> Selection:
@@ -162,12 +164,14 @@ def select_replay(
     cols: dict[str, list] = {k: [] for k in ("drift", "headroom", "kl", "pass", "tokens")}
     accepted: list[int] = []
     accepted_groups: list[GroupRecord] = []
-    prefix = order_fn(min(size, max(K, chunk_size(K, acceptance_rate, config))))
+    limit = min(size, max(K, config.scan_budget))  # an ungated order always takes its K groups
+    prefix = order_fn(min(limit, max(K, chunk_size(K, acceptance_rate, config))))
     pos, calls, unused, chunks = 0, 0, 0, []
-    while len(accepted) < K and pos < size:
+    while len(accepted) < K and pos < limit:
         want = chunk_size(K - len(accepted), acceptance_rate, config) if spec.gate else K - len(accepted)
-        if pos + want > len(prefix) and len(prefix) < size:
-            prefix = order_fn(min(size, max(2 * len(prefix), pos + want)))
+        want = min(want, limit - pos)
+        if pos + want > len(prefix) and len(prefix) < limit:
+            prefix = order_fn(min(limit, max(2 * len(prefix), pos + want)))
         ids = prefix[pos:pos + want]
         pos += len(ids)
         groups = buffer.get(ids.tolist())
@@ -215,6 +219,7 @@ def select_replay(
         buffer_size=size,
         tau=tau,
         scanned_group_ids=[buffer.group_id(i) for i in scanned],
+        scan_capped=len(accepted) < K and pos >= limit and limit < size,
     )
     if config.counterfactual and len(kept) and spec.name != "recency":
         _counterfactual(sel, buffer, config, scorer, cols)

@@ -33,7 +33,7 @@ def test_valid_record_views():
     (dict(logprobs=[-0.1, float("nan"), -0.3, -0.4, -0.5]), "non-finite value"),
     (dict(logprobs=[-0.1, float("-inf"), -0.3, -0.4, -0.5]), "non-finite value"),
     (dict(logprobs=[-0.1, 0.5, -0.3, -0.4, -0.5]), "positive value"),
-    (dict(loss_mask=[0, 0, 1, 1, 1]), "response(s) [0] have an all-zero loss mask"),
+    (dict(loss_mask=[0, 0, 0, 0, 0]), "the loss mask is all zero"),
     (dict(completion_ids=[], response_lengths=[], loss_mask=[], logprobs=[], advantages=[], rewards=[]),
      "empty group"),
     (dict(prompt_ids=[]), "`prompt_ids` is empty"),
@@ -46,6 +46,17 @@ def test_bad_records_name_the_field(over, needle):
     with pytest.raises(ReplayInputError) as e:
         GroupRecord(**base(**over))
     assert needle in str(e.value)
+
+
+def test_a_response_masked_out_of_the_loss_stays_in_its_group():
+    """A truncated completion under mask_truncated_completions: no loss tokens, but its reward and advantage count."""
+    g = GroupRecord(**base(loss_mask=[0, 0, 1, 1, 1]))
+    assert g.num_responses == 2 and g.num_loss_tokens == 3
+    assert g.logprobs[:2].tolist() == [0.0, 0.0]  # nothing stored where the loss does not look
+    from hdreplay import group_scores
+
+    sc = group_scores([g], [torch.tensor([-5.0, -5.0, -0.3, -0.4, -0.5])])
+    assert float(sc.drift[0]) == 0.0  # the masked response does not enter Drift
 
 
 def test_nan_logprob_at_masked_tool_position_is_tolerated_and_zeroed():

@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from hdreplay import (
-    SELECTORS, ReplayConfig, ReplayConfigError, ReplayInputError, drift, group_scores,
+    SELECTORS, ReplayConfig, ReplayConfigError, ReplayController, ReplayInputError, drift, group_scores,
     select_replay,
 )
 from protocol import build
@@ -164,3 +164,25 @@ def test_gate_uses_l1_when_configured():
         cur = pol.token_logprobs(g.completion_ids, g.response_lengths)
         ref = drift(logprobs=cur[None], ref_logprobs=g.logprobs[None], mask=g.loss_mask[None], norm="l1")
         assert d == pytest.approx(float(ref), rel=1e-6)
+
+
+def test_scan_budget_caps_rescoring_and_is_reported():
+    cfg = ReplayConfig(k_rep=3, tau=0.0, capacity=40, max_scan=7)  # tau 0: nothing passes a moved policy
+    ctrl, pol = build(cfg, steps=8)
+    sel = select_replay(ctrl.buffer, cfg, pol.scorer, step=8)
+    assert len(sel.scanned) + sel.scored_unused <= 7 and len(sel.scanned) == 7 and sel.scan_capped
+    assert sum(pol.calls) == len(sel.scanned) + sel.scored_unused
+    auto = ReplayConfig(k_rep=3, capacity=40)
+    assert auto.scan_budget == 24 and ReplayConfig(k_rep=3, capacity=10).scan_budget == 10
+    full = select_replay(ctrl.buffer, dataclasses.replace(cfg, max_scan=None, capacity=40), pol.scorer, step=8)
+    assert len(full.scanned) == 24 and full.scan_capped  # the automatic budget: 8 * k_rep
+
+
+def test_a_starved_gate_warns_once_after_several_steps():
+    from hdreplay import ReplayStarvedWarning
+    from protocol import run_steps
+
+    ctrl = ReplayController(ReplayConfig(k_rep=2, tau=0.0, capacity=30))
+    with pytest.warns(ReplayStarvedWarning, match="starved for 5 steps") as rec:
+        run_steps(ctrl, range(12))
+    assert len([w for w in rec if issubclass(w.category, ReplayStarvedWarning)]) == 1

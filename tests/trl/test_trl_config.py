@@ -17,7 +17,7 @@ BASE = dict(output_dir="/tmp/hdr_cfg", use_cpu=True, bf16=False, report_to="none
 #: a non-default value for every core knob (the test fails if ReplayConfig gains a knob not listed here)
 VALUES = dict(selector="drift_only", k_rep=6, tau=0.02, capacity=20, drift_norm="l1", headroom_weighting="advantage",
               ingress="answer", answer_threshold=0.9, truncate_multiple=3, scan_chunk=5, max_scan_chunk=50,
-              acceptance_ema=0.25, diagnose_ungated=True, counterfactual=True,
+              acceptance_ema=0.25, diagnose_ungated=True, counterfactual=True, max_scan=30,
               adaptive_tau='{"tau_min": 0.001, "tau_max": 0.1, "patience": 2}')
 
 

@@ -111,7 +111,7 @@ def test_every_replay_knob_is_settable_from_the_verl_config():
     cfg = compose_config("hdr.selector=drift_only", "hdr.k_rep=6", "hdr.tau=0.02", "hdr.capacity=20",
                          "hdr.drift_norm=l1", "hdr.headroom_weighting=advantage", "hdr.ingress=answer",
                          "hdr.answer_threshold=0.9", "hdr.truncate_multiple=3", "hdr.scan_chunk=5",
-                         "hdr.max_scan_chunk=50", "hdr.acceptance_ema=0.25", "hdr.diagnose_ungated=true",
+                         "hdr.max_scan_chunk=50", "hdr.max_scan=30", "hdr.acceptance_ema=0.25", "hdr.diagnose_ungated=true",
                          "hdr.counterfactual=true", "hdr.adaptive_tau.enabled=true", "hdr.adaptive_tau.tau_min=0.001",
                          "hdr.adaptive_tau.patience=2",
                          "hdr.diagnostics_dir=null", "hdr.resume_without_state=true")
@@ -119,7 +119,7 @@ def test_every_replay_knob_is_settable_from_the_verl_config():
     rc = s.replay_config
     want = dict(selector="drift_only", k_rep=6, tau=0.02, capacity=20, drift_norm="l1",
                 headroom_weighting="advantage", ingress="answer", answer_threshold=0.9, truncate_multiple=6,
-                scan_chunk=5, max_scan_chunk=50, acceptance_ema=0.25, group_size=4, diagnose_ungated=True,
+                scan_chunk=5, max_scan_chunk=50, max_scan=30, acceptance_ema=0.25, group_size=4, diagnose_ungated=True,
                 counterfactual=True)
     for f in dataclasses.fields(ReplayConfig):
         if f.name == "adaptive_tau":
