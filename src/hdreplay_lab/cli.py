@@ -22,6 +22,8 @@ from typing import Literal
 
 from hdreplay.selection import SELECTORS
 
+from .analysis.calibration import CalibrationCriteria
+from .analysis.report import ReportSettings
 from .options import add_command, arg
 from .sandbox.compare import CompareConfig
 from .sandbox.methods import DEMO_METHODS
@@ -72,48 +74,42 @@ class DemoArgs(CompareArgs):
 
 
 @dataclass
-class ReportArgs:
-    """Replay analytics of run directories (side by side): markdown + PNG figures + JSON.  A run directory is what
-    the sandbox or HDRLogCallback writes, a plain TRL output directory (trainer_state.json / TensorBoard events),
-    or a bare replay diagnostics directory."""
+class RunsArgs:
+    """What the analysis commands share: run directories, their labels and the output."""
 
-    runs: list[Path] = arg(help="run directories, compared side by side", positional=True)
-    out: Path | None = arg(None, "output directory (unset: RUN_DIR/report for one run, ./hdreplay-report for several)")
+    runs: list[Path] = arg(help="run directories", positional=True)
     label: list[str] = arg(default_factory=list, help="label of each run, in order (repeat; unset: directory names)")
     on_bad_line: Literal["skip", "stop"] = arg("skip", "a malformed JSONL line: skip it with a warning naming "
                                                        "file:line, or stop")
-    score_key: str = arg("reward", "trainer-log key of the training score S")
-    entropy_key: str = arg("entropy", "trainer-log key of the policy entropy H")
-    score_anchor: float = arg(0.40, "score anchor s0 of the entropy timing (paper: 0.40)")
-    entropy_low: float = arg(0.03, "low-entropy threshold H_L (paper: 0.03)")
-    entropy_high: float = arg(0.04, "rebound threshold H_U (paper: 0.04)")
-    kl_window: int = arg(15, "running-average window of the replay-KL curve (steps)")
-    phases: int = arg(4, "equal-count training phases of the phase-wise replay mixture")
-    phase_bounds: tuple[int, ...] | None = arg(None, "explicit phase bounds in steps, e.g. 100,200")
     figures: bool = arg(True, "write the PNG figures")
     progress: bool = arg(True, "show progress bars")
 
     def __post_init__(self) -> None:
-        from .analysis import EntropyThresholds, ReportSettings
+        from .analysis.load import unique_labels
 
-        self.settings = ReportSettings(
-            kl_window=self.kl_window, n_phases=self.phases, phase_bounds=self.phase_bounds, score_key=self.score_key,
-            entropy_key=self.entropy_key, entropy=EntropyThresholds(self.score_anchor, self.entropy_low,
-                                                                    self.entropy_high))
         if self.label and len(self.label) != len(self.runs):
             raise ValueError(f"{len(self.label)} --label values for {len(self.runs)} run directories; give one label "
                              "per run or none")
+        self.labels = self.label or unique_labels([p.resolve().name or str(p) for p in self.runs])
 
     def check(self) -> None:
         if self.out is not None:
             _out_dir(self.out)
 
+
+@dataclass
+class ReportArgs(RunsArgs):
+    """Replay analytics of run directories (side by side): markdown + PNG figures + JSON.  A run directory is what
+    the sandbox or HDRLogCallback writes, a plain TRL output directory (trainer_state.json / TensorBoard events),
+    or a bare replay diagnostics directory."""
+
+    out: Path | None = arg(None, "output directory (unset: RUN_DIR/report for one run, ./hdreplay-report for several)")
+    settings: ReportSettings = field(default_factory=ReportSettings)
+
     def run(self) -> int:
         from .analysis import build_report, load_run, write_report
-        from .analysis.load import unique_labels
 
-        labels = unique_labels(self.label or [p.resolve().name or str(p) for p in self.runs])
-        runs = [load_run(p, label=lab, on_bad_line=self.on_bad_line, warn=False) for p, lab in zip(self.runs, labels)]
+        runs = [load_run(p, label=lab, on_bad_line=self.on_bad_line, warn=False) for p, lab in zip(self.runs, self.labels)]
         for msg in (m for r in runs for m in r.problems):
             print(f"warning: {msg}", file=sys.stderr)
         report = build_report(runs, self.settings, show_progress=self.progress)
@@ -129,39 +125,20 @@ class ReportArgs:
 
 
 @dataclass
-class SummarizeArgs:
+class SummarizeArgs(RunsArgs):
     """Summarise finished calibration runs: per-run gate diagnostics, starved / too-loose flags, the recommended tau
-    and adaptive tau against it (calibration.md / .json / .png)."""
+    and adaptive tau against it (calibration.md / .json / .png).  'tau=1e-3' labels give the tau of runs that do not
+    log it."""
 
-    runs: list[Path] = arg(help="run directories (one per tau, plus adaptive runs)", positional=True)
-    label: list[str] = arg(default_factory=list, help="label of each run, in order (repeat; unset: directory names; "
-                                                       "'tau=1e-3' labels give the tau of runs that do not log it)")
     out: Path = arg(Path("hdreplay-calibration"), "output directory")
-    on_bad_line: Literal["skip", "stop"] = arg("skip", "a malformed JSONL line: skip it with a warning, or stop")
     score_key: str = arg("reward", "trainer-log key of the training score")
     entropy_key: str = arg("entropy", "trainer-log key of the policy entropy")
-    starved_accept: float = arg(0.10, "starved if the final-third acceptance is below this")
-    starved_drop: float = arg(0.75, "starved if acceptance fell by more than this fraction from the first third")
-    loose_kl_ratio: float = arg(2.0, "too loose if replay KL rose more than this factor (early -> final third) ...")
-    loose_accept: float = arg(0.75, "... while the mean acceptance is above this")
-    fill_tolerance: float = arg(0.05, "budget fills within this of the best count as full; the smaller tau wins")
-    figures: bool = arg(True, "write calibration.png")
-    progress: bool = arg(True, "show progress bars")
+    criteria: CalibrationCriteria = field(default_factory=CalibrationCriteria)
 
     def __post_init__(self) -> None:
-        from .analysis import CalibrationCriteria
-
-        self.criteria = CalibrationCriteria(starved_accept=self.starved_accept, starved_drop=self.starved_drop,
-                                            loose_kl_ratio=self.loose_kl_ratio, loose_accept=self.loose_accept,
-                                            fill_tolerance=self.fill_tolerance)
-        if self.label and len(self.label) != len(self.runs):
-            raise ValueError(f"{len(self.label)} --label values for {len(self.runs)} run directories")
-        self.labels = self.label or [p.resolve().name or str(p) for p in self.runs]
+        super().__post_init__()
         if len(set(self.labels)) != len(self.labels):
             raise ValueError(f"run labels must be unique, got {self.labels}; give --label for each run")
-
-    def check(self) -> None:
-        _out_dir(self.out)
 
     def run(self) -> int:
         from .analysis import summarize_calibration

@@ -83,11 +83,11 @@ def _params(cls: type, defaults: dict[str, Any], hide: set[str], prefix: str = "
                 out.append(_param(f"{prefix}{f.name}__{k.name}", Optional[kt], None,
                                   f"{k.help} [unset: {k.default!r}]", decls))
         elif "help" in meta and f.name not in hide:
-            flag = meta["flag"] or "--" + f.name.replace("_", "-")
+            flag = meta.get("flag") or "--" + f.name.replace("_", "-")
             if typ is bool and "/" not in flag:
                 flag += "/--no-" + flag[2:]
             out.append(_param(prefix + f.name, typ, defaults.get(f.name, _default(f)), meta["help"], [flag],
-                              meta["positional"]))
+                              meta.get("positional", False)))
     return out
 
 

@@ -136,7 +136,7 @@ def test_recommendation_without_recorded_budget_fill():
 
 
 def test_fill_tolerance_is_a_fraction():
-    with pytest.raises(AnalysisInputError, match=r"--fill-tolerance\) is a fraction .*0.05 = 5 points"):
+    with pytest.raises(AnalysisInputError, match=r"fill_tolerance \(--fill-tolerance\) must be a fraction in \[0, 1\], got 5"):
         CalibrationCriteria(fill_tolerance=5)
 
 

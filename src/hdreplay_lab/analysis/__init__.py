@@ -13,7 +13,7 @@ The ``hdreplay report`` / ``hdreplay calibrate`` commands (``hdreplay_lab.cli``)
 """
 
 from .age import age_gate, mixing, phase_mixture, pool_ages, staleness
-from .calibrate import run_calibration, summarize_calibration
+from .calibration import run_calibration, summarize_calibration
 from .calibration import (
     CalibrationCriteria, CalibrationSummary, Recommendation, RunDiagnostics, compare_adaptive, diagnose, recommend,
 )

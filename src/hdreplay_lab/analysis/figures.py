@@ -1,8 +1,5 @@
-"""PNG figures of a report dict (matplotlib on an Agg canvas; no pyplot global state, no computation).
-
-Each ``fig_*`` function takes the report's ``runs`` mapping (label -> analysis) and returns a matplotlib Figure,
-or None when no run has the data.  :func:`render_figures` writes them.
-"""
+"""PNG figures of a report dict (matplotlib on an Agg canvas; no pyplot global state, no computation).  Each
+``fig_*`` takes the report's ``runs`` (label -> analysis) and draws the runs that have its section."""
 
 from __future__ import annotations
 
@@ -28,13 +25,6 @@ def new_figure(rows: int, cols: int, size: tuple[float, float]):
     return fig, fig.subplots(rows, cols, squeeze=False)
 
 
-def _int_ticks(*axes) -> None:
-    from matplotlib.ticker import MaxNLocator
-
-    for a in axes:
-        a.xaxis.set_major_locator(MaxNLocator(integer=True))
-
-
 def run_color(i: int) -> str:
     return f"C{i % 10}"
 
@@ -48,37 +38,42 @@ def _xy(xs, ys):
     return [p[0] for p in pts], [p[1] for p in pts]
 
 
-def _legend(*axes, size: int = 7) -> None:
-    for a in axes:
-        a.legend(fontsize=size)
+def _finish(axes, labels, title: str | None = None, int_x: bool = False, legend: int = 7, one_legend=False) -> None:
+    """Axis labels (xlabel, ylabel[, title]) per axis, integer x ticks, legends (on the first axis only with
+    ``one_legend``: the axes share their runs), a title on the first axis."""
+    from matplotlib.ticker import MaxNLocator
+
+    for j, (a, lab) in enumerate(zip(axes, labels)):
+        a.set(**dict(zip(("xlabel", "ylabel", "title"), lab)))
+        if j == 0 or not one_legend:
+            a.legend(fontsize=legend)
+        if int_x:
+            a.xaxis.set_major_locator(MaxNLocator(integer=True))
+    if title:
+        axes[0].set_title(title)
 
 
 def fig_acceptance(runs: Runs):
     fig, ax = new_figure(3, 1, (8, 7))
     for i, lab, sec in _have(runs, "acceptance"):
-        for row, key in enumerate(("accept_rate", "budget_fill", "rejections")):
-            ax[row, 0].plot(*_xy(sec["series"]["step"], sec["series"][key]), color=run_color(i), label=lab, lw=1.2)
-    for row, name in enumerate(("acceptance rate", "replay-budget fill", "gate rejections")):
-        ax[row, 0].set_ylabel(name)
-    ax[2, 0].set_xlabel("step")
-    ax[0, 0].set_title("Drift-gate acceptance, budget fill and rejections per step")
-    _legend(ax[0, 0], size=8)
+        for a, key in zip(ax[:, 0], ("accept_rate", "budget_fill", "rejections")):
+            a.plot(*_xy(sec["series"]["step"], sec["series"][key]), color=run_color(i), label=lab, lw=1.2)
+    _finish(ax[:, 0], [("", "acceptance rate"), ("", "replay-budget fill"), ("step", "gate rejections")],
+            "Drift-gate acceptance, budget fill and rejections per step", legend=8, one_legend=True)
     return fig
 
 
 def fig_replay_kl(runs: Runs):
     fig, ax = new_figure(1, 1, (8, 4))
-    a, positive = ax[0, 0], True
+    positive = True
     for i, lab, sec in _have(runs, "replay_kl"):
         x, y = _xy(sec["series"]["step"], sec["series"]["replay_kl"])
-        a.plot(x, y, ".", color=run_color(i), alpha=0.25, ms=3)
-        a.plot(sec["running"]["step"], sec["running"]["replay_kl"], color=run_color(i),
-               label=f"{lab} (running mean, window {sec['window']})")
+        ax[0, 0].plot(x, y, ".", color=run_color(i), alpha=0.25, ms=3)
+        ax[0, 0].plot(sec["running"]["step"], sec["running"]["replay_kl"], color=run_color(i),
+                      label=f"{lab} (running mean, window {sec['window']})")
         positive = positive and all(v > 0 for v in y)
-    if positive:
-        a.set_yscale("log")
-    a.set(xlabel="step", ylabel="replay KL", title="Replay KL over training")
-    _legend(a, size=8)
+    ax[0, 0].set_yscale("log" if positive else "linear")
+    _finish(ax[0], [("step", "replay KL", "Replay KL over training")], legend=8)
     return fig
 
 
@@ -90,16 +85,15 @@ def fig_scan(runs: Runs):
         for flag, marker, name in ((True, "o", "filled"), (False, "D", "underfilled")):
             pts = [(x, d) for x, d, f in zip(s["step"], s["scanned"], s["filled"]) if f is flag]
             if pts:
-                color = run_color(i) if len(have) > 1 else ("C0" if flag else "C1")
-                ax[0, 0].scatter(*zip(*pts), marker=marker, s=14, color=color, label=f"{lab}: {name}")
+                ax[0, 0].scatter(*zip(*pts), marker=marker, s=14, label=f"{lab}: {name}",
+                                 color=run_color(i) if len(have) > 1 else ("C0" if flag else "C1"))
         if sec["prefix"].get("available"):
             ax[0, 1].plot(sec["prefix"]["grid"], sec["prefix"]["cumulative_share"], color=run_color(i),
                           label=f"{lab} ({sec['order']} order)")
-    ax[0, 0].set(xlabel="step", ylabel="scan depth (groups)", title="(A) scan depth per step")
     ax[0, 1].plot([0, 1], [0, 1], ":", color="gray", label="uniform")
-    ax[0, 1].set(xlabel="top prefix of the scan-ordered buffer (fraction)", ylabel="cumulative share of replay",
-                 title="(B) accepted replay recovered from the top prefix")
-    _legend(*ax[0])
+    _finish(ax[0], [("step", "scan depth (groups)", "(A) scan depth per step"),
+                    ("top prefix of the scan-ordered buffer (fraction)", "cumulative share of replay",
+                     "(B) accepted replay recovered from the top prefix")])
     return fig
 
 
@@ -116,15 +110,13 @@ def fig_age(runs: Runs):
             tw = ax[0, 2].twinx()
             tw.bar(ages, sec["scanned_by_age"], color="gray", alpha=0.3, zorder=0)
             tw.set_ylabel("scanned candidates")
-    _int_ticks(*ax[0])
-    for a, ylabel, title in zip(ax[0], ("share within population", "empirical CDF", "acceptance rate"),
-                                ("(A) age histogram", "(B) age CDF", "(C) acceptance rate by age")):
-        a.set(xlabel="replay age (steps)", ylabel=ylabel, title=title)
-    _legend(*ax[0])
+    x = "replay age (steps)"
+    _finish(ax[0], [(x, "share within population", "(A) age histogram"), (x, "empirical CDF", "(B) age CDF"),
+                    (x, "acceptance rate", "(C) acceptance rate by age")], int_x=True)
     return fig
 
 
-def _grouped_bars(a, have, x_of, ykey: str, rows_of) -> None:
+def _bars(a, have, x_of, ykey: str, rows_of) -> None:
     w = 0.8 / max(len(have), 1)
     for j, (i, lab, sec) in enumerate(have):
         rows = rows_of(sec)
@@ -135,48 +127,41 @@ def _grouped_bars(a, have, x_of, ykey: str, rows_of) -> None:
 def fig_headroom_deciles(runs: Runs):
     have = _have(runs, "headroom_deciles")
     fig, ax = new_figure(1, 1, (8, 4))
-    a = ax[0, 0]
-    _grouped_bars(a, have, lambda b: b["bin"], "mean_replay_count", lambda s: s["bins"])
-    tw = a.twinx()
+    _bars(ax[0, 0], have, lambda b: b["bin"], "mean_replay_count", lambda s: s["bins"])
+    tw = ax[0, 0].twinx()
     for i, lab, sec in have:
         tw.plot([b["bin"] for b in sec["bins"]], [b["p_replayed"] for b in sec["bins"]], "-o", ms=4,
                 color="black" if len(have) == 1 else run_color(i), label=f"{lab}: P(N_rep >= 1)")
     tw.set(ylabel="P(N_rep >= 1)", ylim=(0, 1.05))
-    _int_ticks(a)
-    a.set(xlabel="initial stored Headroom bin (low -> high)", ylabel="mean lifetime replay count N_rep",
-          title="Initial stored Headroom and lifetime replay")
-    a.legend(fontsize=7, loc="upper left")
     tw.legend(fontsize=7, loc="upper center")
+    _finish(ax[0], [("initial stored Headroom bin (low -> high)", "mean lifetime replay count N_rep",
+                     "Initial stored Headroom and lifetime replay")], int_x=True)
     return fig
 
 
 def fig_multiplicity(runs: Runs):
     fig, ax = new_figure(1, 3, (14, 4))
-    for a, key, title in zip(ax[0], ("cohort_share", "replay_event_share", "exposure_share"),
-                             ("(A) cohort share", "(B) replay-event share", "(C) exposure-mass share (W_T)")):
-        _grouped_bars(a, _have(runs, "multiplicity"), lambda c: c["n_rep"], key, lambda s: s["cohorts"])
-        a.set(xlabel="lifetime replay count N_rep", ylabel="share", title=title)
-    _int_ticks(*ax[0])
-    _legend(*ax[0])
+    keys = ("cohort_share", "replay_event_share", "exposure_share")
+    for a, key in zip(ax[0], keys):
+        _bars(a, _have(runs, "multiplicity"), lambda c: c["n_rep"], key, lambda s: s["cohorts"])
+    _finish(ax[0], [("lifetime replay count N_rep", "share", t) for t in
+                    ("(A) cohort share", "(B) replay-event share", "(C) exposure-mass share (W_T)")], int_x=True)
     return fig
 
 
 def fig_counterfactual(runs: Runs):
     have = _have(runs, "counterfactual")
     fig, ax = new_figure(1, 1, (6, 5))
-    a = ax[0, 0]
     for i, lab, sec in have:
         s, label = sec["series"], f"{lab} (both better: {100 * sec['quadrant_share']['both']:.0f}%)"
+        color = {"c": s["step"], "cmap": "viridis"} if len(have) == 1 else {"color": run_color(i)}
+        sc = ax[0, 0].scatter(s["compat_gain"], s["value_gain"], s=14, label=label, **color)
         if len(have) == 1:
-            fig.colorbar(a.scatter(s["compat_gain"], s["value_gain"], c=s["step"], cmap="viridis", s=14, label=label),
-                         ax=a, label="step")
-        else:
-            a.scatter(s["compat_gain"], s["value_gain"], color=run_color(i), s=14, label=label)
-    a.axhline(0, color="gray", lw=0.8)
-    a.axvline(0, color="gray", lw=0.8)
-    a.set(xlabel="compatibility gain (recency Drift - selected Drift)",
-          ylabel="learning-value gain (selected - recency Headroom)", title="Same-buffer counterfactual vs recency")
-    _legend(a)
+            fig.colorbar(sc, ax=ax[0, 0], label="step")
+    ax[0, 0].axhline(0, color="gray", lw=0.8)
+    ax[0, 0].axvline(0, color="gray", lw=0.8)
+    _finish(ax[0], [("compatibility gain (recency Drift - selected Drift)",
+                     "learning-value gain (selected - recency Headroom)", "Same-buffer counterfactual vs recency")])
     return fig
 
 
@@ -188,39 +173,34 @@ def fig_entropy_timing(runs: Runs):
     fig, ax = new_figure(2, 1, (9, 6))
     for i, lab, tr in have:
         e, c = runs[lab]["entropy_timing"], run_color(i)
-        score, ent = dict(zip(tr["score"]["step"], tr["score"]["value"])), dict(zip(tr["entropy"]["step"],
-                                                                                    tr["entropy"]["value"]))
-        ax[0, 0].plot(list(score), list(score.values()), color=c, label=lab)
-        ax[1, 0].plot(list(ent), list(ent.values()), color=c, label=lab)
-        if e.get("t_first") is not None:
-            ax[0, 0].plot([e["t_first"]], [score[e["t_first"]]], "D", color=c, ms=7)
-        for key, marker in (("t_entry", "o"), ("t_rebound", "s")):
+        curves = [dict(zip(tr[k]["step"], tr[k]["value"])) for k in ("score", "entropy")]
+        for a, curve in zip(ax[:, 0], curves):
+            a.plot(list(curve), list(curve.values()), color=c, label=lab)
+        for a, curve, key, marker in ((ax[0, 0], curves[0], "t_first", "D"), (ax[1, 0], curves[1], "t_entry", "o"),
+                                      (ax[1, 0], curves[1], "t_rebound", "s")):
             if e.get(key) is not None:
-                ax[1, 0].plot([e[key]], [ent[e[key]]], marker, color=c, ms=7)
+                a.plot([e[key]], [curve[e[key]]], marker, color=c, ms=7)
         if e.get("t_entry") is not None:
             end = e["t_rebound"] if e.get("t_rebound") is not None else tr["entropy"]["step"][-1]
             ax[1, 0].axvspan(e["t_entry"], end, color=c, alpha=0.1)
-    ax[0, 0].set(ylabel="training score S", title="Score (diamond: t_first) and entropy (circle: entry, square: rebound)")
-    ax[1, 0].set(xlabel="step", ylabel="policy entropy H")
-    _legend(ax[0, 0])
+    _finish(ax[:, 0], [("", "training score S"), ("step", "policy entropy H")],
+            "Score (diamond: t_first) and entropy (circle: entry, square: rebound)", one_legend=True)
     return fig
 
 
 def fig_phases(runs: Runs):
     fig, ax = new_figure(2, 2, (10, 6))
-    for a, (key, name) in zip(ax.flat, (("mean_age", "mean source age"), ("share_age1", "share age = 1"),
-                                        ("share_age_ge3", "share age >= 3"),
-                                        ("mean_distinct_ages", "mean distinct ages / update"))):
+    keys = (("mean_age", "mean source age"), ("share_age1", "share age = 1"), ("share_age_ge3", "share age >= 3"),
+            ("mean_distinct_ages", "mean distinct ages / update"))
+    for a, (key, _) in zip(ax.flat, keys):
         for i, lab, sec in _have(runs, "phases"):
             ph = sec["phases"]
             a.plot(*_xy(range(1, len(ph) + 1), [p[key] for p in ph]), "-o", color=run_color(i), ms=4, label=lab)
-        a.set(xlabel="phase", ylabel=name)
-    _legend(ax[0, 0])
-    ax[0, 0].set_title("Phase-wise replay mixture")
+    _finish(list(ax.flat), [("phase", name) for _, name in keys], "Phase-wise replay mixture", one_legend=True)
     return fig
 
 
-#: name -> (section whose availability decides, figure function)
+#: name -> (the section some run must have, figure function); entropy_timing decides for itself
 FIGURES: dict[str, tuple[str | None, Callable[[Runs], Any]]] = {
     "acceptance": ("acceptance", fig_acceptance), "replay_kl": ("replay_kl", fig_replay_kl), "scan": ("scan", fig_scan),
     "age": ("age_gate", fig_age), "headroom_deciles": ("headroom_deciles", fig_headroom_deciles),

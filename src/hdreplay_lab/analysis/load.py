@@ -1,17 +1,14 @@
-"""Run directories -> DataFrames, with a bad-line policy.
+"""Run directories -> DataFrames, with a bad-line policy.  A run directory holds any of::
 
-What a run directory may hold (any one of the logs makes it a run)::
-
-    run.json                   {"method", "seed", "task", "replay": ReplayConfig dict | null, ...}
-    train_log.jsonl            one trainer log entry per logging step ("step", "reward", "entropy", ...), as the
-                               sandbox and hdreplay.integrations.trl.callback.HDRLogCallback write it
-    trainer_state.json         a plain TRL / transformers output directory: its ``log_history`` (also read from
-                               the newest checkpoint-*/trainer_state.json) ...
-    **/events.out.tfevents.*   ... or, failing both, its TensorBoard scalars ("train/reward" -> "reward")
-    replay/steps.jsonl         per-step replay records (hdreplay.diagnostics.StepRecord)
-    replay/groups.jsonl        per-group lifetime records
-    metrics.json               final evaluation
-A bare diagnostics directory (``steps.jsonl`` directly inside) is a run too.  Nothing here computes statistics.
+    run.json                  {"method", "seed", "task", "replay": ReplayConfig dict | null, ...}
+    train_log.jsonl           one trainer log entry per logging step ("step", "reward", "entropy", ...), as the
+                              sandbox and hdreplay.integrations.trl.callback.HDRLogCallback write it; else, in a
+                              plain TRL output directory, trainer_state.json's log_history (its own or the newest
+                              checkpoint-*'s), else TensorBoard scalars ("train/reward" -> "reward")
+    replay/steps.jsonl        per-step replay records (hdreplay.diagnostics.StepRecord); replay/groups.jsonl: per-group
+                              lifetime records; a bare diagnostics directory (steps.jsonl inside) is a run too
+    metrics.json              final evaluation
+Nothing here computes statistics.
 """
 
 from __future__ import annotations
@@ -31,6 +28,8 @@ from hdreplay.errors import ReplayError
 ON_BAD_LINE = ("skip", "stop")
 STEP_LISTS = ("accepted_ages", "scan_age", "scan_drift", "scan_pass", "scan_cached_headroom", "scan_headroom")
 GROUP_FIELDS = ("group_id", "insertion_id", "birth_step", "evicted_step", "ref_headroom", "replay_count", "exposure")
+FILES = ("run.json", "train_log.jsonl", "replay/steps.jsonl", "steps.jsonl", "trainer_state.json", "metrics.json",
+         "replay/groups.jsonl", "groups.jsonl")
 
 
 class AnalysisInputError(ReplayError, ValueError):
@@ -50,37 +49,27 @@ def check_step_record(rec: dict) -> str | None:
     if not _is_int(rec.get("step")) or rec["step"] < 0:
         return f"'step' must be an int >= 0, got {rec.get('step')!r}"
     bad = next((k for k in STEP_LISTS if k in rec and not isinstance(rec[k], list)), None)
-    if bad:
-        return f"{bad!r} must be a list, got {type(rec[bad]).__name__}"
-    lens = {k: len(rec[k]) for k in STEP_LISTS[1:] if k in rec}
-    return f"scan lists have different lengths {lens}" if len(set(lens.values())) > 1 else None
+    lens = {k: len(rec[k]) for k in STEP_LISTS[1:] if k in rec and not bad}
+    return (f"{bad!r} must be a list, got {type(rec[bad]).__name__}" if bad
+            else f"scan lists have different lengths {lens}" if len(set(lens.values())) > 1 else None)
 
 
 def check_group_record(rec: dict) -> str | None:
     """Why a parsed groups.jsonl object is unusable, or None if it is fine."""
     bad = next((k for k in ("birth_step", "replay_count") if not _is_int(rec.get(k))), None)
-    if bad:
-        return f"{bad!r} must be an int, got {rec.get(bad)!r}"
-    h = rec.get("ref_headroom")
-    if not isinstance(h, (int, float)) or isinstance(h, bool):
-        return f"'ref_headroom' must be a number, got {h!r}"
-    ev = rec.get("evicted_step")
-    return None if ev is None or _is_int(ev) else f"'evicted_step' must be an int or null, got {ev!r}"
+    h, ev = rec.get("ref_headroom"), rec.get("evicted_step")
+    return (f"{bad!r} must be an int, got {rec.get(bad)!r}" if bad
+            else f"'ref_headroom' must be a number, got {h!r}" if isinstance(h, bool) or not isinstance(h, (int, float))
+            else f"'evicted_step' must be an int or null, got {ev!r}" if ev is not None and not _is_int(ev) else None)
 
 
 def read_jsonl(path: str | Path, *, on_bad_line: str = "skip", check: Callable[[dict], str | None] | None = None,
                problems: list[str] | None = None) -> pd.DataFrame:
-    """A JSONL file as a DataFrame (one row per good line, file order).
-
-    Blank lines are ignored.  A line that is not JSON, not an object, or that ``check`` rejects is a *bad line*:
-    with ``on_bad_line="skip"`` it is dropped and ``"<file>:<line>: <reason>"`` appended to ``problems``; with
-    ``"stop"`` an :class:`AnalysisInputError` with that text is raised.
-    """
+    """A JSONL file as a DataFrame, one row per good line.  A line that is not JSON, not an object, or that
+    ``check`` rejects is dropped with ``"<file>:<line>: <reason>"`` appended to ``problems`` (``on_bad_line="skip"``)
+    or raises :class:`AnalysisInputError` with that text (``"stop"``).  Blank lines are ignored."""
     if on_bad_line not in ON_BAD_LINE:
         raise AnalysisInputError(f"on_bad_line must be one of {ON_BAD_LINE}, got {on_bad_line!r}")
-    path = Path(path)
-    if not path.is_file():
-        raise AnalysisInputError(f"{path}: not a file (a directory?); expected a JSONL log")
     good = []
     with open(path, encoding="utf-8", errors="replace") as f:
         for n, line in enumerate(f, start=1):
@@ -98,46 +87,38 @@ def read_jsonl(path: str | Path, *, on_bad_line: str = "skip", check: Callable[[
                 raise AnalysisInputError(f"{path}:{n}: {reason} (use --on-bad-line skip to skip bad lines)")
             elif problems is not None:
                 problems.append(f"{path}:{n}: {reason} -- line skipped")
-    if not good:
-        return pd.DataFrame()
-    return pd.read_json(StringIO("\n".join(good)), lines=True, dtype=False)
+    return pd.read_json(StringIO("\n".join(good)), lines=True, dtype=False) if good else pd.DataFrame()
 
 
-def step_frame(records: pd.DataFrame | Iterable[StepRecord | dict]) -> pd.DataFrame:
-    """Step records (StepRecord, dicts or a frame) -> one row per step with every StepRecord column, sorted by
-    step (a repeated step keeps its last record); missing lists are [], other missing values NaN/None."""
+def step_frame(records: pd.DataFrame | Iterable[StepRecord | dict] = ()) -> pd.DataFrame:
+    """Step records (StepRecords, dicts or a frame) -> one row per step, sorted, with every StepRecord column
+    (a repeated step keeps its last record; missing lists are [], other missing values NaN)."""
     if not isinstance(records, pd.DataFrame):
         records = pd.DataFrame([r.to_json() if isinstance(r, StepRecord) else r for r in records])
     df = records.reindex(columns=list(dict.fromkeys([*STEP_FIELDS, *records.columns])))
     for k in STEP_LISTS:
         df[k] = [v if isinstance(v, list) else [] for v in df[k]]
-    if len(df):
-        df = df.drop_duplicates("step", keep="last").sort_values("step", kind="stable")
-    return df.reset_index(drop=True)
+    return df.drop_duplicates("step", keep="last").sort_values("step", kind="stable").reset_index(drop=True)
 
 
-def group_frame(records: pd.DataFrame | Iterable[dict]) -> pd.DataFrame:
+def group_frame(records: pd.DataFrame | Iterable[dict] = ()) -> pd.DataFrame:
     """Group lifetime records with every column the sections read (missing ones NaN)."""
     df = records if isinstance(records, pd.DataFrame) else pd.DataFrame(list(records))
-    return df.reindex(columns=list(dict.fromkeys([*GROUP_FIELDS, *df.columns]))).reset_index(drop=True)
+    return df.reindex(columns=list(dict.fromkeys([*GROUP_FIELDS, *df.columns])))
 
 
 @dataclass
 class RunData:
-    """Everything loaded from one run directory (raw rows, no statistics).
-
-    steps:  :func:`step_frame` of replay/steps.jsonl;  groups: :func:`group_frame` of replay/groups.jsonl
-    log:    trainer log entries (train_log.jsonl, else TRL's log_history, else TensorBoard scalars)
-    log_source: which file ``log`` came from (None without a trainer log)
-    meta / metrics: run.json ({} if absent) / metrics.json (None);  replay_dir: where steps.jsonl was found
-    problems: notes on skipped lines and ignored files, each naming file:line
-    """
+    """One loaded run directory (raw rows, no statistics): ``steps`` / ``groups`` (:func:`step_frame` /
+    :func:`group_frame`), ``log`` (trainer log entries) and ``log_source`` (the file they came from), ``meta``
+    (run.json, {} if absent), ``metrics`` (metrics.json or None), ``replay_dir`` (where steps.jsonl was found) and
+    ``problems`` (skipped lines and ignored files, each naming file:line)."""
 
     path: Path
     label: str
     meta: dict = field(default_factory=dict)
-    steps: pd.DataFrame = field(default_factory=lambda: step_frame([]))
-    groups: pd.DataFrame = field(default_factory=lambda: group_frame([]))
+    steps: pd.DataFrame = field(default_factory=step_frame)
+    groups: pd.DataFrame = field(default_factory=group_frame)
     log: pd.DataFrame = field(default_factory=pd.DataFrame)
     log_source: str | None = None
     metrics: dict | None = None
@@ -150,34 +131,23 @@ class RunData:
 
     @property
     def replay_config(self) -> dict:
-        rc = self.meta.get("replay")
-        return rc if isinstance(rc, dict) else {}
+        return self.meta["replay"] if isinstance(self.meta.get("replay"), dict) else {}
 
 
-def _read_json(path: Path, on_bad_line: str, problems: list[str]) -> dict | None:
+def _read_json(path: Path, on_bad_line: str, problems: list[str]) -> dict:
     try:
         obj = json.loads(path.read_text(encoding="utf-8", errors="replace"))
         reason = None if isinstance(obj, dict) else f"expected a JSON object, got {type(obj).__name__}"
     except json.JSONDecodeError as e:
         obj, reason = None, f"not valid JSON ({e.msg})"
-    if reason is None:
-        return obj
-    if on_bad_line == "stop":
+    if reason and on_bad_line == "stop":
         raise AnalysisInputError(f"{path}: {reason} (use --on-bad-line skip to ignore it)")
-    problems.append(f"{path}: {reason} -- file ignored")
-    return None
-
-
-def _trainer_state(p: Path) -> Path | None:
-    """trainer_state.json of a TRL output directory: its own, else the newest checkpoint's."""
-    if (p / "trainer_state.json").is_file():
-        return p / "trainer_state.json"
-    ckpts = [c for c in p.glob("checkpoint-*/trainer_state.json") if c.parent.name.split("-")[-1].isdigit()]
-    return max(ckpts, key=lambda c: int(c.parent.name.split("-")[-1]), default=None)
+    problems += [f"{path}: {reason} -- file ignored"] if reason else []
+    return {} if reason else obj
 
 
 def tensorboard_log(p: Path) -> pd.DataFrame:
-    """The scalars of every TensorBoard event file under ``p`` as one row per step ("train/x" -> "x")."""
+    """The scalars of every TensorBoard event file under ``p``, one row per step ("train/x" -> column "x")."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     rows = []
@@ -189,67 +159,54 @@ def tensorboard_log(p: Path) -> pd.DataFrame:
     return df.pivot_table(index="step", columns="key", values="value", aggfunc="last").reset_index()
 
 
-def _markers(p: Path) -> dict[str, Path]:
-    found = {m: p / m for m in ("run.json", "train_log.jsonl", "replay/steps.jsonl", "steps.jsonl",
-                                "trainer_state.json", "metrics.json") if (p / m).exists()}
-    for name, q in found.items():
-        if not q.is_file():
-            raise AnalysisInputError(f"{q}: expected a file, found a directory; the run directory is damaged "
-                                     f"(move {q} away or restore it)")
-    return found
-
-
-def load_run(path: str | Path, *, label: str | None = None, on_bad_line: str = "skip",
-             warn: bool = True) -> RunData:
-    """Load one run directory (see module docstring).
-
-    Raises AnalysisInputError if ``path`` is missing, not a directory, empty, holds no log at all, holds a
-    directory where a log file belongs, or (``on_bad_line="stop"``) on the first bad line.  With ``warn=True``
-    every skipped line is also reported as a :class:`BadLineWarning`.
-    """
+def load_run(path: str | Path, *, label: str | None = None, on_bad_line: str = "skip", warn: bool = True) -> RunData:
+    """Load one run directory (module docstring).  Raises AnalysisInputError if ``path`` is missing, not a
+    directory, empty, holds no log, holds a directory where a log file belongs, or (``on_bad_line="stop"``) on the
+    first bad line.  With ``warn=True`` every skipped line is also a :class:`BadLineWarning`."""
     if on_bad_line not in ON_BAD_LINE:
         raise AnalysisInputError(f"--on-bad-line must be one of {ON_BAD_LINE}, got {on_bad_line!r}")
     p = Path(path)
-    if not p.exists():
-        raise AnalysisInputError(f"{p}: no such directory; pass a run directory (one holding run.json, "
-                                 "train_log.jsonl, trainer_state.json or replay/steps.jsonl)")
     if not p.is_dir():
-        raise AnalysisInputError(f"{p}: not a directory; pass the run directory, not a file inside it")
+        raise AnalysisInputError(f"{p}: not a directory; pass the run directory, not a file inside it" if p.exists()
+                                 else f"{p}: no such directory; pass a run directory (one holding run.json, "
+                                      "train_log.jsonl, trainer_state.json or replay/steps.jsonl)")
     if not any(p.iterdir()):
         raise AnalysisInputError(f"{p}: the directory is empty; did the run write its logs somewhere else?")
-    found = _markers(p)
-    state = _trainer_state(p)
-    events = "train_log.jsonl" not in found and state is None and next(p.rglob("events.out.tfevents.*"), None)
-    if not ({"run.json", "train_log.jsonl", "replay/steps.jsonl", "steps.jsonl"} & set(found) or state or events):
+    found = {m: p / m for m in FILES if (p / m).exists()}
+    for q in found.values():
+        if not q.is_file():
+            raise AnalysisInputError(f"{q}: expected a file, found a directory; the run directory is damaged "
+                                     f"(move {q} away or restore it)")
+    ckpts = {int(c.parent.name[11:]): c for c in p.glob("checkpoint-*/trainer_state.json") if c.parent.name[11:].isdigit()}
+    state = found.get("trainer_state.json") or (ckpts[max(ckpts)] if ckpts else None)
+    events = "train_log.jsonl" not in found and not state and next(p.rglob("events.out.tfevents.*"), None)
+    if not (set(FILES[:4]) & set(found) or state or events):
         raise AnalysisInputError(f"{p}: not a run directory (no run.json, train_log.jsonl, trainer_state.json, "
                                  "TensorBoard events or replay/steps.jsonl in it)")
     run = RunData(path=p, label=label or p.resolve().name or str(p))
-    if "run.json" in found:
-        run.meta = _read_json(found["run.json"], on_bad_line, run.problems) or {}
-    if "metrics.json" in found:
-        run.metrics = _read_json(found["metrics.json"], on_bad_line, run.problems)
+    run.meta = _read_json(found["run.json"], on_bad_line, run.problems) if "run.json" in found else {}
+    run.metrics = _read_json(found["metrics.json"], on_bad_line, run.problems) if "metrics.json" in found else None
     if "train_log.jsonl" in found:
-        run.log, run.log_source = read_jsonl(found["train_log.jsonl"], on_bad_line=on_bad_line,
-                                             problems=run.problems), str(found["train_log.jsonl"])
-    elif state is not None:
-        history = (_read_json(state, on_bad_line, run.problems) or {}).get("log_history")
+        run.log_source = str(found["train_log.jsonl"])
+        run.log = read_jsonl(found["train_log.jsonl"], on_bad_line=on_bad_line, problems=run.problems)
+    elif state:
+        history = _read_json(state, on_bad_line, run.problems).get("log_history")
         run.log, run.log_source = pd.DataFrame(history if isinstance(history, list) else []), str(state)
     elif events:
         run.log, run.log_source = tensorboard_log(p), f"{p} (TensorBoard events)"
-    key = "replay/steps.jsonl" if "replay/steps.jsonl" in found else "steps.jsonl" if "steps.jsonl" in found else None
-    if key:
-        run.replay_dir = found[key].parent
-        raw = read_jsonl(found[key], on_bad_line=on_bad_line, check=check_step_record, problems=run.problems)
+    steps = found.get("replay/steps.jsonl") or found.get("steps.jsonl")
+    if steps:
+        run.replay_dir = steps.parent
+        raw = read_jsonl(steps, on_bad_line=on_bad_line, check=check_step_record, problems=run.problems)
         run.steps = step_frame(raw)
         if len(raw) > len(run.steps):
-            run.problems.append(f"{found[key]}: {len(raw) - len(run.steps)} repeated step record(s) (a resumed "
-                                "run?); the last record of each step is used")
+            run.problems.append(f"{steps}: {len(raw) - len(run.steps)} repeated step record(s) (a resumed run?); "
+                                "the last record of each step is used")
         if (run.replay_dir / "groups.jsonl").exists():
             run.groups = group_frame(read_jsonl(run.replay_dir / "groups.jsonl", on_bad_line=on_bad_line,
                                                 check=check_group_record, problems=run.problems))
-    if warn:
-        for msg in run.problems:
-            warnings.warn(msg, BadLineWarning, stacklevel=2)
+    for msg in run.problems if warn else ():
+        warnings.warn(msg, BadLineWarning, stacklevel=2)
     return run
 
 

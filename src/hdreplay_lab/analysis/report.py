@@ -31,7 +31,7 @@ from .age import age_gate, mixing, phase_mixture, staleness
 from .gate import acceptance, col, replay_kl, scan
 from .lifetime import counterfactual, headroom_deciles, multiplicity
 from .load import AnalysisInputError, RunData
-from .stats import num, sanitize, unavailable
+from .stats import check_settings, num, sanitize, setting, unavailable
 from .training import EntropyThresholds, collapse_timing, final_metrics, log_series, training
 
 REPORT_FORMAT, REPORT_VERSION = "hdreplay.report", 1
@@ -41,30 +41,19 @@ REPLAY_SECTIONS = ("acceptance", "replay_kl", "scan", "age_gate", "staleness", "
 
 @dataclass(frozen=True)
 class ReportSettings:
-    """Knobs of the report.
+    """Knobs of the report (each field's help is also its ``hdreplay report`` option)."""
 
-    kl_window:    running-average window (steps) of the replay-KL curve (paper: 15)
-    n_phases:     equal-count training phases of the phase-wise replay mixture
-    phase_bounds: explicit phase boundaries in steps (overrides n_phases), increasing
-    deciles:      bins of initial stored Headroom
-    score_key / entropy_key: trainer-log keys of the training score S and policy entropy H
-    entropy:      s0, H_L, H_U and hold lengths of the entropy-collapse timing
-    """
-
-    kl_window: int = 15
-    n_phases: int = 4
-    phase_bounds: tuple[int, ...] | None = None
-    deciles: int = 10
-    score_key: str = "reward"
-    entropy_key: str = "entropy"
+    kl_window: int = setting(15, "running-average window of the replay-KL curve, in steps (paper: 15)")
+    n_phases: int = setting(4, "equal-count training phases of the phase-wise replay mixture", flag="--phases")
+    phase_bounds: tuple[int, ...] | None = setting(None, "explicit increasing phase bounds in steps, e.g. 100,200 "
+                                                         "(overrides --phases)")
+    deciles: int = setting(10, "bins of initial stored Headroom")
+    score_key: str = setting("reward", "trainer-log key of the training score S")
+    entropy_key: str = setting("entropy", "trainer-log key of the policy entropy H")
     entropy: EntropyThresholds = field(default_factory=EntropyThresholds)
 
     def __post_init__(self) -> None:
-        for name in ("kl_window", "n_phases", "deciles"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                flag = "--phases" if name == "n_phases" else "--" + name.replace("_", "-")
-                raise AnalysisInputError(f"{name} ({flag}) must be an int >= 1, got {v!r}")
+        check_settings(self, counts=("kl_window", "n_phases", "deciles"), flags={"n_phases": "--phases"})
         b = self.phase_bounds
         if b is not None and (not b or any(y <= x for x, y in zip(b, b[1:]))):
             raise AnalysisInputError(f"phase bounds (--phase-bounds) must be a non-empty increasing list of steps, "

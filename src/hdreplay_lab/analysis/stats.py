@@ -10,6 +10,7 @@ Conventions used across the package:
 from __future__ import annotations
 
 import math
+from dataclasses import field
 from typing import Any, Iterable
 
 import numpy as np
@@ -92,6 +93,25 @@ def sanitize(obj: Any) -> Any:
     if isinstance(obj, (float, np.floating)):
         return float(obj) if math.isfinite(float(obj)) else None
     return None if obj is pd.NA else obj
+
+
+def check_settings(obj: Any, *, counts: tuple = (), finite: tuple = (), fractions: tuple = (), flags: dict = {}) -> None:
+    """Refuse (AnalysisInputError naming the field and its flag) a count < 1, a non-finite number or a fraction
+    outside [0, 1] among the named fields of a settings dataclass."""
+    from .load import AnalysisInputError
+
+    for names, ok, what in ((counts, lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1, "an int >= 1"),
+                            (finite, lambda v: num(v) is not None, "a finite number"),
+                            (fractions, lambda v: num(v) is not None and 0 <= v <= 1, "a fraction in [0, 1]")):
+        for name in names:
+            if not ok(getattr(obj, name)):
+                flag = flags.get(name, "--" + name.replace("_", "-"))
+                raise AnalysisInputError(f"{name} ({flag}) must be {what}, got {getattr(obj, name)!r}")
+
+
+def setting(default: Any, help: str, **meta: Any) -> Any:
+    """A settings field with its one help text (``hdreplay`` derives its options from it; ``flag=`` renames)."""
+    return field(default=default, metadata={"help": help, **meta})
 
 
 def unavailable(reason: str) -> dict[str, Any]:

@@ -17,40 +17,31 @@ a delay is None when either end is.  Defaults are the paper's: s0 = 0.40, H_L = 
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 import pandas as pd
 
 from .load import AnalysisInputError
-from .stats import interval_means, num, numeric, sanitize, unavailable
+from .stats import check_settings, interval_means, num, numeric, sanitize, setting, unavailable
 
 
 @dataclass(frozen=True)
 class EntropyThresholds:
     """s0 (score anchor), H_L < H_U (entropy thresholds) and the hold lengths in log points."""
 
-    score_anchor: float = 0.40
-    entropy_low: float = 0.03
-    entropy_high: float = 0.04
-    entry_hold: int = 10
-    rebound_hold: int = 5
+    score_anchor: float = setting(0.40, "score anchor s0 of the entropy timing (paper: 0.40)")
+    entropy_low: float = setting(0.03, "low-entropy threshold H_L (paper: 0.03)")
+    entropy_high: float = setting(0.04, "rebound threshold H_U (paper: 0.04)")
+    entry_hold: int = setting(10, "log points entropy must stay <= H_L for an entry")
+    rebound_hold: int = setting(5, "log points entropy must stay >= H_U for a rebound")
 
     def __post_init__(self) -> None:
-        for name in ("score_anchor", "entropy_low", "entropy_high"):
-            if num(getattr(self, name)) is None:
-                raise AnalysisInputError(f"{name} (--{name.replace('_', '-')}) must be a finite number, got "
-                                         f"{getattr(self, name)!r}")
+        check_settings(self, finite=("score_anchor", "entropy_low", "entropy_high"),
+                       counts=("entry_hold", "rebound_hold"))
         if not self.entropy_low < self.entropy_high:
             raise AnalysisInputError(f"need entropy_low (H_L) < entropy_high (H_U), got H_L={self.entropy_low:g}, "
                                      f"H_U={self.entropy_high:g}; pass a smaller --entropy-low or larger --entropy-high")
-        for name in ("entry_hold", "rebound_hold"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise AnalysisInputError(f"{name} must be an int >= 1 (log points), got {v!r}")
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 def log_series(log: pd.DataFrame, key: str) -> pd.Series:
