@@ -13,6 +13,7 @@ Every replay knob of :class:`hdreplay.ReplayConfig` is an option ``--replay.<nam
 
 from __future__ import annotations
 
+import json
 import math
 import sys
 import warnings
@@ -170,8 +171,20 @@ class CalibrateArgs:
             raise ValueError(f"--taus {','.join(map(str, self.taus))}: each tau must be a distinct positive finite "
                              "number (Drift is a mean squared log-prob change)")
         self.config = replace(self.config, methods=(self.selector,), seeds=1)
-        for t in self.taus:  # every run's replay settings are valid
-            replace(self.config, replay={**self.config.replay, "tau": t})
+        for t in self.taus:  # every run's replay settings are valid (refusals name the option)
+            self.run_config(t, adaptive=False)
+        if self.adaptive:
+            self.run_config(sorted(self.taus)[len(self.taus) // 2], adaptive=True)
+
+    def run_config(self, tau: float, adaptive: bool) -> CompareConfig:
+        """The comparison config of one sweep run: fixed runs drop adaptive_tau; the adaptive run moves tau between
+        the smallest and largest tested tau unless --replay.adaptive_tau sets its own fields."""
+        replay = {k: v for k, v in self.config.replay.items() if k != "adaptive_tau"}
+        if adaptive:
+            own = self.config.replay.get("adaptive_tau") or {}
+            own = json.loads(own) if isinstance(own, str) else own
+            replay["adaptive_tau"] = {"tau_min": min(self.taus), "tau_max": max(self.taus), **own}
+        return replace(self.config, replay={**replay, "tau": tau})
 
     def check(self) -> None:
         from .sandbox.compare import check_model
@@ -186,13 +199,11 @@ class CalibrateArgs:
         from .sandbox.tasks import get_task
         from .sandbox.warmstart import warm_start
 
-        cfg, task = self.config, get_task(self.config.task)
+        task = get_task(self.config.task)
         model_dir = self.model_dir or warm_start(task, self.out / "warmstart")
 
         def train(label: str, tau: float, adaptive: bool, run_dir: Path) -> Path:
-            extra = {"adaptive_tau": {"tau_min": min(self.taus), "tau_max": max(self.taus),
-                                      **(cfg.replay.get("adaptive_tau") or {})}} if adaptive else {}
-            spec = replace(cfg, replay={**cfg.replay, "tau": tau, **extra}).spec(self.selector, 0)
+            spec = self.run_config(tau, adaptive).spec(self.selector, 0)
             run_one(spec, METHODS[self.selector], task, model_dir, run_dir)
             return run_dir
 

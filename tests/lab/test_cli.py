@@ -126,3 +126,15 @@ def test_every_replay_knob_reaches_the_runs_trainer_config(tmp_path):
     core = trainer_args(cfg.spec("headroom_drift", 0), METHODS["headroom_drift"], get_task("add"),
                         tmp_path / "r").to_replay_config()
     assert (core.k_rep, core.tau, core.capacity, core.selector) == (2, 1e-2, 16, "headroom_drift")
+
+
+def test_calibrate_run_configs_fixed_runs_and_the_adaptive_run(capsys, tmp_path):
+    cmd = parse(["calibrate", "run", "--taus", "1e-3,1e-2,1e-1", "--replay.adaptive_tau", '{"patience": 2}',
+                 "--replay.capacity", "48"])
+    fixed = cmd.run_config(1e-3, adaptive=False).spec("headroom_drift", 0).replay
+    assert (fixed["tau"], fixed["adaptive_tau"], fixed["capacity"]) == (1e-3, None, 48)
+    ad = cmd.run_config(1e-2, adaptive=True).spec("headroom_drift", 0).replay["adaptive_tau"]
+    assert (ad["tau_min"], ad["tau_max"], ad["patience"]) == (1e-3, 1e-1, 2)
+    # an adaptive range that excludes the adaptive run's start (the middle tau) is refused before training
+    refused(["calibrate", "run", "--out", str(tmp_path / "c"), "--replay.adaptive_tau",
+             '{"tau_min": 0.5, "tau_max": 1}'], capsys, "adaptive_tau's bounds")

@@ -256,37 +256,32 @@ def _cell(best: dict, mean: dict) -> str:
 
 
 def render_markdown(summary: dict) -> str:
+    """summary.md: the paper-style table (methods as columns), and for multi-turn tasks the step-time table."""
+    from ..analysis.markdown import table
+
     ms = summary["methods"]
-    names = list(ms)
-    n = summary["n"]
+    names, n = list(ms), summary["n"]
     seeds = max(e["seeds"] for e in ms.values())
-    lines = [f"# hdreplay compare: task `{summary['task']}`", "",
-             f"Each cell: Best@{n} / Mean@{n} on the held-out benchmark"
-             + (f", mean ± standard deviation over {seeds} seeds." if seeds > 1 else f", {seeds} seed."), ""]
-    lines.append("| Metric | " + " | ".join(ms[k]["label"] for k in names) + " |")
-    lines.append("|---|" + "---|" * len(names))
-    for b, size in summary["benchmarks"].items():
-        lines.append(f"| {b} (n={size}) | " + " | ".join(
-            _cell(ms[k]["benchmarks"][b]["best_at_n"], ms[k]["benchmarks"][b]["mean_at_n"]) for k in names) + " |")
-    lines.append("| Macro Avg | " + " | ".join(_cell(ms[k]["macro_best_at_n"], ms[k]["macro_mean_at_n"])
-                                               for k in names) + " |")
-    lines.append("| Weighted Avg | " + " | ".join(_cell(ms[k]["weighted_best_at_n"], ms[k]["weighted_mean_at_n"])
-                                                  for k in names) + " |")
-    lines.append("| Fresh responses | " + " | ".join(f"{ms[k]['fresh_responses']:,}" for k in names) + " |")
-    lines.append("| Step time (s) | " + " | ".join(
-        "n/a" if ms[k]["mean_step_s"]["mean"] is None else f"{ms[k]['mean_step_s']['mean']:.3f}" for k in names) + " |")
+    f = lambda s: "n/a" if s["mean"] is None else f"{s['mean']:.3f}"  # noqa: E731
+    cells = lambda fn: [fn(ms[k]) for k in names]  # noqa: E731
+    rows = [[f"{b} (n={size})", *cells(lambda e: _cell(e["benchmarks"][b]["best_at_n"], e["benchmarks"][b]["mean_at_n"]))]
+            for b, size in summary["benchmarks"].items()]
+    rows += [["Macro Avg", *cells(lambda e: _cell(e["macro_best_at_n"], e["macro_mean_at_n"]))],
+             ["Weighted Avg", *cells(lambda e: _cell(e["weighted_best_at_n"], e["weighted_mean_at_n"]))],
+             ["Fresh responses", *cells(lambda e: f"{e['fresh_responses']:,}")],
+             ["Step time (s)", *cells(lambda e: f(e["mean_step_s"]))]]
+    lines = [f"# hdreplay compare: task `{summary['task']}`", "", f"Each cell: Best@{n} / Mean@{n} on the held-out "
+             "benchmark" + (f", mean ± standard deviation over {seeds} seeds." if seeds > 1 else f", {seeds} seed."),
+             "", table(["Metric", *(ms[k]["label"] for k in names)], rows)]
     if summary.get("multiturn"):
-        lines += ["", f"Mean per-step wall-clock time (environment latency {ms[names[0]]['env_latency_ms']:g} ms "
-                      "per tool call), fastest first, like the paper's step-time table:", "",
-                  "| Method | Step time (s) | Tool calls / step | Fresh responses | Macro Mean@n | Macro Best@n |",
-                  "|---|---|---|---|---|---|"]
-        f = lambda s: "n/a" if s["mean"] is None else f"{s['mean']:.3f}"  # noqa: E731
-        for k in sorted(names, key=lambda k: ms[k]["mean_step_s"]["mean"] or 0):
-            e = ms[k]
-            lines.append(f"| {e['label']} | {f(e['mean_step_s'])} | {e['env_calls_per_step']['mean']:.1f} | "
-                         f"{e['fresh_responses']:,} | {f(e['macro_mean_at_n'])} | {f(e['macro_best_at_n'])} |")
-    lines += ["", _ordering_note(summary, seeds)]
-    return "\n".join(lines) + "\n"
+        fastest = sorted(names, key=lambda k: ms[k]["mean_step_s"]["mean"] or 0)
+        lines += [f"Mean per-step wall-clock time (environment latency {ms[names[0]]['env_latency_ms']:g} ms per tool "
+                  "call), fastest first, like the paper's step-time table:", "", table(
+                      ["Method", "Step time (s)", "Tool calls / step", "Fresh responses", "Macro Mean@n", "Macro Best@n"],
+                      [[e["label"], f(e["mean_step_s"]), f"{e['env_calls_per_step']['mean']:.1f}",
+                        f"{e['fresh_responses']:,}", f(e["macro_mean_at_n"]), f(e["macro_best_at_n"])]
+                       for e in (ms[k] for k in fastest)])]
+    return "\n".join([*lines, _ordering_note(summary, seeds)]) + "\n"
 
 
 def _ordering_note(summary: dict, seeds: int) -> str:
@@ -352,9 +347,7 @@ def plot(out: Path, summary: dict, methods: list[Method], window: int = 15) -> l
 
 
 def _running(y: np.ndarray, w: int) -> np.ndarray:
-    out = np.empty_like(y, dtype=np.float64)
-    for i in range(len(y)):
-        seg = y[max(0, i - w + 1):i + 1]
-        seg = seg[np.isfinite(seg)]
-        out[i] = seg.mean() if seg.size else np.nan
-    return out
+    """Trailing mean over the last ``w`` points, missing (NaN) points skipped."""
+    import pandas as pd
+
+    return pd.Series(y, dtype=float).rolling(w, min_periods=1).mean().to_numpy()
