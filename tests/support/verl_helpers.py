@@ -24,9 +24,10 @@ P_WIDTH, R_WIDTH = 8, 10  # padded prompt / response widths of the stub rollout
 VOCAB = 54  # hdreplay_lab.sandbox char tokenizer; ids 0..2 are pad / eos / unk
 
 
-def compose_config(*overrides: str, ckpt_dir: str = "/tmp/hdr_verl_ckpt"):
-    """hdreplay's hdr_trainer.yaml with small CPU settings (dp=2, n=4, 4 prompts/step, mini-batch 2 prompts)."""
-    base = [
+def compose_config(*overrides: str, ckpt_dir: str = "/tmp/hdr_verl_ckpt", v1: bool = False):
+    """hdreplay's hdr_trainer.yaml with small CPU settings (dp=2, n=4, 4 prompts/step, mini-batch 2 prompts);
+    ``v1=False`` selects the v0 recipe (``trainer.use_v1=false``)."""
+    base = [f"trainer.use_v1={str(v1).lower()}",
         "trainer.device=cpu", "trainer.n_gpus_per_node=2", "trainer.nnodes=1", "trainer.logger=[console]",
         "trainer.val_before_train=false", "trainer.test_freq=-1", "trainer.save_freq=-1",
         "trainer.total_epochs=1", "trainer.total_training_steps=3", f"trainer.default_local_dir={ckpt_dir}",

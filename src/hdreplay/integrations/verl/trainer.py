@@ -25,19 +25,17 @@ With ``hdr.selector=none`` (or ``hdr.k_rep=0``) none of this runs and the traine
 from __future__ import annotations
 
 import os
-import shutil
 
 from verl import DataProto
 from verl.protocol import pad_dataproto_to_divisor, unpad_dataproto
 from verl.trainer.ppo.ray_trainer import RayPPOTrainer
-from verl.utils.checkpoint.checkpoint_manager import find_latest_ckpt_path
 
 from ...controller import ReplayController
 from ..common import STATE_DIR, restore
 from .settings import validate_verl_config, verl_truncate_multiple
 from .actor_batch import build_actor_batch
+from .checkpoints import prune_states, resume_folder, step_dir
 from .dataproto import groups_from_batch, scoring_batch
-
 
 
 class HDRRayPPOTrainer(RayPPOTrainer):
@@ -120,45 +118,16 @@ class HDRRayPPOTrainer(RayPPOTrainer):
         return out
 
     # ------------------------------------------------------------------ checkpointing
-    def _step_dir(self, step: int) -> str:
-        return os.path.join(self.config.trainer.default_local_dir, f"global_step_{step}")
-
     def _save_checkpoint(self):
         if self.replay_active:  # before super() writes latest_checkpointed_iteration.txt
-            self.replay.save(os.path.join(self._step_dir(self.global_steps), STATE_DIR), allow_open_step=True)
+            path = os.path.join(step_dir(self.config.trainer, self.global_steps), STATE_DIR)
+            self.replay.save(path, allow_open_step=True)
         super()._save_checkpoint()
         if self.replay_active:
-            self._prune_states()
-
-    def _prune_states(self) -> None:
-        """Keep ``hdreplay/`` only in the newest ``trainer.max_actor_ckpt_to_keep`` step folders
-        (verl prunes its own actor folders but never extra directories)."""
-        keep = self.config.trainer.get("max_actor_ckpt_to_keep", None)
-        if self.config.trainer.get("remove_previous_ckpt_in_save", False):
-            keep = 1
-        root = self.config.trainer.default_local_dir
-        if not keep or keep <= 0 or not os.path.isdir(root):
-            return
-        steps = sorted(int(d.split("global_step_")[-1]) for d in os.listdir(root)
-                       if d.startswith("global_step_") and d.split("global_step_")[-1].isdigit()
-                       and os.path.isdir(os.path.join(root, d, STATE_DIR)))
-        for s in steps[:-keep]:
-            shutil.rmtree(os.path.join(self._step_dir(s), STATE_DIR), ignore_errors=True)
-
-    def _resume_folder(self) -> str | None:
-        """The ``global_step_N`` folder verl's ``_load_checkpoint`` resumes from (None: fresh start)."""
-        tr = self.config.trainer
-        if tr.resume_mode == "disable" or tr.default_hdfs_dir is not None:
-            return None
-        if tr.resume_mode == "resume_path":
-            path = tr.resume_from_path
-            return path if os.path.isabs(path) else os.path.join(os.getcwd(), path)
-        root = tr.default_local_dir
-        root = root if os.path.isabs(root) else os.path.join(os.getcwd(), root)
-        return find_latest_ckpt_path(root)
+            prune_states(self.config.trainer)
 
     def _load_checkpoint(self):
-        folder = self._resume_folder() if self.replay_active else None
+        folder = resume_folder(self.config.trainer, honours_hdfs=True) if self.replay_active else None
         result = super()._load_checkpoint()
         if folder is None:
             return result
