@@ -36,8 +36,14 @@ from verl.workers.utils.losses import ppo_loss
 from hdreplay_lab.sandbox.model import load_model
 
 
-def teacher_forced(model, input_ids, position_ids, *, temperature: float = 1.0, grad: bool = False):
-    """Per-sequence log-probs and entropies of nested (jagged) sequences; value t scores token t+1."""
+def teacher_forced(model, input_ids, position_ids, *, temperature: float = 1.0, grad: bool = False,
+                   batched: bool = False):
+    """Per-sequence log-probs and entropies of nested (jagged) sequences; value t scores token t+1.
+
+    ``batched``: one forward over the right-padded micro-batch (causal attention: a row's values do not
+    depend on the pad tokens after it; equal to the per-sequence path up to float rounding) - for benchmarks."""
+    if batched:
+        return _teacher_forced_batched(model, input_ids, position_ids, temperature=temperature, grad=grad)
     lps, ents = [], []
     with torch.enable_grad() if grad else torch.no_grad():
         for ids, pos in zip(input_ids.unbind(0), position_ids.unbind(0), strict=True):
@@ -51,6 +57,21 @@ def teacher_forced(model, input_ids, position_ids, *, temperature: float = 1.0, 
     return nest(lps), nest(ents)
 
 
+def _teacher_forced_batched(model, input_ids, position_ids, *, temperature: float, grad: bool):
+    lens = input_ids.offsets().diff().tolist()
+    ids = input_ids.to_padded_tensor(0)
+    pos = position_ids.to_padded_tensor(0)
+    mask = (torch.arange(ids.shape[1])[None] < torch.tensor(lens)[:, None]).long()
+    with torch.enable_grad() if grad else torch.no_grad():
+        logp = torch.log_softmax(model(input_ids=ids, attention_mask=mask, position_ids=pos).logits.float()
+                                 / temperature, dim=-1)
+        lp = logp.gather(-1, torch.roll(ids, shifts=-1, dims=1)[..., None]).squeeze(-1)
+        ent = -(logp.exp() * logp).sum(-1)
+    rows = [torch.cat([lp[i, : n - 1], lp.new_zeros(1)]) for i, n in enumerate(lens)]
+    nest = lambda xs: torch.nested.as_nested_tensor(xs, layout=torch.jagged)  # noqa: E731
+    return nest(rows), nest([ent[i, :n] for i, n in enumerate(lens)])
+
+
 def _non_tensor_list(td: TensorDict, key: str):
     if key not in td.keys():
         return None
@@ -59,9 +80,11 @@ def _non_tensor_list(td: TensorDict, key: str):
 
 
 class CPUActorWorker(Worker):
-    def __init__(self, model_dir: str, actor_config, lr: float = 0.0, infer_micro_batch: int = 1):
+    def __init__(self, model_dir: str, actor_config, lr: float = 0.0, infer_micro_batch: int = 1,
+                 batched: bool = False):
         super().__init__()  # WORLD_SIZE / RANK / MASTER_* come from RayWorkerGroup
         torch.set_num_threads(1)
+        self.batched = batched  # one forward per micro-batch (benchmarks) instead of one per sequence
         self.infer_micro_batch = infer_micro_batch  # rollout.log_prob_micro_batch_size_per_gpu
         self.model_dir, self.lr = model_dir, lr
         self.actor_config = omega_conf_to_dataclass(actor_config)
@@ -108,7 +131,8 @@ class CPUActorWorker(Worker):
         micro_batches, _ = prepare_micro_batches(data=data, dp_group=None, same_micro_num_in_dp=True)
         lps, ents = [], []
         for micro in micro_batches:
-            lp, ent = teacher_forced(model, micro["input_ids"], micro["position_ids"], temperature=temperature)
+            lp, ent = teacher_forced(model, micro["input_ids"], micro["position_ids"], temperature=temperature,
+                                     batched=self.batched)
             lps.extend(lp.unbind(0))
             ents.extend(ent.unbind(0))
         nest = lambda xs: torch.nested.as_nested_tensor(xs, layout=torch.jagged)  # noqa: E731
@@ -172,7 +196,8 @@ class CPUActorWorker(Worker):
             total = 0.0
             for micro in micro_batches:
                 lp, _ = teacher_forced(self.model, micro["input_ids"], micro["position_ids"],
-                                       temperature=tu.get(micro, "temperature", default=1.0), grad=True)
+                                       temperature=tu.get(micro, "temperature", default=1.0), grad=True,
+                                       batched=self.batched)
                 loss, _metrics = ppo_loss(cfg, {"log_probs": lp}, micro)
                 loss.backward()
                 total += loss.detach().item()

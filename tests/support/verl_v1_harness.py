@@ -18,7 +18,7 @@ import types
 import torch
 from omegaconf import open_dict
 
-from verl_helpers import VOCAB, StubCheckpointEngine, StubPromptDataset, compose_config
+from verl_helpers import VOCAB, StubCheckpointEngine, StubPromptDataset, compose_config, flat_every_4th
 
 V1_BASE = ("transfer_queue.backend.SimpleStorage.num_data_storage_units=1",
            "actor_rollout_ref.actor.optim.lr_warmup_steps=0")
@@ -57,7 +57,7 @@ class StubAgentLoopManagerTQ:
     "train" (keys ``{uid}_{j}_0``, the fields and tags verl's agent loop writes), then marks the prompt
     finished.  ``prompts`` records the prompt indices of each call."""
 
-    def __init__(self, n: int, *, flat=lambda p: p % 4 == 0):
+    def __init__(self, n: int, *, flat=flat_every_4th):
         self.n, self.flat, self.prompts = n, flat, []
         self.prompt_of: dict[str, int] = {}  # uid (a fresh uuid per run) -> prompt index
 
@@ -139,9 +139,9 @@ def attach(trainer, wg, tokenizer, *, dataset_size: int = 64):
     return trainer
 
 
-def make_v1_trainer(cls, cfg, wg, tokenizer):
+def make_v1_trainer(cls, cfg, wg, tokenizer, *, dataset_size: int = 64):
     """Build ``cls`` (a v1 PPOTrainer subclass) through its real ``__init__`` and attach the CPU pieces."""
-    return attach(cls(config=cfg), wg, tokenizer)
+    return attach(cls(config=cfg), wg, tokenizer, dataset_size=dataset_size)
 
 
 def recording(cls):
@@ -204,7 +204,8 @@ class Run:
         return [[kind(j) for part in mb for j in part] for mb in s["layout"]]
 
 
-def run_v1(cls, wg, tokenizer, model_dir, ckpt_dir, *overrides, lr: float, steps: int, flat=lambda p: p % 4 == 0):
+def run_v1(cls, wg, tokenizer, model_dir, ckpt_dir, *overrides, lr: float, steps: int, flat=flat_every_4th,
+           dataset_size: int = 64):
     """Reset the workers (fresh tiny model, SGD at ``lr``), build ``recording(cls)`` and run ``fit()``."""
     import transfer_queue as tq
 
@@ -214,7 +215,7 @@ def run_v1(cls, wg, tokenizer, model_dir, ckpt_dir, *overrides, lr: float, steps
     if stale:  # a run leaves prompts it generated but never trained (DAPO surplus, async prefetch)
         tq.kv_clear(keys=stale, partition_id="train")  # verl's TaskRunner starts every run on a fresh one
     wg.reset(lr=lr, actor_config=cfg.actor_rollout_ref.actor)
-    trainer = make_v1_trainer(recording(cls), cfg, wg, tokenizer)
+    trainer = make_v1_trainer(recording(cls), cfg, wg, tokenizer, dataset_size=dataset_size)
     agent = StubAgentLoopManagerTQ(n=cfg.actor_rollout_ref.rollout.n, flat=flat)
     trainer.fit(agent)
     left = {pid: dict(v) for pid, v in (tq.kv_list() or {}).items()}

@@ -25,7 +25,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from hdreplay.integrations.verl import STATE_DIR, HDRPPOTrainerSync  # noqa: E402
-from hdreplay_lab.sandbox.model import load_model  # noqa: E402
+from verl_helpers import local_teacher_forcing  # noqa: E402
 from verl_v1_harness import run_v1  # noqa: E402
 
 N, MB_ROWS, DP = 4, 8, 2  # rollout.n, ppo_mini_batch_size * n, data-parallel ranks
@@ -161,24 +161,15 @@ def test_gate_accepts_and_rejects_by_drift_and_rejected_groups_are_not_trained(m
         assert trained.isdisjoint(rejected) and {str(g.group_id) for g in sel.groups} <= trained
 
 
-def test_scorer_equals_teacher_forcing_with_the_current_weights(moving, worker_group, tiny_model_dir):
+def test_scorer_equals_teacher_forcing_with_the_current_weights(moving, tiny_model_dir):
     *_, resumed, weights = moving
     trainer = resumed.trainer
     buf = trainer.replay.buffer
     groups = buf.get(buf.insertion_ids().tolist()[:3])
     got = trainer._replay_scorer(groups)
-    model, _ = load_model(tiny_model_dir)
-    model.load_state_dict(weights)
-    model.eval()
-    temperature = trainer.config.actor_rollout_ref.rollout.temperature
-    with torch.no_grad():
-        for g, lp in zip(groups, got):
-            want = []
-            for resp in g.responses():
-                ids = torch.cat([g.prompt_ids.long(), resp.long()])[None]
-                logp = torch.log_softmax(model(input_ids=ids).logits[0].float() / temperature, dim=-1)
-                want.append(logp[g.prompt_ids.numel() - 1:-1].gather(-1, resp.long()[:, None]).squeeze(-1))
-            assert torch.allclose(lp, torch.cat(want), atol=1e-5)
+    want = local_teacher_forcing(tiny_model_dir, weights, groups,
+                                 temperature=trainer.config.actor_rollout_ref.rollout.temperature)
+    assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(got, want))
     assert max(float((lp - g.logprobs)[g.loss_mask].abs().max()) for g, lp in zip(groups, got)) > 1e-4  # moved
 
 

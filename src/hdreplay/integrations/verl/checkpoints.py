@@ -14,7 +14,7 @@ from typing import Any
 
 from verl.utils.checkpoint.checkpoint_manager import find_latest_ckpt_path
 
-from ..common import STATE_DIR
+from ..common import STATE_DIR, restore
 
 
 def step_dir(trainer_config: Any, step: int) -> str:
@@ -53,3 +53,31 @@ def prune_states(trainer_config: Any) -> None:
                    and os.path.isdir(os.path.join(root, d, STATE_DIR)))
     for s in steps[:-keep]:
         shutil.rmtree(os.path.join(step_dir(tr, s), STATE_DIR), ignore_errors=True)
+
+
+class ReplayCheckpoints:
+    """``_save_checkpoint`` / ``_load_checkpoint`` of a verl trainer (v0 or v1) extended with the replay state.
+
+    Mixed in before the verl trainer class; uses the recipe trainer's ``replay`` (controller),
+    ``replay_active`` and ``hdr`` (settings).  ``RESUME_HONOURS_HDFS``: see :func:`resume_folder`.
+    """
+
+    RESUME_HONOURS_HDFS = False
+
+    def _save_checkpoint(self):
+        if self.replay_active:  # before verl writes latest_checkpointed_iteration.txt
+            # the state as of the last commit (no step is open when verl saves, after the update)
+            self.replay.save(os.path.join(step_dir(self.config.trainer, self.global_steps), STATE_DIR),
+                             allow_open_step=True)
+        super()._save_checkpoint()
+        if self.replay_active:
+            prune_states(self.config.trainer)
+
+    def _load_checkpoint(self):
+        folder = resume_folder(self.config.trainer, honours_hdfs=self.RESUME_HONOURS_HDFS) if self.replay_active \
+            else None
+        result = super()._load_checkpoint()
+        if folder is not None:
+            restore(self.replay, folder, allow_missing=self.hdr.resume_without_state,
+                    option="hdr.resume_without_state")
+        return result

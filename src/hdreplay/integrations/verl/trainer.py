@@ -14,9 +14,10 @@ What it overrides, and why (everything else, including ``fit``'s step body, is v
        rank trains replay in the first mini-batches with balanced token loads, and calls verl's own
        ``_update_actor`` on it;
     4. commits (refresh scanned caches, append ingress, evict FIFO) and merges ``replay/*`` metrics.
-* ``_save_checkpoint``: writes the controller to ``global_step_N/hdreplay`` *before* verl writes
-  ``latest_checkpointed_iteration.txt``; prunes states of checkpoints verl no longer keeps.
-* ``_load_checkpoint``: restores ``hdreplay/`` from the checkpoint verl resumes from.
+* ``_save_checkpoint`` / ``_load_checkpoint`` (:class:`.checkpoints.ReplayCheckpoints`, shared with the
+  v1 recipe): writes the controller to ``global_step_N/hdreplay`` *before* verl writes
+  ``latest_checkpointed_iteration.txt``, prunes states of checkpoints verl no longer keeps, restores
+  ``hdreplay/`` from the checkpoint verl resumes from.
 * ``fit``: writes the final per-group lifetime records.
 
 With ``hdr.selector=none`` (or ``hdr.k_rep=0``) none of this runs and the trainer is RayPPOTrainer.
@@ -24,22 +25,21 @@ With ``hdr.selector=none`` (or ``hdr.k_rep=0``) none of this runs and the traine
 
 from __future__ import annotations
 
-import os
-
 from verl import DataProto
 from verl.protocol import pad_dataproto_to_divisor, unpad_dataproto
 from verl.trainer.ppo.ray_trainer import RayPPOTrainer
 
 from ...controller import ReplayController
-from ..common import STATE_DIR, restore
 from .settings import validate_verl_config, verl_truncate_multiple
 from .actor_batch import build_actor_batch
-from .checkpoints import prune_states, resume_folder, step_dir
+from .checkpoints import ReplayCheckpoints
 from .dataproto import groups_from_batch, scoring_batch
 
 
-class HDRRayPPOTrainer(RayPPOTrainer):
+class HDRRayPPOTrainer(ReplayCheckpoints, RayPPOTrainer):
     """``RayPPOTrainer`` with Headroom-Drift Replay; configured by the ``hdr`` config section."""
+
+    RESUME_HONOURS_HDFS = True  # v0's _load_checkpoint does not resume when trainer.default_hdfs_dir is set
 
     def __init__(self, *args, **kwargs):
         config = kwargs["config"] if "config" in kwargs else args[0]
@@ -116,23 +116,6 @@ class HDRRayPPOTrainer(RayPPOTrainer):
         out.meta_info.setdefault("metrics", {}).update({k: v for k, v in metrics.items() if v == v})  # drop NaN
         self.last_replay = {"step": step, "selection": sel, "problems": problems, **info}
         return out
-
-    # ------------------------------------------------------------------ checkpointing
-    def _save_checkpoint(self):
-        if self.replay_active:  # before super() writes latest_checkpointed_iteration.txt
-            path = os.path.join(step_dir(self.config.trainer, self.global_steps), STATE_DIR)
-            self.replay.save(path, allow_open_step=True)
-        super()._save_checkpoint()
-        if self.replay_active:
-            prune_states(self.config.trainer)
-
-    def _load_checkpoint(self):
-        folder = resume_folder(self.config.trainer, honours_hdfs=True) if self.replay_active else None
-        result = super()._load_checkpoint()
-        if folder is None:
-            return result
-        restore(self.replay, folder, allow_missing=self.hdr.resume_without_state, option="hdr.resume_without_state")
-        return result
 
     def fit(self):
         result = super().fit()

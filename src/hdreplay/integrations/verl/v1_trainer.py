@@ -20,8 +20,9 @@ them.  :class:`HDRTrainerMixin` overrides:
        ``_update_actor`` on it, and removes the replay and padding rows again;
     5. commits and adds ``replay/*`` to the step metrics; returns the *fresh* meta, so ``fit``'s metrics,
        rollout dump and TransferQueue cleanup stay on fresh rows.
-* ``_save_checkpoint`` / ``_load_checkpoint``: the controller in ``global_step_N/hdreplay`` written before
-  verl's save (so before ``latest_checkpointed_iteration.txt``), restored from the folder verl resumes from.
+* ``_save_checkpoint`` / ``_load_checkpoint`` (:class:`.checkpoints.ReplayCheckpoints`): the controller in
+  ``global_step_N/hdreplay`` written before verl's save (so before ``latest_checkpointed_iteration.txt``),
+  restored from the folder verl resumes from.
 * ``fit``: writes the final per-group lifetime records.
 
 The replay step counter is the actor-update counter ``global_steps * parameter_sync_step + local_trigger_step``
@@ -32,7 +33,6 @@ before a weight update since its birth.  With ``hdr.selector=none`` (or ``hdr.k_
 from __future__ import annotations
 
 import contextlib
-import os
 from typing import Sequence
 
 import transfer_queue as tq
@@ -47,8 +47,7 @@ import torch
 
 from ...controller import ReplayController
 from ...record import GroupRecord
-from ..common import STATE_DIR, restore
-from .checkpoints import prune_states, resume_folder, step_dir
+from .checkpoints import ReplayCheckpoints
 from .minibatches import actor_order, layout_metrics, padding_needed
 from .settings import validate_verl_config
 from .v1_rows import SCORE_FIELDS, fresh_groups, padding_rows, replay_rows, scoring_rows
@@ -67,7 +66,7 @@ def _clear(keys: Sequence[str], partition: str) -> None:
         tq.kv_clear(keys=list(keys), partition_id=partition)
 
 
-class HDRTrainerMixin:
+class HDRTrainerMixin(ReplayCheckpoints):
     """Headroom-Drift Replay for a v1 ``PPOTrainer`` subclass; configured by the ``hdr`` config section."""
 
     def __init__(self, config):
@@ -78,6 +77,7 @@ class HDRTrainerMixin:
                                        diagnostics_dir=self.hdr.diagnostics_dir if self.replay_active else None)
         #: what the last replay step did (selection, keys, layout) - for logging and tests
         self.last_replay: dict | None = None
+        self._score_calls = 0  # keys of scoring rows are unique per call
 
     # ------------------------------------------------------------------ helpers
     def _update_step(self) -> int:
@@ -111,7 +111,8 @@ class HDRTrainerMixin:
         micro = 1 if cfg.actor.use_dynamic_bsz else int(cfg.rollout.get("log_prob_micro_batch_size_per_gpu") or 1)
         n_pad = padding_needed(len(fields), minibatch_rows=self._actor_dp() * micro)
         pad, pad_tags = padding_rows(n_pad, fields=SCORE_FIELDS, dtypes={}, token_id=self._token_id, uid="hdrpad")
-        tag = f"hdrs{self._update_step()}n"
+        self._score_calls += 1
+        tag = f"hdrs{self._update_step()}c{self._score_calls}n"
         keys = [f"{tag}{i}_0_0" for i in range(len(fields) + n_pad)]
         _put(keys, SCORE_PARTITION, fields + pad, tags + pad_tags)
         try:
@@ -178,22 +179,6 @@ class HDRTrainerMixin:
         metrics.update({k: v for k, v in replay.items() if v == v})  # NaN (nothing scanned) is left out
         self.last_replay = {"step": step, "selection": sel, "problems": fresh.problems, **info}
         return batch
-
-    # ------------------------------------------------------------------ checkpointing
-    def _save_checkpoint(self):
-        if self.replay_active:  # before super() writes latest_checkpointed_iteration.txt
-            self.replay.save(os.path.join(step_dir(self.config.trainer, self.global_steps), STATE_DIR))
-        super()._save_checkpoint()
-        if self.replay_active:
-            prune_states(self.config.trainer)
-
-    def _load_checkpoint(self):
-        folder = resume_folder(self.config.trainer, honours_hdfs=False) if self.replay_active else None
-        result = super()._load_checkpoint()
-        if folder is not None:
-            restore(self.replay, folder, allow_missing=self.hdr.resume_without_state,
-                    option="hdr.resume_without_state")
-        return result
 
     def fit(self, agent_loop_manager):
         result = super().fit(agent_loop_manager)
