@@ -7,6 +7,9 @@ and metrics; a CPU worker group (dp = 2, gloo) computing teacher-forced log-prob
 training through verl's ``make_iterator`` / ``prepare_micro_batches`` / ``ppo_loss``.  Stubs: the agent loop
 (writes trajectories into TransferQueue as verl's does) and the weight-sync engine.  Runs shared by the tests:
 
+Both use ``rollout.temperature=0.7``, so Drift 0 at unchanged weights also shows that re-scoring uses the
+temperature the fresh rows' old log-probs were computed at.
+
 * ``frozen``: lr = 0 (Drift exactly 0), KL loss on, k_rep = 3 groups (not a multiple of the mini-batch of 2
   groups: the v0 recipe would replay 2), checkpoints every 2 steps keeping 1.
 * ``moving``: SGD lr = 0.1, tau between the Drift values seen, 4 steps with a checkpoint at step 2, then the
@@ -29,13 +32,15 @@ from verl_helpers import local_teacher_forcing  # noqa: E402
 from verl_v1_harness import run_v1  # noqa: E402
 
 N, MB_ROWS, DP = 4, 8, 2  # rollout.n, ppo_mini_batch_size * n, data-parallel ranks
-MOVING = ("hdr.k_rep=4", "hdr.tau=0.02", "actor_rollout_ref.actor.use_kl_loss=false")
+T = "actor_rollout_ref.rollout.temperature=0.7"  # fresh old log-probs, scoring and the update all use it
+TAU = 0.08  # between the Drift values this run sees (~0.04 - 0.16)
+MOVING = ("hdr.k_rep=4", f"hdr.tau={TAU}", "actor_rollout_ref.actor.use_kl_loss=false", T)
 
 
 @pytest.fixture(scope="module")
 def frozen(worker_group, transfer_queue, tokenizer, tiny_model_dir, tmp_path_factory):
     ckpt = tmp_path_factory.mktemp("v1_frozen")
-    run = run_v1(HDRPPOTrainerSync, worker_group, tokenizer, tiny_model_dir, ckpt, "hdr.k_rep=3",
+    run = run_v1(HDRPPOTrainerSync, worker_group, tokenizer, tiny_model_dir, ckpt, "hdr.k_rep=3", T,
                  "actor_rollout_ref.actor.use_kl_loss=true", "trainer.save_freq=2", "trainer.max_actor_ckpt_to_keep=1",
                  lr=0.0, steps=3)
     return run, ckpt
@@ -152,10 +157,11 @@ def test_transfer_queue_holds_no_replay_scoring_or_padding_rows_after_a_step(fro
 def test_gate_accepts_and_rejects_by_drift_and_rejected_groups_are_not_trained(moving):
     first, *_ = moving
     outcomes = np.concatenate([s["selection"].scanned_pass for s in first.trainer.steps])
-    assert outcomes.any() and not outcomes.all(), "tau must split the scanned groups for this test"
+    drifts = np.concatenate([s["selection"].scanned_drift for s in first.trainer.steps])
+    assert outcomes.any() and not outcomes.all(), f"tau must split the scanned groups' Drift {np.sort(drifts)}"
     for i, s in enumerate(first.trainer.steps):
         sel = s["selection"]
-        assert (sel.scanned_drift[sel.scanned_pass] <= 0.02).all() and (sel.scanned_drift[~sel.scanned_pass] > 0.02).all()
+        assert (sel.scanned_drift[sel.scanned_pass] <= TAU).all() and (sel.scanned_drift[~sel.scanned_pass] > TAU).all()
         trained = {u for rank in first.records for mb in rank["history"][i] for u in mb["uid"]}
         rejected = {str(gid) for gid, ok in zip(sel.scanned_group_ids, sel.scanned_pass) if not ok}
         assert trained.isdisjoint(rejected) and {str(g.group_id) for g in sel.groups} <= trained
