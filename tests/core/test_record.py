@@ -37,7 +37,7 @@ def test_valid_record_views():
     (dict(completion_ids=[], response_lengths=[], loss_mask=[], logprobs=[], advantages=[], rewards=[]),
      "empty group"),
     (dict(prompt_ids=[]), "`prompt_ids` is empty"),
-    (dict(completion_ids=[3.5, 4, 5, 6, 7]), "integer token ids"),
+    (dict(completion_ids=[3.5, 4, 5, 6, 7]), "must hold integers"),
     (dict(birth_step=-1), "birth_step"),
     (dict(completion_ids=[[3, 4, 5, 6, 7]]), "must be 1-D"),
     (dict(group_id=1.5), "group_id must be a str or int"),
