@@ -29,10 +29,10 @@ from .checkpoint import read_checkpoint_dir, write_checkpoint_dir
 from .checkpoint_schema import BufferState, parse_buffer_state
 from .errors import CheckpointError, ReplayConfigError, ReplayInputError
 from .record import GroupRecord
-from .storage import LOAD_BLOCK_GROUPS, Block
+from .storage import BLOCK_GROUPS, Block, copy_groups
 from .validate import (
     MAX_CAPACITY, MAX_COUNT, MAX_STEP, check_ids, check_int, check_real, check_reals, check_sequence, check_step,
-    check_str,
+    check_path, check_str,
 )
 
 BUFFER_FORMAT = "hdreplay.buffer"
@@ -123,6 +123,12 @@ class ReplayBuffer:
         blk, j = self._locate(i)
         return blk.group_ids[j]
 
+    def group_ids(self, ids) -> list:
+        """The caller's group ids of live insertion ids (in the order given)."""
+        arr = check_ids("ids", ids, unique=False)
+        self._slot(arr)
+        return [blk.group_ids[j] for blk, j in map(self._locate, arr.tolist())]
+
     def _locate(self, insertion_id: int) -> tuple[Block, int]:
         b = bisect.bisect_right(self._block_first, insertion_id) - 1
         blk = self._blocks[b]
@@ -132,11 +138,7 @@ class ReplayBuffer:
         """Live groups as :class:`GroupRecord` copies (editing them never changes the buffer)."""
         arr = check_ids("ids", ids, unique=False)
         self._slot(arr)
-        out = []
-        for i in arr.tolist():
-            blk, j = self._locate(i)
-            out.append(blk.record(j))
-        return out
+        return copy_groups([self._locate(i) for i in arr.tolist()])
 
     def nbytes(self) -> int:
         """Bytes held: block tensors plus per-slot state arrays."""
@@ -212,11 +214,12 @@ class ReplayBuffer:
         if len(records) > self.capacity:  # only the newest C can survive
             records, ref = records[-self.capacity:], ref[-self.capacity:]
         first = self._next_id
-        blk = Block.build(first, records)  # the copy; nothing has changed yet
+        blocks = [Block.build(first + i, records[i:i + BLOCK_GROUPS])  # the copies; nothing has changed yet
+                  for i in range(0, len(records), BLOCK_GROUPS)]
         self._grow(min(self.capacity, self._size + len(records)))
         evicted = self._evict(self._size + len(records) - self.capacity, step)
-        self._blocks.append(blk)
-        self._block_first.append(first)
+        self._blocks.extend(blocks)
+        self._block_first.extend(b.first_id for b in blocks)
         ids = np.arange(first, first + len(records), dtype=np.int64)
         sl = ids % len(self._slots["insertion_id"])
         s = self._slots
@@ -329,7 +332,7 @@ class ReplayBuffer:
 
     def _apply(self, state: BufferState) -> None:
         """Install a validated state (cut into small blocks that own their memory)."""
-        blocks = state.block.chunks(LOAD_BLOCK_GROUPS) if state.block is not None else []
+        blocks = state.block.chunks(BLOCK_GROUPS) if state.block is not None else []
         L = min(self.capacity, max(INITIAL_SLOTS, state.size))
         slots = self._new_slots(L)
         ids = np.arange(state.next_id - state.size, state.next_id, dtype=np.int64)
@@ -339,6 +342,7 @@ class ReplayBuffer:
 
     def save(self, directory: str | os.PathLike) -> None:
         """Write the buffer to ``directory`` crash-safely (see :mod:`hdreplay.checkpoint`)."""
+        check_path("save", directory)
         tensors, meta = self.state_dict()
         write_checkpoint_dir(directory, format_name=BUFFER_FORMAT, version=BUFFER_VERSION,
                              tensors=tensors, meta=meta)
@@ -346,6 +350,7 @@ class ReplayBuffer:
     @classmethod
     def load(cls, directory: str | os.PathLike) -> "ReplayBuffer":
         """A buffer restored from ``directory`` (with the saved capacity and group size)."""
+        check_path("load", directory)
         tensors, meta = read_checkpoint_dir(directory, format_name=BUFFER_FORMAT, versions=BUFFER_VERSIONS)
         try:
             buf = cls(meta.get("capacity"), group_size=meta.get("group_size"))

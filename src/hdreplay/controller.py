@@ -43,7 +43,7 @@ from .ingress import make_ingress_rule
 from .record import GroupRecord
 from .scores import reference_headroom
 from .selection import Scorer, Selection, empty_selection, select_replay
-from .validate import MAX_COUNT, check_bool, check_int, check_sequence, check_step
+from .validate import MAX_COUNT, check_bool, check_int, check_path, check_sequence, check_step
 
 #: consecutive starved steps (budget unfilled, gate pass rate < STARVED_RATE) before a ReplayStarvedWarning
 STARVED_STEPS = 5
@@ -278,16 +278,14 @@ class ReplayController:
 
     def save(self, directory: str | os.PathLike, *, allow_open_step: bool = False) -> None:
         """Write the controller (buffer included) to ``directory`` crash-safely (see :mod:`hdreplay.checkpoint`)."""
-        if not isinstance(directory, (str, os.PathLike)):
-            raise ReplayInputError(f"save: directory must be a path, got {type(directory).__name__}")
+        check_path("save", directory)
         tensors, meta = self.state_dict(allow_open_step=allow_open_step)
         write_checkpoint_dir(directory, format_name=CONTROLLER_FORMAT, version=CONTROLLER_VERSION,
                              tensors=tensors, meta=meta)
 
     def load(self, directory: str | os.PathLike) -> None:
         """Restore from a directory written by :meth:`save` (or by hdreplay 0.1); on error nothing changes."""
-        if not isinstance(directory, (str, os.PathLike)):
-            raise ReplayInputError(f"load: directory must be a path, got {type(directory).__name__}")
+        check_path("load", directory)
         if self._open_step is not None:
             raise ReplayProtocolError(f"load() while step {self._open_step} is open; commit() first")
         tensors, meta = read_checkpoint_dir(directory, format_name=CONTROLLER_FORMAT, versions=CONTROLLER_VERSIONS)
@@ -303,6 +301,7 @@ class ReplayController:
         Returns the checkpoint's last committed step (None if saved before the first commit).
         Raises CheckpointError saying what is missing or wrong (used to pick the newest complete
         checkpoint when resuming)."""
+        check_path("verify", directory)
         tensors, meta = read_checkpoint_dir(directory, format_name=CONTROLLER_FORMAT, versions=CONTROLLER_VERSIONS)
         bmeta = meta.get("buffer")
         cap = bmeta.get("capacity") if isinstance(bmeta, dict) else None

@@ -249,7 +249,7 @@ def select_replay(
         chunk_sizes=chunks,
         buffer_size=size,
         tau=tau,
-        scanned_group_ids=[buffer.group_id(i) for i in scanned],
+        scanned_group_ids=buffer.group_ids(sc_ids),
         scan_capped=len(accepted) < K and pos >= limit and limit < size,
     )
     if config.counterfactual and len(kept) and spec.name != "recency":

@@ -1,14 +1,15 @@
 """Ragged block storage: how :class:`~hdreplay.buffer.ReplayBuffer` keeps groups, and their checkpoint form.
 
-Groups appended in one call form a *block* of flat tensors with no padding: int32 token ids,
-float32 log-probs, a bool loss mask (omitted when it is all ones, the single-turn case), int64
-response lengths, float32 advantages and rewards, with int64 offsets telling where each group's
-slice starts.  Because eviction is FIFO, blocks leave from the front; a partly evicted front block
-is replaced by a compacted copy (:meth:`Block.tail`), so stored bytes track the live groups.
+Groups appended in one call form blocks (of at most :data:`BLOCK_GROUPS` groups) of flat tensors
+with no padding: int32 token ids, float32 log-probs, a bool loss mask (omitted when it is all ones,
+the single-turn case), int64 response lengths, float32 advantages and rewards, with int64 offsets
+telling where each group's slice starts.  Because eviction is FIFO, blocks leave from the front; a
+partly evicted front block is replaced by a compacted copy (:meth:`Block.tail`), so stored bytes
+track the live groups and an eviction copies at most one small block.
 
-Nothing a block hands out aliases its storage: :meth:`Block.record` returns copies, so a caller
-that edits a replayed group in place (normalising advantages, a scorer that writes into its
-input) cannot change what is stored.
+Nothing handed out aliases the storage: :func:`copy_groups` returns copies, so a caller that edits
+a replayed group in place (normalising advantages, a scorer that writes into its input) cannot
+change what is stored.
 
 Checkpoint form (one flat tensor per field over all live groups, see :meth:`Block.to_tensors`) is
 validated field by field when read back (:meth:`Block.from_tensors`): dtypes, offsets, token-id
@@ -32,9 +33,46 @@ PAYLOAD_DTYPES = {
     "tok_off": torch.int64, "resp_len": torch.int64, "advantages": torch.float32, "rewards": torch.float32,
     "resp_off": torch.int64, "loss_mask": torch.uint8,
 }
-#: groups per block when a checkpoint is loaded: a loaded buffer is cut into blocks of this size so
-#: that evicting from its front copies at most one small block (commit cost stays flat after a load)
-LOAD_BLOCK_GROUPS = 64
+#: groups per block at most: appends and loads are cut into blocks of this size, so evicting from the
+#: front copies at most one small block and the commit cost stays flat (after a load, too)
+BLOCK_GROUPS = 64
+
+
+def _record(group_id, birth_step, prompt, tokens, resp_len, mask, logprobs, advantages, rewards,
+            extras) -> GroupRecord:
+    rec = object.__new__(GroupRecord)  # the stored data was validated on the way in
+    for k, v in dict(group_id=group_id, prompt_ids=prompt, completion_ids=tokens, response_lengths=resp_len,
+                     loss_mask=mask, logprobs=logprobs, advantages=advantages, rewards=rewards,
+                     birth_step=birth_step, extras=extras).items():
+        object.__setattr__(rec, k, v)
+    return rec
+
+
+def copy_groups(items: Sequence[tuple["Block", int]]) -> list[GroupRecord]:
+    """Copies of groups ``(block, j)``: one new tensor per field holds all of them (one ``cat`` each), and
+    each returned record views its slice of those new tensors, never the blocks' storage."""
+    if not items:
+        return []
+    spans = [blk.spans(j) for blk, j in items]
+    ntok = [t1 - t0 for t0, t1, *_ in spans]
+    nresp = [r1 - r0 for _, _, r0, r1, _, _ in spans]
+    nprompt = [p1 - p0 for *_, p0, p1 in spans]
+
+    def gather(name: str, lo: int, hi: int, sizes: list[int]) -> tuple[torch.Tensor, ...]:
+        return torch.cat([getattr(blk, name)[sp[lo]:sp[hi]] for (blk, _), sp in zip(items, spans)]).split(sizes)
+
+    masks = torch.cat([torch.ones(n, dtype=torch.bool) if blk.loss_mask is None else blk.loss_mask[sp[0]:sp[1]]
+                       for (blk, _), sp, n in zip(items, spans, ntok)]).split(ntok)
+    tokens, logprobs = gather("tokens", 0, 1, ntok), gather("logprobs", 0, 1, ntok)
+    resp_len, adv, rew = gather("resp_len", 2, 3, nresp), gather("advantages", 2, 3, nresp), \
+        gather("rewards", 2, 3, nresp)
+    prompt = gather("prompt", 4, 5, nprompt)
+    keys = list(items[0][0].extras)
+    extras = {k: torch.cat([blk.extras[k][sp[0]:sp[1]] for (blk, _), sp in zip(items, spans)]).split(ntok)
+              for k in keys}
+    return [_record(blk.group_ids[j], blk.birth_steps[j], prompt[i], tokens[i], resp_len[i], masks[i],
+                    logprobs[i], adv[i], rew[i], {k: extras[k][i] for k in keys})
+            for i, (blk, j) in enumerate(items)]
 
 
 def _offsets(lengths: Iterable[int]) -> np.ndarray:
@@ -97,29 +135,19 @@ class Block:
             extras={k: torch.cat([r.extras[k] for r in records]) for k in keys},
         )
 
-    def record(self, j: int, *, copy: bool = True) -> GroupRecord:
-        """Group j as a GroupRecord of copies (``copy=False``: views, for measuring the copy cost only)."""
-        t0, t1 = int(self.tok_off[j]), int(self.tok_off[j + 1])
-        r0, r1 = int(self.resp_off[j]), int(self.resp_off[j + 1])
-        p0, p1 = int(self.prompt_off[j]), int(self.prompt_off[j + 1])
-        own = (lambda t: t.clone()) if copy else (lambda t: t)  # noqa: E731
-        mask = torch.ones(t1 - t0, dtype=torch.bool) if self.loss_mask is None else own(self.loss_mask[t0:t1])
-        rec = object.__new__(GroupRecord)  # the stored data was validated on the way in
-        fields = dict(
-            group_id=self.group_ids[j],
-            prompt_ids=own(self.prompt[p0:p1]),
-            completion_ids=own(self.tokens[t0:t1]),
-            response_lengths=own(self.resp_len[r0:r1]),
-            loss_mask=mask,
-            logprobs=own(self.logprobs[t0:t1]),
-            advantages=own(self.advantages[r0:r1]),
-            rewards=own(self.rewards[r0:r1]),
-            birth_step=self.birth_steps[j],
-            extras={k: own(v[t0:t1]) for k, v in self.extras.items()},
-        )
-        for k, v in fields.items():
-            object.__setattr__(rec, k, v)
-        return rec
+    def spans(self, j: int) -> tuple[int, int, int, int, int, int]:
+        """(t0, t1, r0, r1, p0, p1): group j's token, response and prompt ranges."""
+        return (int(self.tok_off[j]), int(self.tok_off[j + 1]), int(self.resp_off[j]), int(self.resp_off[j + 1]),
+                int(self.prompt_off[j]), int(self.prompt_off[j + 1]))
+
+    def view(self, j: int) -> GroupRecord:
+        """Group j as views of this block's storage: internal use only (never handed out; see
+        :func:`copy_groups`).  The benchmark compares its cost with the copies."""
+        t0, t1, r0, r1, p0, p1 = self.spans(j)
+        mask = torch.ones(t1 - t0, dtype=torch.bool) if self.loss_mask is None else self.loss_mask[t0:t1]
+        return _record(self.group_ids[j], self.birth_steps[j], self.prompt[p0:p1], self.tokens[t0:t1],
+                       self.resp_len[r0:r1], mask, self.logprobs[t0:t1], self.advantages[r0:r1],
+                       self.rewards[r0:r1], {k: v[t0:t1] for k, v in self.extras.items()})
 
     def slice(self, start: int, stop: int) -> "Block":
         """A block owning copies of groups ``start..stop-1``."""

@@ -10,6 +10,7 @@ wrong kind (a bool is not an int, a string is not a number, a float is not a tok
 from __future__ import annotations
 
 import math
+import os
 from typing import Any, Mapping
 
 import numpy as np
@@ -89,6 +90,12 @@ def check_sequence(name: str, value: Any, *, err=ReplayInputError) -> list:
     if not isinstance(value, (list, tuple)):
         raise err(f"{name}: must be a list or tuple, got {type(value).__name__}", **_field(err, name))
     return list(value)
+
+
+def check_path(what: str, directory: Any) -> None:
+    """A file-system path (str or os.PathLike)."""
+    if not isinstance(directory, (str, os.PathLike)):
+        raise ReplayInputError(f"{what}: directory must be a path, got {type(directory).__name__}")
 
 
 def check_ids(name: str, value: Any, *, unique: bool = True) -> np.ndarray:

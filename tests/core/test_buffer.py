@@ -180,3 +180,40 @@ def test_save_replaces_existing_checkpoint_atomically(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"]  # no temp or old dirs left
     inside = sorted(p.name for p in (tmp_path / "ck").iterdir())
     assert len(inside) == 2 and inside[0] == "manifest.json" and inside[1].startswith("v-")
+
+
+def test_refused_calls_change_nothing_not_even_partly():
+    from protocol import buffer_hash
+
+    buf = ReplayBuffer(4)
+    buf.append(groups("a", 4), ref_headroom=[0.1, 0.2, 0.3, 0.4], step=0)
+    before = buffer_hash(buf)
+    ids = buf.insertion_ids()
+    refusals = [
+        lambda: buf.append(groups("b", 2), ref_headroom=[0.5, 0.5], step=-1),  # used to evict before this check
+        lambda: buf.append(groups("b", 2), ref_headroom=[0.5, 0.5], step=2**63),
+        lambda: buf.refresh(ids[:2], [0.5, float("nan")], step=1),  # used to write the cache first
+        lambda: buf.refresh(ids[:2], [0.5, 0.6], step=-3),
+        lambda: buf.refresh([int(ids[0]), int(ids[0])], [0.5, 0.6], step=1),
+        lambda: buf.record_use(ids[:2], weight=float("inf")),  # used to count the use first
+        lambda: buf.record_use([1.7], weight=0.5),  # a float id is not truncated to 1
+        lambda: buf.add_exposure(ids[:1], -1.0),
+    ]
+    for call in refusals:
+        with pytest.raises(ReplayInputError):
+            call()
+        assert buffer_hash(buf) == before
+
+
+def test_what_the_buffer_hands_out_is_a_copy():
+    from protocol import buffer_hash
+
+    buf = ReplayBuffer(4)
+    buf.append(groups("a", 2) + groups("t", 2, tool_every=3), ref_headroom=[0.1] * 4, step=0)
+    before = buffer_hash(buf)
+    for g in buf.get(buf.insertion_ids()):
+        for t in (g.prompt_ids, g.completion_ids, g.logprobs, g.advantages, g.rewards, g.loss_mask):
+            t.zero_()
+    buf.slot_values("cached_headroom", buf.insertion_ids())[:] = 9.0
+    assert buffer_hash(buf) == before
+    assert bool(buf.get([0])[0].loss_mask.all())  # the shared all-ones mask was not zeroed either
