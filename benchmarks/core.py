@@ -1,7 +1,7 @@
 """Core benchmark: storage density and selection bookkeeping cost.
 
     python benchmarks/core.py            # full run (a few minutes)
-    python benchmarks/core.py --quick    # under 30 s
+    python benchmarks/core.py --quick    # fewer repeats (a few minutes: filling 65,536 groups dominates)
 
 Writes benchmarks/results/core.json with
     bytes_per_response_token          buffer bytes / stored response tokens at full capacity (C = 512)
@@ -108,15 +108,17 @@ def storage(capacity: int, per_step: int, rng) -> dict:
     }
 
 
-def select_timing(capacity: int, *, k_rep: int, repeats: int, rng) -> dict:
+def select_timing(capacity: int, *, k_rep: int, repeats: int, rng) -> tuple[dict, ReplayController]:
+    """Selection and steady commit cost on a full buffer; returns the controller for the load measurements."""
     cfg = ReplayConfig(capacity=capacity, k_rep=k_rep, tau=1e-3)
-    buf = ReplayBuffer(capacity)
-    step, per = 0, max(k_rep, capacity // 16)
-    while len(buf) < capacity:
+    ctrl = ReplayController(cfg)
+    buf, step, per = ctrl.buffer, 0, max(k_rep, capacity // 16)
+    while len(buf) < capacity:  # large appends: the buffer cuts them into blocks of BLOCK_GROUPS groups
         batch = make_groups(per, n=8, step=step, rng=rng, len_median=48, len_max=256, prompt_range=(16, 64),
                             start=buf.next_insertion_id)
         buf.append(batch, ref_headroom=rng.random(len(batch)), step=step)
         step += 1
+    ctrl.last_step = step - 1
     scorer = lambda groups: [g.logprobs for g in groups]  # noqa: E731  trivial: Drift 0
     times = []
     for _ in range(repeats):
@@ -125,27 +127,12 @@ def select_timing(capacity: int, *, k_rep: int, repeats: int, rng) -> dict:
         times.append((clock() - t0) * 1e3)
     assert len(sel.accepted) == k_rep
     # commit cost through the controller: refresh + counters + append k_rep groups + evict
-    ctrl = ReplayController(cfg)
-    ctrl.buffer = buf
     ctimes = []
     for _ in range(repeats):
         ctimes.append(timed_commit(ctrl, step, scorer, rng, k_rep=k_rep))
         step += 1
     return {"select_ms": statistics.median(times), "select_ms_p90": float(np.percentile(times, 90)),
-            "commit_ms": statistics.median(ctimes), "scanned": len(sel.scanned)}
-
-
-def fill(ctrl: ReplayController, *, k_rep: int, rng) -> int:
-    """Fill ``ctrl``'s buffer to capacity in appends of k_rep groups (one block each, as steady commits make
-    them) without scoring; returns the next step."""
-    buf, step = ctrl.buffer, 0
-    while len(buf) < buf.capacity:
-        batch = make_groups(k_rep, n=8, step=step, rng=rng, len_median=48, len_max=256, prompt_range=(16, 64),
-                            start=buf.next_insertion_id)
-        buf.append(batch, ref_headroom=rng.random(len(batch)), step=step)
-        step += 1
-    ctrl.last_step = step - 1
-    return step
+            "commit_ms": statistics.median(ctimes), "scanned": len(sel.scanned), "steady_commits_ms": ctimes}, ctrl
 
 
 def timed_commit(ctrl: ReplayController, step: int, scorer, rng, *, k_rep: int) -> float:
@@ -158,18 +145,12 @@ def timed_commit(ctrl: ReplayController, step: int, scorer, rng, *, k_rep: int) 
     return (clock() - t0) * 1e3
 
 
-def commit_after_load(capacity: int, *, k_rep: int, repeats: int, loads: int, rng) -> dict:
-    """Steady commits vs the first commit right after a load, on one controller at ``capacity`` groups."""
+def commit_after_load(ctrl: ReplayController, steady: list[float], *, loads: int, rng) -> dict:
+    """The first commit right after a load of ``ctrl``'s checkpoint vs its ``steady`` commits (ms)."""
     import tempfile
 
-    cfg = ReplayConfig(capacity=capacity, k_rep=k_rep, tau=1e-3)
+    cfg, k_rep, step = ctrl.config, ctrl.config.k_rep, ctrl.last_step + 1
     scorer = lambda groups: [g.logprobs for g in groups]  # noqa: E731
-    ctrl = ReplayController(cfg)
-    step = fill(ctrl, k_rep=k_rep, rng=rng)
-    steady = []
-    for _ in range(repeats):
-        steady.append(timed_commit(ctrl, step, scorer, rng, k_rep=k_rep))
-        step += 1
     first, later, load_s = [], [], []
     with tempfile.TemporaryDirectory() as tmp:
         t0 = time.perf_counter()  # wall: a save waits for fsync
@@ -181,22 +162,18 @@ def commit_after_load(capacity: int, *, k_rep: int, repeats: int, loads: int, rn
             t0 = time.perf_counter()
             fresh_ctrl.load(Path(tmp) / "ck")
             load_s.append(time.perf_counter() - t0)
-            s = step
-            first.append(timed_commit(fresh_ctrl, s, scorer, rng, k_rep=k_rep))
-            later += [timed_commit(fresh_ctrl, s + i, scorer, rng, k_rep=k_rep) for i in range(1, 4)]
+            first.append(timed_commit(fresh_ctrl, step, scorer, rng, k_rep=k_rep))
+            later += [timed_commit(fresh_ctrl, step + i, scorer, rng, k_rep=k_rep) for i in range(1, 4)]
             del fresh_ctrl
     steady_ms = statistics.median(steady)
     return {"steady_commit_ms": steady_ms, "first_commit_after_load_ms": statistics.median(first),
             "first_commits_after_load_ms": first, "next_commits_after_load_ms": statistics.median(later),
             "commit_after_load_ratio": statistics.median(first) / steady_ms, "load_s": statistics.median(load_s),
-            "save_s": save_s, "checkpoint_mb": size / 2**20, "groups": capacity}
+            "save_s": save_s, "checkpoint_mb": size / 2**20, "groups": len(ctrl.buffer)}
 
 
-def copy_cost(capacity: int, *, k_rep: int, repeats: int, rng) -> dict:
+def copy_cost(buf: ReplayBuffer, *, k_rep: int, repeats: int) -> dict:
     """ReplayBuffer.get (copies) vs views of the same groups, per group."""
-    ctrl = ReplayController(ReplayConfig(capacity=capacity, k_rep=k_rep))
-    fill(ctrl, k_rep=k_rep, rng=rng)
-    buf = ctrl.buffer
     ids = buf.order_by_cached_headroom(k_rep).tolist()
 
     def views():
@@ -232,14 +209,14 @@ def main() -> None:
     repeats = 15 if args.quick else 60
     sel = {}
     for cap in (512, 8192, 65536):
-        sel[cap] = select_timing(cap, k_rep=64, repeats=repeats, rng=rng)
+        sel[cap], ctrl = select_timing(cap, k_rep=64, repeats=repeats, rng=rng)
         print(f"capacity {cap:6d}: select {sel[cap]['select_ms']:.2f} ms, commit {sel[cap]['commit_ms']:.2f} ms",
               flush=True)
-    cal = commit_after_load(65536, k_rep=64, repeats=repeats, loads=2 if args.quick else 5, rng=rng)
+    cal = commit_after_load(ctrl, sel[65536].pop("steady_commits_ms"), loads=2 if args.quick else 5, rng=rng)
     print(f"commit after load at 65536 groups: {cal['first_commit_after_load_ms']:.2f} ms vs steady "
           f"{cal['steady_commit_ms']:.2f} ms (ratio {cal['commit_after_load_ratio']:.2f}); load {cal['load_s']:.2f} s",
           flush=True)
-    cc = copy_cost(65536, k_rep=64, repeats=repeats, rng=rng)
+    cc = copy_cost(ctrl.buffer, k_rep=64, repeats=repeats)
     print(f"get: {cc['get_copy_us_per_group']:.1f} us/group as copies, {cc['get_view_us_per_group']:.1f} as views",
           flush=True)
     result = {

@@ -25,7 +25,8 @@ Before the commit point the manifest names the previous complete version, which 
 touch; after it, it names the new complete one.  So after a crash anywhere, a load yields exactly
 the previous state or exactly the new one, and the next save removes the leftovers.  A disk-full
 or permission error before the commit point raises :class:`~hdreplay.errors.CheckpointError`
-naming the path and leaves the previous checkpoint intact.  One writer per directory at a time.
+naming the path and leaves the previous checkpoint intact.  One writer per directory at a time; a
+load that runs while a save deletes the previous version may fail with ``CheckpointError`` (retry it).
 
 Load (:func:`read_checkpoint_dir`) follows the manifest only, verifies its own checksum, then reads
 each file's bytes once, checks size and sha256 of exactly those bytes and parses them: nothing
