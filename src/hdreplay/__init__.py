@@ -12,6 +12,11 @@ Core API (framework-agnostic; importing it never imports TRL or verl):
     pad_groups, PaddedGroups, group_scores            helpers for writing scorers
     balanced_partition, minibatch_layout, truncate_to_multiple   batch layout
 
+Reliability contract: every public call checks all of its arguments before it changes anything
+(errors: ReplayInputError / ReplayConfigError / ReplayProtocolError / CheckpointError, all
+ReplayError); what the buffer hands out are copies; ``ReplayController.save`` is crash-safe and
+``load`` is all-or-nothing (see ``hdreplay.checkpoint`` and ``hdreplay.checkpoint_schema``).
+
 Integrations live in ``hdreplay.integrations.trl`` and ``hdreplay.integrations.verl``.
 """
 

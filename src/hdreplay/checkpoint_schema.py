@@ -8,7 +8,7 @@ refused load changes nothing.
 Resuming under a different configuration (the decision this module encodes):
 
 * refused (:class:`~hdreplay.errors.CheckpointError`): ``capacity``; ``group_size`` when a stored
-  group does not have that many responses; ``headroom_weighting`` (the stored cached and
+  group does not have that many responses (otherwise warned); ``headroom_weighting`` (the stored cached and
   reference Headroom are in the saved weighting's units, and mixing units would silently reorder
   the buffer);
 * allowed with a :class:`~hdreplay.errors.ReplayResumeWarning` that names every change:
@@ -34,7 +34,7 @@ from .validate import MAX_COUNT, MAX_STEP, is_int, is_real
 #: configuration fields whose change at resume is refused / reported with a warning
 CONFIG_REFUSED = ("capacity", "headroom_weighting")
 CONFIG_WARNED = ("selector", "k_rep", "tau", "drift_norm", "ingress", "answer_threshold", "truncate_multiple",
-                 "max_scan", "acceptance_ema", "adaptive_tau")
+                 "max_scan", "acceptance_ema", "adaptive_tau", "group_size")
 BUFFER_META_KEYS = ("capacity", "group_size", "next_id", "size", "group_ids", "birth_steps", "extras_keys")
 _TORCH = {np.int64: torch.int64, np.float64: torch.float64}
 
