@@ -71,6 +71,7 @@ def parse_buffer_state(tensors: Any, meta: Any, *, capacity: int, group_size: in
     if not isinstance(tensors, Mapping) or not all(isinstance(k, str) and isinstance(v, torch.Tensor)
                                                    for k, v in tensors.items()):
         raise bad("tensors must be a mapping name -> torch.Tensor")
+    tensors = {k: v.detach().cpu() for k, v in tensors.items()}  # (a programmatic state may need grad / a GPU)
     if not isinstance(meta, Mapping):
         raise bad(f"meta must be a mapping, got {type(meta).__name__}")
     missing = [k for k in BUFFER_META_KEYS if k not in meta]

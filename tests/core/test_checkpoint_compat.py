@@ -157,6 +157,15 @@ def test_verify_reports_the_last_step_of_a_complete_checkpoint_and_refuses_other
         ReplayController.verify(tmp_path / "ck")
 
 
+def test_a_state_dict_whose_tensors_need_grad_loads():
+    src = run_steps(ReplayController(ReplayConfig(capacity=12)), range(3))
+    tensors, meta = src.state_dict()
+    tensors = {k: v.requires_grad_() if v.is_floating_point() else v for k, v in tensors.items()}
+    ctrl = ReplayController(ReplayConfig(capacity=12))
+    ctrl.load_state_dict(tensors, meta)
+    assert state_hash(ctrl) == state_hash(src)
+
+
 def test_state_dict_tensors_are_copies(tmp_path):
     ctrl = run_steps(ReplayController(ReplayConfig(capacity=12)), range(3))
     before = state_hash(ctrl)
