@@ -66,6 +66,7 @@ class RecordingTrainer(HDRGRPOTrainer):
                                 "stored_logps": [g.logprobs.clone() for g in sel.groups],
                                 "stored_mask": [g.loss_mask.clone() for g in sel.groups],
                                 "stored_ref": [g.extras.get("ref_logprobs") for g in sel.groups],
+                                "stored_extras": [{k: v.clone() for k, v in g.extras.items()} for g in sel.groups],
                                 "lengths": [g.response_lengths.tolist() for g in sel.groups]})
 
     def _commit_step(self):

@@ -77,22 +77,6 @@ class Generation:
 
 
 @dataclass
-class MicroStep:
-    """What one TRL micro-step trains: ``fresh`` is exactly the micro-batch plain TRL would train (its own
-    shuffle and split of the fresh rows); ``replay`` are this rank's replay rows for the micro-step, as chunks
-    of at most ``per_device_train_batch_size`` rows; ``generation`` is where fresh rows' log-probs are
-    captured (None when TRL computed them)."""
-
-    fresh: dict
-    replay: list[dict]
-    generation: Generation | None
-
-    @property
-    def rows(self) -> int:
-        return self.fresh["prompt_ids"].shape[0] + sum(c["prompt_ids"].shape[0] for c in self.replay)
-
-
-@dataclass
 class ReplayStep:
     """The open replay step (one optimizer update).
 

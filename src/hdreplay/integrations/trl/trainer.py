@@ -41,39 +41,19 @@ from ...controller import ReplayController
 from ...errors import CheckpointError
 from ...padding import pad_groups
 from ..common import STATE_DIR, restore
-from .batch import check_keys, concat_rows, groups_from_rows, ingress_rows, replay_rows, spread, take_rows
+from .batch import check_keys, groups_from_rows, ingress_rows, replay_rows
 from .checkpoints import (
     checkpoint_problem, clear_pending, mark_pending, newest_complete_checkpoint, rotation_held,
 )
 from .config import as_replay_config
 from .positions import active_dropout, install_position_ids, padding_drift
 from .rescore import can_share_prompt, shared_prompt_logps
-from .step import MicroStep, ReplayStep
+from .microstep import GLOBAL_TOKENS, LOCAL_TOKENS, ROW_MEAN, MicroStep, chunk_scales, loss_mask, merged, replay_chunks
+from .step import ReplayStep
 
 #: max |d logp| tolerated between paddings of one sequence (fp32 / low-precision autocast)
 PADDING_TOLERANCE = {"fp32": 1e-4, "low": 3e-2}
-#: how TRL 1.16 normalises a micro-batch's loss, per loss type (see chunk_scales)
-ROW_MEAN, LOCAL_TOKENS, GLOBAL_TOKENS = ("grpo", "sapo", "luspo", "dr_grpo"), ("bnpo",), ("dapo", "cispo", "vespo")
 _INIT = inspect.signature(GRPOTrainer.__init__)
-
-
-def loss_mask(part: dict) -> torch.Tensor:
-    m = part["completion_mask"]
-    return m * part["tool_mask"] if "tool_mask" in part else m
-
-
-def chunk_scales(loss_type: str, parts: list[dict]) -> list[float]:
-    """Weights w_c with sum_c w_c * TRL_loss(part_c) == TRL_loss(concat(parts)) for TRL 1.16's normalisers:
-    row means (grpo, sapo, luspo, dr_grpo): w_c = rows share; bnpo (this rank's loss tokens): w_c = token
-    share; dapo, cispo, vespo (the generation's global ``num_items_in_batch``): w_c = 1."""
-    if len(parts) == 1 or loss_type in GLOBAL_TOKENS:
-        return [1.0] * len(parts)
-    if loss_type in LOCAL_TOKENS:
-        toks = [float(loss_mask(p).sum()) for p in parts]
-        if sum(toks) > 0:
-            return [t / sum(toks) for t in toks]
-    rows = [p["prompt_ids"].shape[0] for p in parts]
-    return [r / sum(rows) for r in rows]
 
 
 class _CommitAfterUpdate(TrainerCallback):
@@ -195,21 +175,6 @@ class HDRGRPOTrainer(GRPOTrainer):
         step.replay_tokens = sum(g.num_loss_tokens for g in sel.groups)
         step.replay_part = rows
 
-    def _replay_chunks(self, step: ReplayStep, spg: int, num_items) -> list[list[dict]]:
-        """This rank's replay rows spread over ``spg`` micro-steps, in chunks of <= per_device rows."""
-        out, start, pd = [], 0, self.args.per_device_train_batch_size
-        rows = step.replay_part
-        for count in spread(step.replay_rows, spg):
-            chunks = []
-            for s in range(start, start + count, pd):
-                chunk = _trim(take_rows(rows, slice(s, min(s + pd, start + count))))
-                chunk["num_items_in_batch"] = num_items
-                chunks.append(chunk)
-            out.append(chunks)
-            start += count
-        step.replay_part = None
-        return out
-
     # ------------------------------------------------------------------ re-scoring
     @property
     def _score_batch_size(self) -> int:
@@ -296,7 +261,11 @@ class HDRGRPOTrainer(GRPOTrainer):
             gen = step.current
             fresh = split_tensor_dict(shuffle_sequence_dict(out), spg)  # plain TRL's micro-batches
             first = gen is step.generations[0] and step.replay_rows
-            replay = self._replay_chunks(step, spg, out["num_items_in_batch"]) if first else [[] for _ in fresh]
+            replay = [[] for _ in fresh]
+            if first:
+                replay = replay_chunks(step.replay_part, spg=spg, max_rows=self.args.per_device_train_batch_size,
+                                       num_items=out["num_items_in_batch"])
+                step.replay_part = None
             capture = gen if gen.needs_capture else None
             self._buffered_inputs = [MicroStep(f, r, capture) for f, r in zip(fresh, replay)]
         return self._buffered_inputs[self._step % spg]
@@ -306,7 +275,7 @@ class HDRGRPOTrainer(GRPOTrainer):
         if not isinstance(inputs, MicroStep):
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
         if self.args.replay_micro_step == "grow" and inputs.replay:
-            parts = [self._merged(inputs)]
+            parts = [merged(inputs, pad_token_id=self._tokenizer.pad_token_id)]
         else:
             parts = [inputs.fresh, *inputs.replay]
         done = None
@@ -319,18 +288,6 @@ class HDRGRPOTrainer(GRPOTrainer):
                     self.accelerator.backward(loss)
                     done = loss.detach() if done is None else done + loss.detach()
         return loss if done is None else loss + done
-
-    def _merged(self, micro: MicroStep) -> dict:
-        fresh = dict(micro.fresh)
-        like = micro.replay[0]
-        fresh.setdefault("tool_mask", torch.ones_like(fresh["completion_mask"]))
-        if "old_per_token_logps" not in fresh:  # filled with the fresh rows' own log-probs: ratio exactly 1
-            fresh["old_per_token_logps"] = torch.zeros_like(fresh["completion_mask"], dtype=like["old_per_token_logps"].dtype)
-            fresh["hdr_fill_old"] = True
-        merged = concat_rows([{k: v for k, v in fresh.items() if k != "hdr_fill_old"}, *micro.replay],
-                             pad_token_id=self._tokenizer.pad_token_id)
-        merged["hdr_fill_old"] = fresh.get("hdr_fill_old", False)
-        return merged
 
     @contextmanager
     def _capturing(self, generation, part):
@@ -440,16 +397,3 @@ class HDRGRPOTrainer(GRPOTrainer):
         return result
 
 
-def _trim(rows: dict) -> dict:
-    """Drop the column padding no row of ``rows`` needs (prompt left-padded, completion right-padded)."""
-    p = int(rows["prompt_mask"].sum(1).max())
-    c = int(rows["completion_mask"].sum(1).max())
-    out = {}
-    for k, v in rows.items():
-        if k.startswith("prompt"):
-            out[k] = v[:, v.shape[1] - p:]
-        elif v.dim() == 2 and not (k == "importance_sampling_ratio" and v.shape[1] == 1):
-            out[k] = v[:, :c]
-        else:
-            out[k] = v
-    return out
