@@ -193,8 +193,11 @@ def test_metrics_reach_trl_logs(model_dir, tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "gpt2"])
-def test_rescoring_is_padding_invariant_with_mixed_prompt_lengths(model_dir, tmp_path, arch):
+def test_rescoring_is_padding_invariant_with_mixed_prompt_lengths(model_dir, tmp_path, monkeypatch, arch):
     """A group re-scored under unchanged weights has Drift ~0 however it is padded or batched."""
+    import hdreplay.integrations.trl.rescore as rescore
+
+    monkeypatch.setattr(rescore, "SHARE_BELOW_TOKEN_RATIO", 1.0)  # these short prompts would not be shared
     model, tok = tiny_model(model_dir, arch=arch)
     tr = RecordingTrainer(model=model, reward_funcs=reward_digit, train_dataset=prompts(), processing_class=tok,
                           args=make_args(tmp_path / "o", max_steps=1, learning_rate=0.0, replay_k_rep=0,
@@ -346,3 +349,14 @@ def test_generation_spanning_several_optimizer_steps_spreads_replay_over_them(mo
             per_micro[r["micro"]] = per_micro.get(r["micro"], 0) + int(r["is_replay"].sum())
         assert sorted(per_micro.values()) == [2, 2, 2, 2]  # 8 replay rows over 4 micro-steps
         assert {r["global_step"] for r in gen if r["is_replay"].any()} == {sel["step"], sel["step"] + 1}
+
+
+def test_calling_train_again_continues_the_replay_steps(model_dir, tmp_path):
+    """A second train() restarts TRL's global_step; replay steps keep increasing and the buffer carries over."""
+    tr = run(model_dir, tmp_path / "out", max_steps=2)
+    first = [s["step"] for s in tr.selections]
+    size = len(tr.replay.buffer)
+    tr.train()
+    steps = [s["step"] for s in tr.selections]
+    assert first == [0, 1] and steps == [0, 1, 2, 3] and len(tr.replay.buffer) >= size
+    assert tr.selections[2]["groups"]  # the carried-over buffer is replayed at once

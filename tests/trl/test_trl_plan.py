@@ -81,6 +81,8 @@ def test_scan_budget_below_the_replay_budget_and_uneven_layouts_warn():
     assert any("replay_max_scan=2" in t for t in plan(ga=2, spg=2, k_rep=3, max_scan=2).notes)
     p = plan(ga=3, spg=2)
     assert p.uneven and any("vary" in t for t in p.notes)
+    assert any("replay_tau=0" in t for t in plan(tau=0.0, k_rep=1).notes)
+    assert not plan(tau=0.0, k_rep=1, selector="recency").notes
     assert not plan(ga=2, spg=2).notes
 
 

@@ -18,11 +18,13 @@ from __future__ import annotations
 
 import os
 import re
+import warnings
 from contextlib import contextmanager
 from pathlib import Path
 
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
+from ...errors import CheckpointError
 from ..common import STATE_DIR
 
 PENDING = "hdreplay.pending"
@@ -95,3 +97,25 @@ def rotation_held(args):
         yield limit
     finally:
         args.save_total_limit = limit
+
+
+def resume_target(output_dir: str | os.PathLike) -> Path:
+    """What ``resume_from_checkpoint=True`` resumes: the newest complete checkpoint (newer incomplete ones are
+    skipped with a warning saying why); CheckpointError if there is none."""
+    newest, skipped = newest_complete_checkpoint(output_dir, replay=True)
+    for s in skipped:
+        warnings.warn(f"hdreplay: skipping an incomplete checkpoint: {s}", stacklevel=3)
+    if newest is None:
+        raise CheckpointError(f"resume_from_checkpoint=True: no complete checkpoint in {output_dir}"
+                              + (f" ({'; '.join(skipped)})" if skipped else ""))
+    return newest
+
+
+def refuse_incomplete(checkpoint: str | os.PathLike) -> None:
+    """Raise CheckpointError, naming the newest complete checkpoint beside it, if ``checkpoint`` is incomplete."""
+    problem = checkpoint_problem(checkpoint, replay=True)
+    if problem:
+        newest, _ = newest_complete_checkpoint(Path(os.path.abspath(checkpoint)).parent, replay=True)
+        hint = f"resume from {newest}" if newest else "no complete checkpoint is left beside it"
+        raise CheckpointError(f"{problem}. It cannot be resumed: {hint} (resume_from_checkpoint=True picks the "
+                              "newest complete checkpoint).")

@@ -105,7 +105,7 @@ class HDRGRPOConfig(_ReplayFields, GRPOConfig):
                            ga=self.gradient_accumulation_steps, spg=self.steps_per_generation,
                            iterations=self.num_iterations, n=self.num_generations, k_rep=v["k_rep"],
                            capacity=v["capacity"], max_scan=v["max_scan"], selector=v["selector"],
-                           user_unit=v["truncate_multiple"])
+                           user_unit=v["truncate_multiple"], tau=v["tau"])
 
     def to_replay_config(self) -> ReplayConfig:
         """The core ReplayConfig these fields describe (K_rep and the truncation unit as the plan sets them)."""

@@ -29,6 +29,7 @@ import warnings
 from dataclasses import dataclass, field
 
 from ...errors import ReplayConfigError
+from ...selection import SELECTORS
 
 #: replay:fresh ratio the paper uses (b + b/2)
 PAPER_RATIO = 0.5
@@ -88,7 +89,7 @@ class ReplayPlan:
 
 def plan_replay(*, world: int, per_device: int, ga: int, spg: int, iterations: int, n: int,
                 k_rep: int | None, capacity: int, max_scan: int | None, selector: str,
-                user_unit: int = 1) -> ReplayPlan:
+                user_unit: int = 1, tau: float | None = None) -> ReplayPlan:
     """Work out F, u and K_rep; raise :class:`ReplayConfigError` for a setting that can never replay.
 
     Args mirror the TRL settings (``world`` = number of processes, ``user_unit`` = replay_truncate_multiple).
@@ -140,6 +141,10 @@ def plan_replay(*, world: int, per_device: int, ga: int, spg: int, iterations: i
     if active and max_scan is not None and max_scan < k:
         notes.append(f"replay_max_scan={max_scan} is below replay_k_rep={k}: at most {max_scan} groups are re-scored "
                      "per step, so the replay budget can never fill. Raise replay_max_scan or leave it unset.")
+    if active and tau == 0 and SELECTORS[selector].gate:
+        notes.append(f"replay_tau=0 with replay_selector={selector!r}: the Drift gate passes only groups whose "
+                     "log-probs have not changed at all, i.e. none after the first update, so nothing will be "
+                     "replayed. Use a tau > 0 (`hdreplay calibrate` sweeps it) or replay_selector='recency'.")
     if active and uneven:
         notes.append(f"spg * num_iterations = {gs} does not divide gradient_accumulation_steps={ga}: optimizer "
                      f"updates hold {per_step} or {per_step + 1} generations, so the fresh groups per replay step "

@@ -22,6 +22,10 @@ import torch
 from ...padding import pad_groups
 from ...record import GroupRecord
 
+#: share the prompt pass only when it runs at most this fraction of the full forward's token positions: with short
+#: prompts the two forward calls it takes cost more than the prompt tokens they save
+SHARE_BELOW_TOKEN_RATIO = 0.75
+
 
 def can_share_prompt(model: torch.nn.Module) -> bool:
     """True for a plain HF causal LM whose backbone takes ``past_key_values`` and ``position_ids``."""
@@ -110,3 +114,9 @@ def rescore_token_counts(groups: Sequence[GroupRecord]) -> tuple[int, int]:
     R, C = pg.completion_ids.shape
     P = pg.prompt_ids.shape[1]
     return len(groups) * (P - 1) + R * (1 + C), R * (P + C)
+
+
+def share_pays(groups: Sequence[GroupRecord]) -> bool:
+    """Whether one prompt pass per group saves enough token positions to beat one full forward."""
+    shared, full = rescore_token_counts(groups)
+    return shared <= SHARE_BELOW_TOKEN_RATIO * full

@@ -35,19 +35,19 @@ from transformers import ProcessorMixin, TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 from trl import GRPOTrainer
 from trl.models.utils import disable_gradient_checkpointing
-from trl.trainer.utils import shuffle_sequence_dict, split_tensor_dict
+from trl.trainer.utils import (
+    shuffle_sequence_dict, split_pixel_values_by_grid, split_tensor_dict, unsplit_pixel_values_by_grid,
+)
 
 from ...controller import ReplayController
-from ...errors import CheckpointError
 from ...padding import pad_groups
 from ..common import STATE_DIR, restore
 from .batch import check_keys, groups_from_rows, ingress_rows, replay_rows
-from .checkpoints import (
-    checkpoint_problem, clear_pending, mark_pending, newest_complete_checkpoint, rotation_held,
-)
+from .checkpoints import clear_pending, mark_pending, refuse_incomplete, resume_target, rotation_held
 from .config import as_replay_config
+from .plan import ReplaySettingWarning
 from .positions import active_dropout, install_position_ids, padding_drift
-from .rescore import can_share_prompt, shared_prompt_logps
+from .rescore import can_share_prompt, share_pays, shared_prompt_logps
 from .microstep import GLOBAL_TOKENS, LOCAL_TOKENS, ROW_MEAN, MicroStep, chunk_scales, loss_mask, merged, replay_chunks
 from .step import ReplayStep
 
@@ -93,6 +93,7 @@ class HDRGRPOTrainer(GRPOTrainer):
         )
         self._replay_step: ReplayStep | None = None  # the open step (one optimizer update)
         self._capture: tuple | None = None  # (generation, part) while one fresh part's loss forward runs
+        self._step_offset: int | None = None  # replay step = global_step + offset (0 unless train() is called again)
         self.replay_padding_drift: float | None = None
         self._position_hook = None
         if self.replay_active:
@@ -118,6 +119,11 @@ class HDRGRPOTrainer(GRPOTrainer):
                              "which DeepSpeed counts as micro-steps of its own. Set replay_micro_step='grow' (replay "
                              "rows join the micro-batch: activation memory grows by (fresh + replay rows) / fresh rows, "
                              f"{self._grow_factor():.2f}x with these settings).")
+        if a.replay_micro_step == "grow":
+            warnings.warn(f"replay_micro_step='grow': replay rows join the micro-batch, so a forward holds up to "
+                          f"{self._grow_factor():.2f}x per_device_train_batch_size={a.per_device_train_batch_size} "
+                          "rows and activation memory grows by that factor; 'chunk' (the default) keeps it at "
+                          "per_device_train_batch_size rows.", ReplaySettingWarning, stacklevel=3)
 
     def _grow_factor(self) -> float:
         p = self.replay_plan
@@ -136,7 +142,10 @@ class HDRGRPOTrainer(GRPOTrainer):
         if not (self.replay_active and self.model.training):
             return super()._generate_and_score_completions(inputs)
         if self._replay_step is None:
-            self._replay_step = ReplayStep(index=self.state.global_step)
+            if self._step_offset is None:  # a second train() call restarts global_step; replay steps must increase
+                last, now = self.replay.last_step, self.state.global_step
+                self._step_offset = 0 if last is None or now > last else last + 1 - now
+            self._replay_step = ReplayStep(index=self.state.global_step + self._step_offset)
         step = self._replay_step
         gen = step.open_generation()
         out = super()._generate_and_score_completions(inputs)
@@ -188,11 +197,11 @@ class HDRGRPOTrainer(GRPOTrainer):
                 model, input_ids, attention_mask, logits_to_keep, batch_size=self._score_batch_size)
         return logps
 
-    def _group_logps(self, groups) -> torch.Tensor:
+    def _group_logps(self, groups, share: bool) -> torch.Tensor:
         """(R, C) current log-probs of ``groups``' rows (``pad_groups`` layout): one prompt pass per group when
-        the model allows it, else TRL's full-row forward."""
+        the model allows it and it saves token positions (long prompts), else TRL's full-row forward."""
         dev, pad = self.accelerator.device, self._tokenizer.pad_token_id
-        if self._share_prompt:
+        if share:
             with disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs):
                 return shared_prompt_logps(self.accelerator.unwrap_model(self.model), groups, pad_token_id=pad,
                                            device=dev, max_rows=self._score_batch_size,
@@ -208,7 +217,8 @@ class HDRGRPOTrainer(GRPOTrainer):
         W, r, G = acc.num_processes, acc.process_index, len(groups)
         per = -(-G // W)
         mine = [groups[min(i, G - 1)] for i in range(r * per, (r + 1) * per)]  # the last rank repeats a filler group
-        logps = self._group_logps(mine).to(acc.device)
+        share = self._share_prompt and share_pays(groups)  # decided on all groups: the same on every rank
+        logps = self._group_logps(mine, share).to(acc.device)
         if W > 1:
             logps = acc.gather(acc.pad_across_processes(logps, dim=1, pad_index=0))
         pg = pad_groups(groups, pad_token_id=self._tokenizer.pad_token_id)
@@ -259,7 +269,8 @@ class HDRGRPOTrainer(GRPOTrainer):
             out = self._generate_and_score_completions(generation_batch)
             step = self._replay_step
             gen = step.current
-            fresh = split_tensor_dict(shuffle_sequence_dict(out), spg)  # plain TRL's micro-batches
+            fresh = split_tensor_dict(shuffle_sequence_dict(split_pixel_values_by_grid(out)), spg)  # plain TRL's
+            fresh = [unsplit_pixel_values_by_grid(f) for f in fresh]
             first = gen is step.generations[0] and step.replay_rows
             replay = [[] for _ in fresh]
             if first:
@@ -373,27 +384,15 @@ class HDRGRPOTrainer(GRPOTrainer):
     def _load_optimizer_and_scheduler(self, checkpoint):
         super()._load_optimizer_and_scheduler(checkpoint)
         if self.replay_active and checkpoint is not None:
-            problem = checkpoint_problem(checkpoint, replay=True)
-            if problem:
-                newest, _ = newest_complete_checkpoint(os.path.dirname(os.path.abspath(checkpoint)), replay=True)
-                hint = f"resume from {newest}" if newest else "no complete checkpoint is left beside it"
-                raise CheckpointError(f"{problem}. It cannot be resumed: {hint} (resume_from_checkpoint=True picks "
-                                      "the newest complete checkpoint).")
+            refuse_incomplete(checkpoint)
             restore(self.replay, checkpoint, allow_missing=self.args.replay_resume_without_state,
                     option="replay_resume_without_state")
 
     def train(self, resume_from_checkpoint=None, *args, **kwargs):
         if self.replay_active and resume_from_checkpoint is True:
-            newest, skipped = newest_complete_checkpoint(self.args.output_dir, replay=True)
-            for s in skipped:
-                warnings.warn(f"hdreplay: skipping an incomplete checkpoint: {s}", stacklevel=2)
-            if newest is None:
-                raise CheckpointError(f"resume_from_checkpoint=True: no complete checkpoint in {self.args.output_dir}"
-                                      + (f" ({'; '.join(skipped)})" if skipped else ""))
-            resume_from_checkpoint = str(newest)
+            resume_from_checkpoint = str(resume_target(self.args.output_dir))
+        self._step_offset = None
         result = super().train(resume_from_checkpoint, *args, **kwargs)
         if self.replay_active:
             self.replay.close()
         return result
-
-
