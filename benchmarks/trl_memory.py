@@ -8,7 +8,9 @@ What is measured: the bytes of the tensors autograd saves for backward during a 
 the activation memory a micro-step holds at its peak -- on a GPU the part that grows with rows.  With
 ``replay_micro_step="chunk"`` a micro-step runs TRL's loss on the fresh micro-batch and on each replay chunk,
 each backward right after its forward, so its peak is the largest part; with ``"grow"`` it is the merged batch.
-(CPU allocator peaks are not observable here; the saved-tensor count is exact and device independent.)
+(CPU allocator peaks are not observable here; the saved-tensor count is exact and device independent.)  Prompts
+vary in length so that every micro-batch is padded: an unpadded batch takes SDPA's mask-free path and saves ~7 %
+less, which would otherwise show up as a difference between batches, not between replay and no replay.
 
 Configurations, same workload (Qwen2-shaped random model, completions of a fixed length so every row costs the
 same; per_device_train_batch_size 8, GA 2, groups of 4, replay_k_rep 4 = 16 replay rows per step, the issue's
@@ -79,7 +81,9 @@ def reward(completions, **kw):
 
 def run(name, model_dir, *, selector, mode, steps, length):
     model, tok = load_model(model_dir)
-    ds = Dataset.from_dict({"prompt": [f"{i}+{j}=" for i in range(100) for j in range(7)]})
+    # prompts of 4-8 tokens: micro-batches are padded, as real ones are (an unpadded batch takes SDPA's
+    # mask-free path, which saves less for backward; mixing the two would measure padding, not replay)
+    ds = Dataset.from_dict({"prompt": [f"{i}+{j}=" for i in range(0, 2000, 7) for j in range(0, 300, 11)]})
     args = HDRGRPOConfig(
         output_dir=tempfile.mkdtemp(prefix=f"mem-{name}-"), use_cpu=True, bf16=False, report_to="none",
         activation_checkpointing=False, logging_steps=10**6, save_strategy="no", max_steps=steps,
