@@ -360,3 +360,19 @@ def test_calling_train_again_continues_the_replay_steps(model_dir, tmp_path):
     steps = [s["step"] for s in tr.selections]
     assert first == [0, 1] and steps == [0, 1, 2, 3] and len(tr.replay.buffer) >= size
     assert tr.selections[2]["groups"]  # the carried-over buffer is replayed at once
+
+
+def test_user_callbacks_see_the_step_committed_at_step_end(model_dir, tmp_path):
+    from transformers import TrainerCallback
+
+    seen = []
+
+    class Probe(TrainerCallback):
+        def on_step_end(self, args, state, control, **kw):
+            seen.append((state.global_step, tr.replay.last_step))
+
+    model, tok = tiny_model(model_dir)
+    tr = HDRGRPOTrainer(model=model, reward_funcs=reward_digit, train_dataset=prompts(), processing_class=tok,
+                        args=make_args(tmp_path / "o", max_steps=3), callbacks=[Probe()])
+    tr.train()
+    assert seen == [(1, 0), (2, 1), (3, 2)]  # the update's replay step (opened at global_step - 1) is committed

@@ -101,7 +101,8 @@ class HDRGRPOTrainer(GRPOTrainer):
             self._position_hook = install_position_ids(unwrapped)
             self._share_prompt = (can_share_prompt(unwrapped) and not self.is_fsdp_enabled
                                   and not self.is_deepspeed_enabled and self._position_hook is not None)
-            self.add_callback(_CommitAfterUpdate(self))
+            # first in line: user callbacks' on_step_end (step timers, loggers) see the step committed
+            self.callback_handler.callbacks.insert(0, _CommitAfterUpdate(self))
 
     def _check_supported(self) -> None:
         a = self.args
