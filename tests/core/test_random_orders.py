@@ -175,5 +175,7 @@ def test_max_age_filters_gated_orders_too():
     pol = policy_walk(4)
     sel = select_replay(ctrl.buffer, ctrl.config, pol.scorer, step=4)
     assert len(sel.accepted) == 3 and all(4 - g.birth_step <= 1 for g in sel.groups)
-    assert sel.scanned_age.max() <= 1 and len(ctrl.buffer) > sel.eligible  # older groups are stored, not scanned
+    assert sel.scanned_age.max() <= 1 and sel.eligible == len(ctrl.buffer) == 5  # commit evicted the older ones
+    late = select_replay(ctrl.buffer, ctrl.config, pol.scorer, step=5)  # a skipped step: all stored are too old
+    assert late.eligible == 0 and len(late.accepted) == 0 and len(late.scanned) == 0
     assert sel.rescored_rows == sum(g.num_responses for g in ctrl.buffer.get(sel.scanned.tolist()))
