@@ -7,7 +7,9 @@ Run directory layout (what ``hdreplay report`` and the comparison summary read):
     replay/           steps.jsonl, groups.jsonl (replay methods only)
     trl/runs/         TensorBoard event files written through TRL's report_to
     metrics.json      held-out Mean@n / Best@n per benchmark, macro and weighted averages,
-                      fresh responses, mean step time
+                      mean step time and the run's costs: fresh responses generated (dynamic sampling's
+                      discarded ones included), rows re-scored under the current policy to select, rows and
+                      groups replayed (sums over the steps of train_log.jsonl)
 """
 
 from __future__ import annotations
@@ -64,6 +66,7 @@ def trainer_args(spec: RunSpec, method: Method, task: Task, run_dir: Path):
         warmup_steps=0, loss_type=method.loss_type, epsilon_high=method.epsilon_high, beta=0.0, seed=spec.seed,
         disable_tqdm=True, disable_dropout=True, dataloader_num_workers=0,
         **{"replay_diagnose_ungated": False, **replay}, replay_diagnostics_dir=str(run_dir / "replay"),
+        replay_dynamic_sampling=method.dynamic_sampling,
         max_tool_calling_iterations=getattr(task, "max_tool_calls", None),
     )
 
@@ -124,7 +127,7 @@ def run_one(spec: RunSpec, method: Method, task: Task, model_dir: Path, run_dir:
         "method": method.name,
         "seed": spec.seed,
         "steps": spec.steps,
-        "fresh_responses": spec.steps * b * spec.generations,
+        **costs(run_dir / "train_log.jsonl", planned=spec.steps * b * spec.generations, n=spec.generations),
         "mean_step_s": sum(times) / len(times),
         "train_wall_s": wall,
         "final_train_reward": _last(run_dir / "train_log.jsonl", "reward"),
@@ -133,6 +136,24 @@ def run_one(spec: RunSpec, method: Method, task: Task, model_dir: Path, run_dir:
     }
     (run_dir / "metrics.json").write_text(json.dumps(metrics, indent=2))
     return metrics
+
+
+def costs(path: Path, *, planned: int, n: int) -> dict:
+    """A run's costs summed over its steps in train_log.jsonl: ``fresh_responses`` (generated; the planned
+    steps x b x n unless dynamic sampling logged more), ``rescored_rows`` (stored responses forwarded under the
+    current policy to select), ``replayed_rows`` and ``replayed_groups`` (replayed rows / n: groups' worth, also
+    for single-rollout replay)."""
+    gen = rescored = replayed = 0.0
+    dynamic = False
+    for line in open(path):
+        rec = json.loads(line)
+        if "dynamic/generated_rows" in rec:
+            dynamic = True
+            gen += rec["dynamic/generated_rows"]
+        rescored += rec.get("replay/rescored_rows") or 0.0
+        replayed += rec.get("replay/replayed_rows") or 0.0
+    return {"fresh_responses": int(round(gen)) if dynamic else planned, "rescored_rows": int(round(rescored)),
+            "replayed_rows": int(round(replayed)), "replayed_groups": replayed / n}
 
 
 def _env_calls() -> int:

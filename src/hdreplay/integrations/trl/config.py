@@ -39,6 +39,14 @@ _TRL_KNOBS = (
          "plain TRL's micro-batch); grow = one forward/backward over fresh + replay rows (activation memory grows "
          "by (fresh + replay rows) / fresh rows; needed with DeepSpeed, which counts backward calls)",
          MICRO_STEP_MODES),
+    Knob("dynamic_sampling", bool, False, False,
+         "DAPO's dynamic sampling: drop groups whose rewards are all equal and generate further prompt batches "
+         "until the batch holds only mixed groups (at most dynamic_sampling_max_batches rounds); one process, "
+         "replay_selector='none'", None),
+    Knob("dynamic_sampling_max_batches", int, 10, False,
+         "generation rounds per batch at most with replay_dynamic_sampling (verl's max_num_gen_batches; >= 1); at "
+         "the limit the batch is completed with zero-variance groups (zero advantage) and the shortfall logged",
+         None),
 )
 
 
@@ -84,6 +92,18 @@ class HDRGRPOConfig(_ReplayFields, GRPOConfig):
         if self.replay_micro_step not in MICRO_STEP_MODES:
             raise ReplayConfigError(f"HDRGRPOConfig: replay_micro_step must be one of {list(MICRO_STEP_MODES)}, got "
                                     f"{self.replay_micro_step!r}", field="replay_micro_step")
+        if not isinstance(self.replay_dynamic_sampling, bool):
+            raise ReplayConfigError("HDRGRPOConfig: replay_dynamic_sampling must be True or False, got "
+                                    f"{self.replay_dynamic_sampling!r}", field="replay_dynamic_sampling")
+        mb = self.replay_dynamic_sampling_max_batches
+        if isinstance(mb, bool) or not isinstance(mb, int) or mb < 1:
+            raise ReplayConfigError(f"HDRGRPOConfig: replay_dynamic_sampling_max_batches must be an int >= 1, got "
+                                    f"{mb!r}", field="replay_dynamic_sampling_max_batches")
+        if self.replay_dynamic_sampling and self.replay_selector != "none":
+            raise ReplayConfigError(
+                f"HDRGRPOConfig: replay_dynamic_sampling=True with replay_selector={self.replay_selector!r}: dynamic "
+                "sampling is implemented for on-policy training only; set replay_selector='none' or "
+                "replay_dynamic_sampling=False", field="replay_dynamic_sampling")
         self.to_replay_config()  # validates every core replay_* field, naming it as the user spells it
         plan = self.replay_plan()
         if emit:

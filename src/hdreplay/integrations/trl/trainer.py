@@ -45,6 +45,7 @@ from ..common import STATE_DIR, restore
 from .batch import check_keys, groups_from_rows, ingress_rows, replay_rows
 from .checkpoints import clear_pending, mark_pending, refuse_incomplete, resume_target, rotation_held
 from .config import as_replay_config
+from .dynamic import DynamicSampler
 from .plan import ReplaySettingWarning
 from .positions import active_dropout, install_position_ids, padding_drift
 from .rescore import can_share_prompt, share_pays, shared_prompt_logps
@@ -91,6 +92,14 @@ class HDRGRPOTrainer(GRPOTrainer):
             self.replay_config,
             diagnostics_dir=diag if (diag and self.accelerator.is_main_process and self.replay_active) else None,
         )
+        self._dynamic = None  # DAPO's dynamic sampling (replay_dynamic_sampling)
+        if a.replay_dynamic_sampling:
+            if self.accelerator.num_processes > 1:
+                raise ValueError("replay_dynamic_sampling=True runs on one process only (the group filter needs "
+                                 "every rank's rewards); launch one process or turn it off")
+            self._dynamic = DynamicSampler(self.train_dataset, n=a.num_generations, seed=a.seed,
+                                           max_batches=a.replay_dynamic_sampling_max_batches,
+                                           pad_token_id=self._tokenizer.pad_token_id)
         self._replay_step: ReplayStep | None = None  # the open step (one optimizer update)
         self._capture: tuple | None = None  # (generation, part) while one fresh part's loss forward runs
         self._step_offset: int | None = None  # replay step = global_step + offset (0 unless train() is called again)
@@ -134,12 +143,21 @@ class HDRGRPOTrainer(GRPOTrainer):
     # ------------------------------------------------------------------ 1. generation and selection
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
         rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
-        if self._replay_step is not None and self.model.training:
+        if (self._replay_step is not None or self._dynamic is not None) and self.model.training:
             w = self.reward_weights.to(rewards_per_func.device)
-            self._replay_step.current.rewards = (rewards_per_func * w.unsqueeze(0)).nansum(dim=1)  # global (N,)
+            total = (rewards_per_func * w.unsqueeze(0)).nansum(dim=1)  # global (N,)
+            if self._dynamic is not None:
+                self._dynamic.rewards = total
+            else:
+                self._replay_step.current.rewards = total
         return rewards_per_func
 
     def _generate_and_score_completions(self, inputs):
+        if self._dynamic is not None and self.model.training:
+            out = self._dynamic.generate(inputs, super()._generate_and_score_completions)
+            for k, v in self._dynamic.last.items():
+                self._metrics["train"][k].append(v)
+            return out
         if not (self.replay_active and self.model.training):
             return super()._generate_and_score_completions(inputs)
         if self._replay_step is None:
@@ -175,7 +193,8 @@ class HDRGRPOTrainer(GRPOTrainer):
             return
         W, r, dev = self.accelerator.num_processes, self.accelerator.process_index, self.accelerator.device
         per = sum(g.num_responses for g in sel.groups) // W  # whole by the truncation unit
-        rows = replay_rows(sel.groups, slice(r * per, (r + 1) * per), pad_token_id=self._tokenizer.pad_token_id)
+        rows = replay_rows(sel.groups, slice(r * per, (r + 1) * per), pad_token_id=self._tokenizer.pad_token_id,
+                           loss_weights=sel.loss_weights)
         rows = {k: v.to(dev) for k, v in rows.items()}
         if "importance_sampling_ratio" in rows and self.vllm_importance_sampling_mode.startswith("sequence"):
             rows["importance_sampling_ratio"] = rows["importance_sampling_ratio"].amax(dim=1, keepdim=True)
