@@ -12,6 +12,7 @@ pytest.importorskip("trl")
 pytestmark = pytest.mark.trl
 
 from hdreplay import ReplayConfigError  # noqa: E402
+from hdreplay.integrations.trl import HDRGRPOTrainer  # noqa: E402
 from hdreplay.selection import priorities  # noqa: E402
 from trl_fixtures import RecordingTrainer, make_args, prompts, reward_digit, tiny_model  # noqa: E402
 
@@ -43,6 +44,11 @@ class PromptRecordingTrainer(RecordingTrainer):
         self.records[-1]["prompt_mask"] = inputs["prompt_mask"].cpu()
         self.records[-1]["completion_mask"] = inputs["completion_mask"].cpu()
         return loss
+
+
+class RepoRecordingTrainer(PromptRecordingTrainer):
+    def _commit_step(self):  # RePO keeps per-prompt stores, not the buffer the parent hashes
+        HDRGRPOTrainer._commit_step(self)
 
 
 def test_dynamic_sampling_trains_only_mixed_groups_fills_the_batch_and_counts_generations(model_dir, tmp_path):
@@ -84,13 +90,18 @@ def test_dynamic_sampling_at_the_round_limit_completes_the_batch_with_zero_advan
     assert all(r["advantages"].abs().max() == 0 and r["completion_ids"].shape[0] == 8 for r in tr.records)
 
 
-def test_dynamic_sampling_is_refused_with_replay(tmp_path):
+def test_dynamic_sampling_and_repo_settings_are_validated(tmp_path):
     with pytest.raises(ReplayConfigError) as e:
         make_args(tmp_path, replay_selector="recency", replay_dynamic_sampling=True)
     assert e.value.field == "replay_dynamic_sampling"
     with pytest.raises(ReplayConfigError) as e:
         make_args(tmp_path, replay_selector="none", replay_dynamic_sampling_max_batches=0)
     assert e.value.field == "replay_dynamic_sampling_max_batches"
+    for bad in ({"retrieval": "recent"}, {"retrieval": "random"}, {"min_cache": 9, "max_cache": 8}, {"k": 3}):
+        with pytest.raises(ReplayConfigError) as e:  # RePO replaces the selector; its options are validated
+            make_args(tmp_path, replay_selector="recency" if bad == {"retrieval": "recent"} else "none",
+                      replay_repo=bad)
+        assert e.value.field == "replay_repo"
 
 
 class WeightRecordingTrainer(RecordingTrainer):
@@ -149,3 +160,59 @@ def test_adv_priority_replays_single_rollouts_with_their_stored_advantage_within
         assert torch.allclose(got.sort().values, want.float().sort().values)
         replayed += len(sel["groups"])
     assert replayed > 0
+
+
+def _repo_args(out, coef, **over):
+    repo = {"retrieval": "recent", "num_replays": 3, "min_cache": 4, "max_cache": 8, "off_coef": coef}
+    return make_args(out, replay_selector="none", replay_repo=repo, gradient_accumulation_steps=1,
+                     per_device_train_batch_size=8, num_generations=4, max_steps=6, seed=1, loss_type="grpo", **over)
+
+
+def test_repo_replays_newest_stored_responses_of_the_batch_prompts_with_split_advantages(model_dir, tmp_path):
+    model, tok = tiny_model(model_dir)
+    tr = RepoRecordingTrainer(model=model, reward_funcs=reward_digit, args=_repo_args(tmp_path, 1.0),
+                                train_dataset=prompts(4), processing_class=tok)
+    tr.train()
+    seen: dict[str, list[tuple[int, str]]] = {}  # prompt -> (step, completion) of every fresh row, in order
+    replayed_steps = 0
+    for rec in tr.records:  # one loss call per part: the fresh part first, then the replay chunks
+        step, rows = rec["global_step"], _texts(tok, rec)
+        # fresh rows in generation order (TRL shuffles them into micro-batches; hdr_row is the generation index)
+        fresh = [r for _, r in sorted((int(h), r) for r, h in zip(rows, rec["hdr_row"].tolist()) if h >= 0)]
+        replay = [(r, float(a)) for r, rep, a in zip(rows, rec["is_replay"].tolist(), rec["advantages"].tolist())
+                  if rep]
+        by_prompt: dict[str, list] = {}
+        for (p, c), a in replay:
+            by_prompt.setdefault(p, []).append((c, a))
+        batch_prompts = {p for p, _ in fresh} or set(by_prompt)
+        for p, got in by_prompt.items():
+            assert p in batch_prompts or not fresh  # only prompts of the current batch
+            past = [c for s, c in seen.get(p, []) if s < step]  # never a response born this step
+            assert len(past) >= 4 and [c for c, _ in got] == past[-3:]  # min_cache 4, the newest k = 3
+            r = torch.tensor([reward_digit([c])[0] for c, _ in got])
+            want = (r - r.mean()) / (r.std() + 1e-4)  # split normalisation over the replayed rows only
+            assert torch.allclose(torch.tensor([a for _, a in got]), want, atol=1e-5)
+            replayed_steps += 1
+        for p, c in fresh:
+            seen.setdefault(p, []).append((step, c))
+    assert replayed_steps >= 3
+
+
+def test_repo_off_policy_term_has_its_own_coefficient(model_dir, tmp_path):
+    """off_coef = 0 trains as plain GRPO (the replay rows' term vanishes); off_coef = 1 does not."""
+    def history(args):
+        model, tok = tiny_model(model_dir)
+        tr = RepoRecordingTrainer(model=model, reward_funcs=reward_digit, args=args, train_dataset=prompts(4),
+                              processing_class=tok)
+        tr.train()
+        return [(x["loss"], x["grad_norm"], x["reward"]) for x in tr.state.log_history if "grad_norm" in x], tr
+
+    plain, _ = history(make_args(tmp_path / "p", replay_selector="none", gradient_accumulation_steps=1,
+                                 per_device_train_batch_size=8, num_generations=4, max_steps=6, seed=1,
+                                 loss_type="grpo"))
+    zero, tz = history(_repo_args(tmp_path / "z", 0.0))
+    one, _ = history(_repo_args(tmp_path / "o", 1.0))
+    assert any(r["is_replay"].any() for r in tz.records)  # replay rows were there, weighted 0
+    # equal up to float32 summation order (the fresh part is back-propagated on its own before the replay chunk)
+    assert np.allclose(zero, plain, rtol=1e-5, atol=1e-7)
+    assert not np.allclose(one, plain, rtol=1e-3, atol=1e-4)

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any, Mapping, Sequence
 
 import numpy as np
@@ -32,7 +32,8 @@ import torch
 
 from ..errors import CheckpointError, ReplayConfigError
 from ..record import GroupRecord
-from .store import keyed, pack, unpack
+from ..selection import Selection, empty_selection
+from .store import keyed, load_state, pack, save_state, unpack
 
 RETRIEVALS = ("recent", "highest", "max_variance")
 #: RePO's normaliser epsilon (the same as TRL's)
@@ -151,3 +152,92 @@ class RepoStore:
         if not isinstance(keys, list) or len(keys) != len(records) or any(r.num_responses != 1 for r in records):
             raise CheckpointError("repo state: keys do not match the stored single responses")
         self.cache = keyed(records, keys)
+
+
+def responses_of(group: GroupRecord) -> list[GroupRecord]:
+    """Every response of a fresh group as a single-response record (RePO stores all of them, A = 0 included)."""
+    toks, lps, masks = group.responses(), group.split(group.logprobs), group.split(group.loss_mask)
+    return [GroupRecord.from_responses(
+        group_id=f"{group.group_id}/{i}", prompt_ids=group.prompt_ids, completion_ids=[toks[i]], logprobs=[lps[i]],
+        loss_masks=[masks[i]], advantages=group.advantages[i:i + 1], rewards=group.rewards[i:i + 1],
+        birth_step=group.birth_step) for i in range(group.num_responses)]
+
+
+def key_of(prompt_ids: torch.Tensor) -> str:
+    """The store key of a prompt: its (unpadded) token ids."""
+    return ",".join(str(int(t)) for t in prompt_ids.flatten().tolist())
+
+
+class RepoController:
+    """RePO as a replay controller of the TRL integration (the same protocol as
+    :class:`~hdreplay.controller.ReplayController`: select -> stage -> commit, once per optimizer update).
+
+    The selection is prompt-conditioned: :meth:`observe_batch` gives it the current batch's prompts first; each
+    prompt whose store holds ``min_cache`` responses gets one replay record of its k retrieved responses with split
+    advantages (:func:`split_advantages`).  Stage/commit add every fresh response to its prompt's store after the
+    update.  The integration trains replay rows as a separate loss term (``off_coef``, :attr:`separate_term`).
+    """
+
+    separate_term = True
+
+    def __init__(self, options: RepoOptions) -> None:
+        self.options = options
+        self.store = RepoStore(options)
+        self.last_step: int | None = None
+        self._prompts: list[str] = []
+        self._staged: list[GroupRecord] = []
+        self._selection: Selection | None = None
+        self._fresh = 0
+
+    def observe_batch(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> None:
+        """(N, P) left-padded prompts of the current fresh batch, rows in TRL's order (n per prompt)."""
+        keys = [key_of(prompt_ids[i][prompt_mask[i].bool()]) for i in range(prompt_ids.shape[0])]
+        self._prompts = list(dict.fromkeys(keys))  # distinct, first-seen order
+
+    def select(self, *, step: int, scorer=None) -> Selection:
+        groups = []
+        for key in self._prompts:
+            got = self.store.retrieve(key)
+            if not got:
+                continue
+            rewards = torch.cat([r.rewards for r in got]).float()
+            groups.append(GroupRecord.from_responses(
+                group_id=f"repo{step}.{len(groups)}", prompt_ids=got[0].prompt_ids,
+                completion_ids=[r.completion_ids for r in got], logprobs=[r.logprobs for r in got],
+                loss_masks=[r.loss_mask for r in got], advantages=split_advantages(rewards), rewards=rewards,
+                birth_step=min(r.birth_step for r in got)))
+        sel = empty_selection(step, "repo", len(self.store), float("nan"))
+        sel = replace(sel, accepted=np.arange(len(groups), dtype=np.int64), groups=groups)
+        self._selection = sel
+        return sel
+
+    def stage(self, groups: Sequence[GroupRecord], *, step: int) -> None:
+        self._staged.extend(groups)
+        self._fresh += len(groups)
+
+    def commit(self, *, num_fresh_groups: int | None = None, counters: Mapping[str, Any] | None = None
+               ) -> dict[str, float]:
+        sel = self._selection
+        for g in self._staged:  # after the step's retrieval: never replayed in the step it was born
+            self.store.add(key_of(g.prompt_ids), responses_of(g))
+        replayed = sum(g.num_responses for g in sel.groups) if sel is not None else 0
+        out = {"replay/replayed_rows": float(replayed),
+               "replay/accepted": float(len(sel.groups) if sel is not None else 0),
+               "replay/rescored_rows": 0.0, "replay/buffer_size": float(len(self.store)),
+               "replay/repo_prompts": float(len(self.store.cache))}
+        self.last_step = sel.step if sel is not None else self.last_step
+        self._staged, self._selection, self._prompts, self._fresh = [], None, [], 0
+        return out
+
+    def save(self, directory, *, allow_open_step: bool = False) -> None:
+        tensors, meta = self.store.state_dict()
+        save_state(directory, "hdreplay.repo", tensors, {**meta, "last_step": self.last_step})
+
+    def load(self, directory) -> None:
+        tensors, meta = load_state(directory, "hdreplay.repo")
+        store = RepoStore(self.options)
+        store.load_state_dict(tensors, meta)
+        self.store, self.last_step = store, meta.get("last_step")
+
+    def close(self) -> None:
+        pass

@@ -51,6 +51,8 @@ class CompareConfig:
     eval_n: int = arg(8, "samples per held-out prompt (Mean@n / Best@n)")
     model: str | None = arg(None, "local causal-LM checkpoint instead of the warm-started tiny model")
     latency_ms: float | None = arg(None, "search task: environment latency per tool call in ms (unset: the task's 5)")
+    train_pool: int | None = arg(None, "distinct training problems, cycled over epochs by every method (unset: twice "
+                                       "the prompts a run visits, so no prompt repeats; RePO needs repeats)")
     #: replay settings shared by the methods (ReplayConfig knob -> value); each method sets its own selector, and
     #: k_rep = r sets the replay budget of the b + r methods (b + 2r ones get 2r); unset: r = b/2, tau = 1e-2,
     #: capacity = 4b, the rest ReplayConfig's defaults
@@ -71,6 +73,9 @@ class CompareConfig:
         if isinstance(self.generations, bool) or not isinstance(self.generations, int) or self.generations < 2:
             raise ValueError(f"--generations must be >= 2 (a group needs several responses), got {self.generations!r}")
         _finite("lr", self.lr, above=0.0)
+        if self.train_pool is not None and (isinstance(self.train_pool, bool) or not isinstance(self.train_pool, int)
+                                            or self.train_pool < 1):
+            raise ValueError(f"--train-pool must be unset or an integer >= 1, got {self.train_pool!r}")
         if self.latency_ms is None:
             self.latency_ms = float(getattr(task, "default_latency_ms", 0.0))
         _finite("latency-ms", self.latency_ms, at_least=0.0)
@@ -106,7 +111,8 @@ class CompareConfig:
         return RunSpec(task=self.task, method=method, seed=seed, steps=self.steps,
                        prompts_per_step=self.prompts_per_step, generations=self.generations, lr=self.lr,
                        eval_n=self.eval_n, replay=self.replay_config(METHODS[method]),
-                       extra={**self.extra, "latency_s": self.latency_ms / 1000.0})
+                       extra={**self.extra, "latency_s": self.latency_ms / 1000.0,
+                              **({"train_pool": self.train_pool} if self.train_pool is not None else {})})
 
 
 def _finite(name: str, v, *, above: float | None = None, at_least: float | None = None) -> None:

@@ -17,6 +17,9 @@ uniform_fifo       uniform sampling from a FIFO of all groups  b         r      
 freshper           FreshPER: |r| priority x exp(-age/2) PER    b         r          grpo
 adv_priority       rollouts by |A|, evicted after 4 steps      b         r rows     grpo
 dapo_dynamic       DAPO + dynamic sampling (drop all-equal)    b kept    -          dapo
+repo_recency       RePO: newest 8 stored responses per prompt  b         8/prompt   grpo+off
+repo_reward        RePO: 8 highest-reward stored responses     b         8/prompt   grpo+off
+repo_variance      RePO: 8 stored responses of max variance    b         8/prompt   grpo+off
 =================  ==========================================  ========  =========  ========
 
 The DAPO baseline is TRL's ``loss_type="dapo"`` (token-level normalisation) with clip-higher
@@ -24,7 +27,7 @@ The DAPO baseline is TRL's ``loss_type="dapo"`` (token-level normalisation) with
 (``replay_dynamic_sampling``: over-generate and drop groups whose rewards are all equal until the batch
 holds b mixed groups; the extra fresh responses are counted).  The peer strategies are compositions of
 the same machinery (selector, ingress rule, priority knobs, max age); docs/strategies.md has their sources,
-rules as implemented and deviations.  ExGRPO, BAPO and RePO are not in this registry yet (see there).
+rules as implemented and deviations.  ExGRPO and BAPO are not in this registry yet (see there).
 """
 
 from __future__ import annotations
@@ -45,6 +48,8 @@ class Method:
     replay: tuple[tuple[str, object], ...] = ()
     #: DAPO's dynamic sampling (HDRGRPOConfig.replay_dynamic_sampling)
     dynamic_sampling: bool = False
+    #: RePO's per-prompt replay (HDRGRPOConfig.replay_repo: RepoOptions fields)
+    repo: tuple[tuple[str, object], ...] = ()
 
     def fresh_groups(self, b: int) -> int:
         return _whole(self.fresh_mult * b, f"{self.name} needs {self.fresh_mult} x b fresh groups")
@@ -83,6 +88,10 @@ METHODS: dict[str, Method] = {
         # DAPO with dynamic sampling (arXiv 2503.14476): b mixed groups per step, over-generated
         Method("dapo_dynamic", "DAPO + dynamic sampling (b)", loss_type="dapo", epsilon_high=0.28,
                dynamic_sampling=True),
+        # RePO (arXiv 2506.09340), released run: 8 replays per prompt once 16 are cached, separate loss term;
+        # replays only prompts seen twice before, so compare with --train-pool (prompts cycled over epochs)
+        *(Method(f"repo_{name}", f"RePO {name} (b+8/prompt)", repo=(("retrieval", rule),))
+          for name, rule in (("recency", "recent"), ("reward", "highest"), ("variance", "max_variance"))),
     )
 }
 #: the paper's role-aligned set (the default of ``hdreplay compare``)
@@ -91,7 +100,7 @@ PAPER_METHODS = ("onpolicy_matched", "onpolicy_larger", "recency_matched", "rece
 COMPARE_METHODS = PAPER_METHODS
 #: the strategy comparison (docs/results/strategies): the paper's method, its role-aligned baselines, the peers
 STRATEGY_METHODS = ("onpolicy_matched", "onpolicy_larger", "recency_matched", "headroom_drift", "uniform_fifo",
-                    "freshper", "adv_priority", "dapo_dynamic")
+                    "freshper", "adv_priority", "dapo_dynamic", "repo_recency", "repo_reward", "repo_variance")
 DEMO_METHODS = ("onpolicy_matched", "recency_matched", "headroom_drift")
 #: the paper's agentic-search set (Search-R1): no recency-larger, no ablations
 SEARCH_METHODS = ("onpolicy_matched", "onpolicy_larger", "recency_matched", "dapo", "headroom_drift")

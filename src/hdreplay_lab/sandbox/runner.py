@@ -43,6 +43,11 @@ class RunSpec:
 
 
 def _train_problems(spec: RunSpec, method: Method, task: Task):
+    """Twice the prompts the run visits (no prompt repeats), or ``extra["train_pool"]`` distinct problems that TRL's
+    sampler cycles through in epochs (RePO replays only prompts it has seen twice before)."""
+    pool = spec.extra.get("train_pool")
+    if pool is not None:
+        return task.train_problems(pool, seed=spec.seed)
     return task.train_problems(max(spec.steps * method.fresh_groups(spec.prompts_per_step) * 2, 256), seed=spec.seed)
 
 
@@ -66,7 +71,7 @@ def trainer_args(spec: RunSpec, method: Method, task: Task, run_dir: Path):
         warmup_steps=0, loss_type=method.loss_type, epsilon_high=method.epsilon_high, beta=0.0, seed=spec.seed,
         disable_tqdm=True, disable_dropout=True, dataloader_num_workers=0,
         **{"replay_diagnose_ungated": False, **replay}, replay_diagnostics_dir=str(run_dir / "replay"),
-        replay_dynamic_sampling=method.dynamic_sampling,
+        replay_dynamic_sampling=method.dynamic_sampling, replay_repo=dict(method.repo) if method.repo else None,
         max_tool_calling_iterations=getattr(task, "max_tool_calls", None),
     )
 

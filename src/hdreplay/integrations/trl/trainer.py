@@ -40,6 +40,7 @@ from trl.trainer.utils import (
 )
 
 from ...controller import ReplayController
+from ...strategies.repo import RepoController
 from ...padding import pad_groups
 from ..common import STATE_DIR, restore
 from .batch import check_keys, groups_from_rows, ingress_rows, replay_rows
@@ -49,7 +50,10 @@ from .dynamic import DynamicSampler
 from .plan import ReplaySettingWarning
 from .positions import active_dropout, install_position_ids, padding_drift
 from .rescore import can_share_prompt, share_pays, shared_prompt_logps
-from .microstep import GLOBAL_TOKENS, LOCAL_TOKENS, ROW_MEAN, MicroStep, chunk_scales, loss_mask, merged, replay_chunks
+from .microstep import (
+    GLOBAL_TOKENS, LOCAL_TOKENS, ROW_MEAN, MicroStep, chunk_scales, loss_mask, merged, replay_chunks,
+    separate_term_scales,
+)
 from .step import ReplayStep
 
 #: max |d logp| tolerated between paddings of one sequence (fp32 / low-precision autocast)
@@ -82,13 +86,14 @@ class HDRGRPOTrainer(GRPOTrainer):
         a = self.args
         self.replay_plan = a.replay_plan()
         self.replay_config = a.to_replay_config()
-        self.replay_active = self.replay_config.selector != "none"
+        repo = a.repo_options()
+        self.replay_active = self.replay_config.selector != "none" or repo is not None
         if self.replay_active:
-            self._check_supported()
+            self._check_supported(repo)
         diag = a.replay_diagnostics_dir
         if diag is None:
             diag = os.path.join(a.output_dir, "replay")
-        self.replay = ReplayController(
+        self.replay = RepoController(repo) if repo is not None else ReplayController(
             self.replay_config,
             diagnostics_dir=diag if (diag and self.accelerator.is_main_process and self.replay_active) else None,
         )
@@ -113,8 +118,13 @@ class HDRGRPOTrainer(GRPOTrainer):
             # first in line: user callbacks' on_step_end (step timers, loggers) see the step committed
             self.callback_handler.callbacks.insert(0, _CommitAfterUpdate(self))
 
-    def _check_supported(self) -> None:
+    def _check_supported(self, repo=None) -> None:
         a = self.args
+        if repo is not None and (self.accelerator.num_processes > 1 or a.replay_micro_step != "chunk"
+                                 or self.loss_type not in ROW_MEAN):
+            raise ValueError("replay_repo (RePO's separate off-policy loss term) runs on one process with "
+                             f"replay_micro_step='chunk' and a row-mean loss_type ({', '.join(ROW_MEAN)}); got "
+                             f"{self.accelerator.num_processes} processes, {a.replay_micro_step!r}, {self.loss_type!r}")
         live = active_dropout(self.accelerator.unwrap_model(self.model))
         if live:
             raise ValueError(
@@ -188,6 +198,8 @@ class HDRGRPOTrainer(GRPOTrainer):
     def _select(self, step: ReplayStep) -> None:
         if self.replay_padding_drift is None:
             self._check_padding_invariance()
+        if isinstance(self.replay, RepoController):  # prompt-conditioned: the batch's prompts first
+            self.replay.observe_batch(step.current.rows["prompt_ids"], step.current.rows["prompt_mask"])
         sel = step.selection = self.replay.select(step=step.index, scorer=self._replay_scorer)
         if not sel.groups:
             return
@@ -310,7 +322,10 @@ class HDRGRPOTrainer(GRPOTrainer):
         else:
             parts = [inputs.fresh, *inputs.replay]
         done = None
-        for i, (part, w) in enumerate(zip(parts, chunk_scales(self.loss_type, parts))):
+        scales = chunk_scales(self.loss_type, parts)
+        if isinstance(self.replay, RepoController):  # RePO: on-policy term + off_coef x off-policy term
+            scales = separate_term_scales(parts, self.replay.options.off_coef)
+        for i, (part, w) in enumerate(zip(parts, scales)):
             last = i == len(parts) - 1
             with (nullcontext() if last else self.accelerator.no_sync(model)), \
                     self._capturing(inputs.generation if i == 0 else None, part):
