@@ -353,15 +353,15 @@ def buffer_group_size(config: ReplayConfig) -> int | None:
     return 1 if config.unit == "rollout" else config.group_size
 
 
-def split_rollouts(group: GroupRecord) -> list[GroupRecord]:
+def split_rollouts(group: GroupRecord, *, keep_zero_advantage: bool = False) -> list[GroupRecord]:
     """A group as single-response records (ids ``"<group_id>/<i>"``), each keeping its response's stored advantage
-    (computed in its birth group); responses with A_i = 0 or no loss token are left out (no gradient, no
-    priority)."""
+    (computed in its birth group); responses with no loss token are left out, and unless ``keep_zero_advantage``
+    (RePO stores every response) so are those with A_i = 0 (no gradient, no priority)."""
     out = []
     toks, lps, masks = group.responses(), group.split(group.logprobs), group.split(group.loss_mask)
     extras = {k: group.split(v) for k, v in group.extras.items()}
     for i in range(group.num_responses):
-        if float(group.advantages[i]) == 0.0 or not bool(masks[i].any()):
+        if (float(group.advantages[i]) == 0.0 and not keep_zero_advantage) or not bool(masks[i].any()):
             continue
         out.append(GroupRecord.from_responses(
             group_id=f"{group.group_id}/{i}", prompt_ids=group.prompt_ids, completion_ids=[toks[i]],

@@ -30,6 +30,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 import torch
 
+from ..controller import split_rollouts
 from ..errors import CheckpointError, ReplayConfigError
 from ..record import GroupRecord
 from ..selection import Selection, empty_selection
@@ -154,15 +155,6 @@ class RepoStore:
         self.cache = keyed(records, keys)
 
 
-def responses_of(group: GroupRecord) -> list[GroupRecord]:
-    """Every response of a fresh group as a single-response record (RePO stores all of them, A = 0 included)."""
-    toks, lps, masks = group.responses(), group.split(group.logprobs), group.split(group.loss_mask)
-    return [GroupRecord.from_responses(
-        group_id=f"{group.group_id}/{i}", prompt_ids=group.prompt_ids, completion_ids=[toks[i]], logprobs=[lps[i]],
-        loss_masks=[masks[i]], advantages=group.advantages[i:i + 1], rewards=group.rewards[i:i + 1],
-        birth_step=group.birth_step) for i in range(group.num_responses)]
-
-
 def key_of(prompt_ids: torch.Tensor) -> str:
     """The store key of a prompt: its (unpadded) token ids."""
     return ",".join(str(int(t)) for t in prompt_ids.flatten().tolist())
@@ -219,7 +211,7 @@ class RepoController:
                ) -> dict[str, float]:
         sel = self._selection
         for g in self._staged:  # after the step's retrieval: never replayed in the step it was born
-            self.store.add(key_of(g.prompt_ids), responses_of(g))
+            self.store.add(key_of(g.prompt_ids), split_rollouts(g, keep_zero_advantage=True))
         replayed = sum(g.num_responses for g in sel.groups) if sel is not None else 0
         out = {"replay/replayed_rows": float(replayed),
                "replay/accepted": float(len(sel.groups) if sel is not None else 0),
