@@ -1,6 +1,7 @@
-"""Replay strategies beyond the (order, gate) selectors that need state of their own (per-prompt stores).
+"""Replay strategies that need state of their own beyond the (order, gate) selectors of :mod:`hdreplay.selection`.
 
-Only :mod:`.repo` (RePO's per-prompt stores and retrieval rules) lives here so far; it is not wired into a trainer
-yet (see docs/strategies.md).  The selector-level strategies (uniform FIFO, FreshPER, rollout-level |A| priority)
-are selectors of :mod:`hdreplay.selection`.
+:mod:`.repo`: RePO's per-prompt stores, retrieval rules and :class:`~.repo.RepoController` (a prompt-conditioned
+controller the TRL integration uses for ``replay_repo``); :mod:`.store`: the per-prompt records' checkpoint format.
+The selector-level strategies (uniform FIFO, FreshPER, rollout-level |A| priority) are selectors; the strategy
+registry of the sandbox is ``hdreplay_lab/sandbox/methods.py``; docs/strategies.md documents all of them.
 """
