@@ -12,6 +12,7 @@ Output directory layout:
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import time
 from dataclasses import asdict, dataclass, field
@@ -19,108 +20,163 @@ from pathlib import Path
 
 import numpy as np
 
-from .methods import Method, get_methods
+from hdreplay.config import ReplayConfig
+from hdreplay.errors import ReplayConfigError
+
+from ..options import arg
+from .methods import COMPARE_METHODS, METHODS, SEARCH_METHODS, Method, get_methods
 from .runner import RunSpec
-from .tasks import Task, get_task
+from .tasks import TASKS, Task, get_task
 
 FORMAT = "hdreplay.compare"
+#: the sandbox's replay defaults where they differ from ReplayConfig's (tau: 1e-2 suits this tiny model's
+#: step-to-step drift; capacity: 4 steps of fresh groups, as the paper's 512 groups at b = 128)
+SANDBOX_TAU = 1e-2
 
 
 @dataclass
 class CompareConfig:
-    task: str = "add"
-    methods: tuple[str, ...] = ()
-    seeds: int = 3
-    steps: int = 300
-    prompts_per_step: int = 16
-    generations: int = 8
-    lr: float = 1e-4
-    tau: float = 1e-2
-    capacity: int | None = None  # None = 4 x prompts_per_step (see __post_init__)
-    eval_n: int = 8
-    ingress: str = "mixed"
-    answer_threshold: float | None = None
-    model: str | None = None  # a local causal-LM checkpoint; None = the warm-started tiny model
-    latency_ms: float | None = None  # per tool call (search task); None = the task's default
+    """The paper's role-aligned comparison at small scale: every method x seed trained on one sandbox task, then
+    evaluated on its held-out benchmarks."""
+
+    task: str = arg("add", f"sandbox task: one of {sorted(TASKS)}")
+    methods: tuple[str, ...] | None = arg(
+        None, f"comma-separated methods from {list(METHODS)} (unset: all of them; with --task search: "
+              f"{','.join(SEARCH_METHODS)})")
+    seeds: int = arg(3, "seeds per method (>= 1)")
+    steps: int = arg(300, "optimizer steps per run (>= 1)")
+    prompts_per_step: int = arg(16, "b: fresh groups per step (even, so that b/2 and 1.5b are whole groups)")
+    generations: int = arg(8, "n: responses per group (>= 2)")
+    lr: float = arg(1e-4, "learning rate (finite, > 0)")
+    eval_n: int = arg(8, "samples per held-out prompt (Mean@n / Best@n)")
+    model: str | None = arg(None, "local causal-LM checkpoint instead of the warm-started tiny model")
+    latency_ms: float | None = arg(None, "search task: environment latency per tool call in ms (unset: the task's 5)")
+    #: replay settings shared by the methods (ReplayConfig knob -> value); each method sets its own selector, and
+    #: k_rep = r sets the replay budget of the b + r methods (b + 2r ones get 2r); unset: r = b/2, tau = 1e-2,
+    #: capacity = 4b, the rest ReplayConfig's defaults
+    replay: dict = arg(default_factory=dict, knobs=True)
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         task = get_task(self.task)  # names the valid tasks
-        if self.capacity is None:
-            # The buffer should hold a few steps of fresh groups, as in the paper: 512 groups at b = 256
-            # (math, 2 steps) and b = 128 (Search-R1, 4 steps). A fixed 512 at b = 16 would keep ~40 steps of
-            # stale groups and make the gate scan deep for nothing.
-            self.capacity = 4 * self.prompts_per_step if isinstance(self.prompts_per_step, int) else 64
-        methods = get_methods(self.methods)  # names the valid methods
-        for m in methods:
-            m.fresh_groups(self.prompts_per_step)
-            m.replay_groups(self.prompts_per_step)
-        for name in ("seeds", "steps", "prompts_per_step", "eval_n", "capacity"):
+        if self.methods is None:
+            self.methods = SEARCH_METHODS if task.is_multiturn else COMPARE_METHODS
+        self.methods = tuple(self.methods)
+        if not self.methods:
+            raise ValueError(f"--methods names no method; give one or more of {list(METHODS)}, comma-separated")
+        for name in ("seeds", "steps", "prompts_per_step", "eval_n"):
             v = getattr(self, name)
-            if not isinstance(v, int) or v < 1:
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be an integer >= 1, got {v!r}")
-        if not isinstance(self.generations, int) or self.generations < 2:
+        if isinstance(self.generations, bool) or not isinstance(self.generations, int) or self.generations < 2:
             raise ValueError(f"--generations must be >= 2 (a group needs several responses), got {self.generations!r}")
-        if not (self.tau >= 0):
-            raise ValueError(f"--tau must be >= 0, got {self.tau!r}")
-        if self.ingress == "answer" and self.answer_threshold is None:
-            self.answer_threshold = task.answer_threshold
-            if self.answer_threshold is None:
-                raise ValueError(f"--ingress answer needs --answer-threshold (task {task.name} has no default)")
-        if self.ingress not in ("mixed", "answer"):
-            raise ValueError(f"--ingress must be 'mixed' or 'answer', got {self.ingress!r}")
+        _finite("lr", self.lr, above=0.0)
         if self.latency_ms is None:
             self.latency_ms = float(getattr(task, "default_latency_ms", 0.0))
-        if not (self.latency_ms >= 0):
-            raise ValueError(f"--latency-ms must be >= 0, got {self.latency_ms!r}")
+        _finite("latency-ms", self.latency_ms, at_least=0.0)
+        if "selector" in self.replay:
+            raise ValueError("--replay.selector: each method sets its own selector; choose methods with --methods "
+                             f"(e.g. --methods headroom_drift,drift_only; valid: {list(METHODS)})")
+        if "tau" in self.replay:
+            _finite("replay.tau", self.replay["tau"], at_least=0.0)
+        if self.replay.get("ingress") == "answer" and self.replay.get("answer_threshold") is None:
+            if task.answer_threshold is None:
+                raise ValueError(f"--ingress answer needs --answer-threshold (task {task.name} has no default)")
+            self.replay["answer_threshold"] = task.answer_threshold
+        for m in get_methods(self.methods):  # names the valid methods; checks b against each method's budget
+            self.replay_config(m)
+
+    def replay_config(self, method: Method) -> dict:
+        """Every replay setting of ``method``'s runs (validated; refusals name the --replay.<knob> option)."""
+        b = self.prompts_per_step
+        method.fresh_groups(b)
+        k_rep = method.replay_groups(b)  # both refuse a b that makes b/2 or 1.5b fractional
+        r = self.replay.get("k_rep")
+        if method.replay_mult and r is not None:
+            k_rep = round(2 * method.replay_mult * r) if isinstance(r, int) and not isinstance(r, bool) else r
+        values = {"tau": SANDBOX_TAU, "capacity": 4 * b, **self.replay, "selector": method.selector, "k_rep": k_rep}
+        try:
+            cfg = ReplayConfig.from_flat(values, label=lambda n: f"--replay.{n}")
+        except ReplayConfigError as e:
+            raise ValueError(f"{e} (method {method.name})" if method.replay_mult else str(e)) from None
+        return {k: v for k, v in cfg.to_dict().items() if k != "group_size"}
 
     def spec(self, method: str, seed: int) -> RunSpec:
         return RunSpec(task=self.task, method=method, seed=seed, steps=self.steps,
                        prompts_per_step=self.prompts_per_step, generations=self.generations, lr=self.lr,
-                       tau=self.tau, capacity=self.capacity, eval_n=self.eval_n, ingress=self.ingress,
-                       answer_threshold=self.answer_threshold,
+                       eval_n=self.eval_n, replay=self.replay_config(METHODS[method]),
                        extra={**self.extra, "latency_s": self.latency_ms / 1000.0})
 
 
+def _finite(name: str, v, *, above: float | None = None, at_least: float | None = None) -> None:
+    ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    ok = ok and (above is None or v > above) and (at_least is None or v >= at_least)
+    if not ok:
+        bound = f"> {above:g}" if above is not None else f">= {at_least:g}"
+        raise ValueError(f"--{name} must be a finite number {bound}, got {v!r}")
+
+
+def check_out_dir(out: Path, cfg: CompareConfig, overwrite: bool) -> bool:
+    """Refuse (FileExistsError) a path that is a file, or a directory holding something else than this comparison
+    unless ``overwrite``.  Returns whether a different comparison's outputs must be cleared.  Writes nothing."""
+    if out.exists() and not out.is_dir():
+        raise FileExistsError(f"--out {out} is a file; --out takes a directory (new, or one this command wrote)")
+    if not out.exists() or not any(out.iterdir()):
+        return False
+    try:
+        have = json.loads((out / "compare.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        have = None
+    if have is None and not overwrite:
+        raise FileExistsError(f"{out} exists and is not an hdreplay comparison directory; choose another --out or "
+                              "pass --overwrite")
+    want = _marker(cfg)
+    if have is not None and have != want and not overwrite:
+        diff = sorted(k for k in set(have.get("config", {})) | set(want["config"])
+                      if have.get("config", {}).get(k) != want["config"].get(k))
+        raise FileExistsError(f"{out} holds a different comparison (differs in {diff}); choose another --out or pass "
+                              "--overwrite to replace it")
+    return have is not None and have != want
+
+
+def _marker(cfg: CompareConfig) -> dict:
+    return json.loads(json.dumps({"format": FORMAT, "config": asdict(cfg)}))  # as stored (tuples -> lists)
+
+
+def check_compare(cfg: CompareConfig, out: Path, overwrite: bool) -> Path | None:
+    """Everything about ``out`` and ``cfg.model`` that can be refused before anything is written; returns the
+    model directory (None: the warm-started tiny model)."""
+    model_dir = None if cfg.model is None else check_model(Path(cfg.model))
+    check_out_dir(out, cfg, overwrite)
+    return model_dir
+
+
 def prepare_out_dir(out: Path, cfg: CompareConfig, overwrite: bool) -> None:
-    """Refuse a directory holding a different run unless ``overwrite``; never delete anything else."""
-    marker = out / "compare.json"
-    want = json.loads(json.dumps({"format": FORMAT, "config": asdict(cfg)}))  # as stored (tuples -> lists)
-    if out.exists() and any(out.iterdir()):
-        if not marker.is_file():
-            if not overwrite:
-                raise FileExistsError(f"{out} exists and is not an hdreplay comparison directory; choose another "
-                                      "--out or pass --overwrite")
-        else:
-            have = json.loads(marker.read_text())
-            if have != want and not overwrite:
-                diff = sorted(k for k in set(have.get("config", {})) | set(want["config"])
-                              if have.get("config", {}).get(k) != want["config"].get(k))
-                raise FileExistsError(f"{out} holds a different comparison (differs in {diff}); choose another "
-                                      "--out or pass --overwrite to replace it")
-            if have != want and overwrite:
-                for sub in ("runs", "plots"):
-                    shutil.rmtree(out / sub, ignore_errors=True)
-                for f in ("summary.md", "summary.json"):
-                    (out / f).unlink(missing_ok=True)
+    """:func:`check_out_dir`, then clear a different comparison's outputs (never anything else) and mark ``out``."""
+    if check_out_dir(out, cfg, overwrite):
+        for sub in ("runs", "plots"):
+            shutil.rmtree(out / sub, ignore_errors=True)
+        for f in ("summary.md", "summary.json"):
+            (out / f).unlink(missing_ok=True)
     out.mkdir(parents=True, exist_ok=True)
-    marker.write_text(json.dumps(want, indent=2))
+    (out / "compare.json").write_text(json.dumps(_marker(cfg), indent=2))
 
 
-def run_compare(cfg: CompareConfig, out: Path, *, overwrite: bool = False, log=print, progress: bool = True) -> dict:
-    """Run every method x seed (reusing finished runs of the same comparison) and write the summary."""
+def run_compare(cfg: CompareConfig, out: Path, *, overwrite: bool = False, log=print, progress: bool = True,
+                model_dir: Path | None = None) -> dict:
+    """Run every method x seed (reusing finished runs of the same comparison) and write the summary.  ``model_dir``:
+    what :func:`check_compare` returned, when the caller ran it; else it runs here."""
     from .model import load_model  # noqa: F401  (fail early if transformers is missing)
     from .runner import run_one
     from .warmstart import warm_start
 
     out = Path(out)
+    if model_dir is None:
+        model_dir = check_compare(cfg, out, overwrite)  # before anything is written
     prepare_out_dir(out, cfg, overwrite)
     task = get_task(cfg.task)
     methods = get_methods(cfg.methods)
-    if cfg.model is not None:
-        check_model(Path(cfg.model))
-        model_dir = Path(cfg.model)
-    else:
+    if model_dir is None:
         log("warm start (cached after the first run) ...")
         model_dir = warm_start(task, out / "warmstart", log=log)
     total = sum(cfg.steps for _ in methods for _ in range(cfg.seeds))
@@ -148,17 +204,19 @@ def run_compare(cfg: CompareConfig, out: Path, *, overwrite: bool = False, log=p
     return summary
 
 
-def check_model(path: Path) -> None:
+def check_model(path: Path) -> Path:
+    """``path`` if it loads as a causal LM; ValueError naming --model otherwise."""
     from .model import load_model
 
     try:
         load_model(path)
     except (OSError, ValueError, KeyError) as e:
         raise ValueError(f"--model {path}: not a loadable causal-LM checkpoint ({e})") from e
+    return path
 
 
 def _bar(total: int, enabled: bool):
-    from tqdm.auto import tqdm
+    from tqdm import tqdm
 
     return tqdm(total=total, unit="step", disable=not enabled, dynamic_ncols=True)
 
@@ -198,37 +256,32 @@ def _cell(best: dict, mean: dict) -> str:
 
 
 def render_markdown(summary: dict) -> str:
+    """summary.md: the paper-style table (methods as columns), and for multi-turn tasks the step-time table."""
+    from ..analysis.markdown import table
+
     ms = summary["methods"]
-    names = list(ms)
-    n = summary["n"]
+    names, n = list(ms), summary["n"]
     seeds = max(e["seeds"] for e in ms.values())
-    lines = [f"# hdreplay compare: task `{summary['task']}`", "",
-             f"Each cell: Best@{n} / Mean@{n} on the held-out benchmark"
-             + (f", mean ± standard deviation over {seeds} seeds." if seeds > 1 else f", {seeds} seed."), ""]
-    lines.append("| Metric | " + " | ".join(ms[k]["label"] for k in names) + " |")
-    lines.append("|---|" + "---|" * len(names))
-    for b, size in summary["benchmarks"].items():
-        lines.append(f"| {b} (n={size}) | " + " | ".join(
-            _cell(ms[k]["benchmarks"][b]["best_at_n"], ms[k]["benchmarks"][b]["mean_at_n"]) for k in names) + " |")
-    lines.append("| Macro Avg | " + " | ".join(_cell(ms[k]["macro_best_at_n"], ms[k]["macro_mean_at_n"])
-                                               for k in names) + " |")
-    lines.append("| Weighted Avg | " + " | ".join(_cell(ms[k]["weighted_best_at_n"], ms[k]["weighted_mean_at_n"])
-                                                  for k in names) + " |")
-    lines.append("| Fresh responses | " + " | ".join(f"{ms[k]['fresh_responses']:,}" for k in names) + " |")
-    lines.append("| Step time (s) | " + " | ".join(
-        "n/a" if ms[k]["mean_step_s"]["mean"] is None else f"{ms[k]['mean_step_s']['mean']:.3f}" for k in names) + " |")
+    f = lambda s: "n/a" if s["mean"] is None else f"{s['mean']:.3f}"  # noqa: E731
+    cells = lambda fn: [fn(ms[k]) for k in names]  # noqa: E731
+    rows = [[f"{b} (n={size})", *cells(lambda e: _cell(e["benchmarks"][b]["best_at_n"], e["benchmarks"][b]["mean_at_n"]))]
+            for b, size in summary["benchmarks"].items()]
+    rows += [["Macro Avg", *cells(lambda e: _cell(e["macro_best_at_n"], e["macro_mean_at_n"]))],
+             ["Weighted Avg", *cells(lambda e: _cell(e["weighted_best_at_n"], e["weighted_mean_at_n"]))],
+             ["Fresh responses", *cells(lambda e: f"{e['fresh_responses']:,}")],
+             ["Step time (s)", *cells(lambda e: f(e["mean_step_s"]))]]
+    lines = [f"# hdreplay compare: task `{summary['task']}`", "", f"Each cell: Best@{n} / Mean@{n} on the held-out "
+             "benchmark" + (f", mean ± standard deviation over {seeds} seeds." if seeds > 1 else f", {seeds} seed."),
+             "", table(["Metric", *(ms[k]["label"] for k in names)], rows)]
     if summary.get("multiturn"):
-        lines += ["", f"Mean per-step wall-clock time (environment latency {ms[names[0]]['env_latency_ms']:g} ms "
-                      "per tool call), fastest first, like the paper's step-time table:", "",
-                  "| Method | Step time (s) | Tool calls / step | Fresh responses | Macro Mean@n | Macro Best@n |",
-                  "|---|---|---|---|---|---|"]
-        f = lambda s: "n/a" if s["mean"] is None else f"{s['mean']:.3f}"  # noqa: E731
-        for k in sorted(names, key=lambda k: ms[k]["mean_step_s"]["mean"] or 0):
-            e = ms[k]
-            lines.append(f"| {e['label']} | {f(e['mean_step_s'])} | {e['env_calls_per_step']['mean']:.1f} | "
-                         f"{e['fresh_responses']:,} | {f(e['macro_mean_at_n'])} | {f(e['macro_best_at_n'])} |")
-    lines += ["", _ordering_note(summary, seeds)]
-    return "\n".join(lines) + "\n"
+        fastest = sorted(names, key=lambda k: ms[k]["mean_step_s"]["mean"] or 0)
+        lines += [f"Mean per-step wall-clock time (environment latency {ms[names[0]]['env_latency_ms']:g} ms per tool "
+                  "call), fastest first, like the paper's step-time table:", "", table(
+                      ["Method", "Step time (s)", "Tool calls / step", "Fresh responses", "Macro Mean@n", "Macro Best@n"],
+                      [[e["label"], f(e["mean_step_s"]), f"{e['env_calls_per_step']['mean']:.1f}",
+                        f"{e['fresh_responses']:,}", f(e["macro_mean_at_n"]), f(e["macro_best_at_n"])]
+                       for e in (ms[k] for k in fastest)])]
+    return "\n".join([*lines, _ordering_note(summary, seeds)]) + "\n"
 
 
 def _ordering_note(summary: dict, seeds: int) -> str:
@@ -294,9 +347,7 @@ def plot(out: Path, summary: dict, methods: list[Method], window: int = 15) -> l
 
 
 def _running(y: np.ndarray, w: int) -> np.ndarray:
-    out = np.empty_like(y, dtype=np.float64)
-    for i in range(len(y)):
-        seg = y[max(0, i - w + 1):i + 1]
-        seg = seg[np.isfinite(seg)]
-        out[i] = seg.mean() if seg.size else np.nan
-    return out
+    """Trailing mean over the last ``w`` points, missing (NaN) points skipped."""
+    import pandas as pd
+
+    return pd.Series(y, dtype=float).rolling(w, min_periods=1).mean().to_numpy()

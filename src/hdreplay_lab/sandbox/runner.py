@@ -34,66 +34,49 @@ class RunSpec:
     prompts_per_step: int = 16  # b
     generations: int = 8  # n
     lr: float = 1e-4
-    tau: float = 1e-3
-    capacity: int = 512
     eval_n: int = 8
-    ingress: str = "mixed"
-    answer_threshold: float | None = None
-    counterfactual: bool = False
-    adaptive_tau: dict | None = None
+    #: every ReplayConfig knob of the run (selector and k_rep included), as CompareConfig.replay_config gives them
+    replay: dict = field(default_factory=dict)
     extra: dict = field(default_factory=dict)
 
 
-class _Recorder:
-    """A TRL callback: step timing, train_log.jsonl, and a progress hook."""
+def _train_problems(spec: RunSpec, method: Method, task: Task):
+    return task.train_problems(max(spec.steps * method.fresh_groups(spec.prompts_per_step) * 2, 256), seed=spec.seed)
 
-    def __new__(cls, *a, **k):  # built lazily so that importing this module does not import transformers
-        from transformers import TrainerCallback
 
-        class Recorder(TrainerCallback):
-            def __init__(self, path: Path, on_step: Callable[[int], None] | None):
-                self.path, self.on_step = path, on_step
-                self.t0 = self.t_step = None
-                self.step_times: list[float] = []
-                self.f = open(path, "w")
+def trainer_args(spec: RunSpec, method: Method, task: Task, run_dir: Path):
+    """The run's HDRGRPOConfig: the sandbox's TRL settings plus one ``replay_<knob>`` per entry of ``spec.replay``."""
+    offline_env()
+    from hdreplay.config import knobs
+    from hdreplay.integrations.trl import HDRGRPOConfig
 
-            def on_train_begin(self, args, state, control, **kw):
-                self.t0 = time.perf_counter()
-
-            def on_step_begin(self, args, state, control, **kw):
-                self.t_step = time.perf_counter()
-
-            def on_step_end(self, args, state, control, **kw):
-                self.step_times.append(time.perf_counter() - self.t_step)
-                if self.on_step:
-                    self.on_step(1)
-
-            def on_log(self, args, state, control, logs=None, **kw):
-                if not logs or "loss" not in logs:
-                    return
-                rec = {"step": state.global_step, **{k: v for k, v in logs.items() if isinstance(v, (int, float))},
-                       "wall_s": time.perf_counter() - self.t0,
-                       "step_s": self.step_times[-1] if self.step_times else None}
-                self.f.write(json.dumps(rec) + "\n")
-                self.f.flush()
-
-            def close(self):
-                self.f.close()
-
-        return Recorder(*a, **k)
+    b, n = method.fresh_groups(spec.prompts_per_step), spec.generations
+    if getattr(task, "is_multiturn", False):
+        width = 56 * task.max_tool_calls + 16
+    else:
+        width = max(len(p.answer) for p in _train_problems(spec, method, task)) + 2
+    replay = {f"replay_{k.name}": spec.replay[k.name] for k in knobs() if k.name in spec.replay}
+    return HDRGRPOConfig(
+        output_dir=str(run_dir / "trl"), use_cpu=True, bf16=False, activation_checkpointing=False,
+        report_to=["tensorboard"], logging_steps=1, save_strategy="no", max_steps=spec.steps,
+        per_device_train_batch_size=b * n, gradient_accumulation_steps=1, num_generations=n,
+        max_completion_length=width, temperature=1.0, learning_rate=spec.lr, lr_scheduler_type="constant",
+        warmup_steps=0, loss_type=method.loss_type, epsilon_high=method.epsilon_high, beta=0.0, seed=spec.seed,
+        disable_tqdm=True, disable_dropout=True, dataloader_num_workers=0,
+        **{"replay_diagnose_ungated": False, **replay}, replay_diagnostics_dir=str(run_dir / "replay"),
+        max_tool_calling_iterations=getattr(task, "max_tool_calls", None),
+    )
 
 
 def build_trainer(spec: RunSpec, method: Method, task: Task, model_dir: Path, run_dir: Path, callbacks=()):
     offline_env()
     from datasets import Dataset
 
-    from hdreplay.integrations.trl import HDRGRPOConfig, HDRGRPOTrainer
+    from hdreplay.integrations.trl import HDRGRPOTrainer
     from .model import load_model
 
-    b, n = method.fresh_groups(spec.prompts_per_step), spec.generations
-    k_rep = method.replay_groups(spec.prompts_per_step)
     model, tok = load_model(model_dir)
-    problems = task.train_problems(max(spec.steps * b * 2, 256), seed=spec.seed)
+    problems = _train_problems(spec, method, task)
     ds = Dataset.from_dict({"prompt": [p.prompt for p in problems], "answer": [p.answer for p in problems]})
     env_kwargs = {}
     if getattr(task, "is_multiturn", False):  # TRL's own environment mechanism drives the tool calls
@@ -103,24 +86,8 @@ def build_trainer(spec: RunSpec, method: Method, task: Task, model_dir: Path, ru
         SearchEnv.latency_s = float(spec.extra.get("latency_s", 0.0))
         env_kwargs = {"environment_factory": SearchEnv}
         ds = ds.add_column("question", [p.question for p in problems])
-        width = 56 * task.max_tool_calls + 16
-    else:
-        width = max(len(p.answer) for p in problems) + 2
-    args = HDRGRPOConfig(
-        output_dir=str(run_dir / "trl"), use_cpu=True, bf16=False, activation_checkpointing=False,
-        report_to=["tensorboard"], logging_steps=1, save_strategy="no", max_steps=spec.steps,
-        per_device_train_batch_size=b * n, gradient_accumulation_steps=1, num_generations=n,
-        max_completion_length=width, temperature=1.0, learning_rate=spec.lr, lr_scheduler_type="constant",
-        warmup_steps=0, loss_type=method.loss_type, epsilon_high=method.epsilon_high, beta=0.0, seed=spec.seed,
-        disable_tqdm=True, disable_dropout=True, dataloader_num_workers=0,
-        replay_selector=method.selector, replay_k_rep=k_rep, replay_tau=spec.tau, replay_capacity=spec.capacity,
-        replay_ingress=spec.ingress, replay_answer_threshold=spec.answer_threshold,
-        replay_diagnostics_dir=str(run_dir / "replay"), replay_diagnose_ungated=False,
-        replay_counterfactual=spec.counterfactual, replay_adaptive_tau=spec.adaptive_tau,
-        max_tool_calling_iterations=getattr(task, "max_tool_calls", None),
-    )
-    trainer = HDRGRPOTrainer(model=model, reward_funcs=task.reward_func(), args=args, train_dataset=ds,
-                             processing_class=tok, callbacks=list(callbacks), **env_kwargs)
+    trainer = HDRGRPOTrainer(model=model, reward_funcs=task.reward_func(), args=trainer_args(spec, method, task, run_dir),
+                             train_dataset=ds, processing_class=tok, callbacks=list(callbacks), **env_kwargs)
     # the comparison shows one progress bar; the per-step log dicts go to train_log.jsonl and TensorBoard
     from transformers.trainer_callback import PrinterCallback
 
@@ -133,20 +100,19 @@ def run_one(spec: RunSpec, method: Method, task: Task, model_dir: Path, run_dir:
     """Train, evaluate, and write the run directory; returns metrics.json's content."""
     import torch
 
+    from hdreplay.integrations.trl.callback import HDRLogCallback
+
     from .evaluate import evaluate
 
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "run.json").write_text(json.dumps({**asdict(spec), "label": method.label, "model": str(model_dir),
                                                   "loss_type": method.loss_type}, indent=2))
     torch.manual_seed(spec.seed)
-    rec = _Recorder(run_dir / "train_log.jsonl", on_step)
+    rec = HDRLogCallback(run_dir, on_step=on_step)
     trainer = build_trainer(spec, method, task, model_dir, run_dir, callbacks=[rec])
     calls0 = _env_calls()
     t0 = time.perf_counter()
-    try:
-        trainer.train()
-    finally:
-        rec.close()
+    trainer.train()
     wall = time.perf_counter() - t0
     env_calls = _env_calls() - calls0
     model = trainer.accelerator.unwrap_model(trainer.model)
