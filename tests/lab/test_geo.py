@@ -79,6 +79,7 @@ def test_benchmarks_are_held_out_and_cover_each_family():
         probs = task.benchmark_problems(b)
         assert len(probs) == b.size == len({p.key for p in probs})
         assert {p.family for p in probs} == {b.family}
+        assert all(task.score(f"[{p.answer}]", p.answer) == 1.0 for p in probs)
         assert [p.key for p in probs] == [p.key for p in task.benchmark_problems(b)]  # fixed across calls
     assert {b.family for b in task.benchmarks} == {"read", "sum", "perim"}
     assert task.train_problems(50, seed=0) == task.train_problems(50, seed=0) != task.train_problems(50, seed=1)

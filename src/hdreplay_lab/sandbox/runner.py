@@ -5,6 +5,7 @@ Run directory layout (what ``hdreplay report`` and the comparison summary read):
     train_log.jsonl   TRL's log entries, one per step (reward, entropy, loss, replay/* ...)
                       plus ``wall_s`` (seconds since training started) and ``step_s``
     replay/           steps.jsonl, groups.jsonl (replay methods only)
+    fresh_groups.jsonl  per step, the rewards of every fresh group (ingress analysis; see rewardlog.py)
     trl/runs/         TensorBoard event files written through TRL's report_to
     metrics.json      held-out Mean@n / Best@n per benchmark, macro and weighted averages,
                       fresh responses, mean step time
@@ -86,7 +87,10 @@ def build_trainer(spec: RunSpec, method: Method, task: Task, model_dir: Path, ru
         SearchEnv.latency_s = float(spec.extra.get("latency_s", 0.0))
         env_kwargs = {"environment_factory": SearchEnv}
         ds = ds.add_column("question", [p.question for p in problems])
-    trainer = HDRGRPOTrainer(model=model, reward_funcs=task.reward_func(), args=trainer_args(spec, method, task, run_dir),
+    from .rewardlog import FILE, GroupRewardLog
+
+    reward = GroupRewardLog(task.reward_func(), run_dir / FILE, spec.generations)  # for the ingress analysis
+    trainer = HDRGRPOTrainer(model=model, reward_funcs=reward, args=trainer_args(spec, method, task, run_dir),
                              train_dataset=ds, processing_class=tok, callbacks=list(callbacks), **env_kwargs)
     # the comparison shows one progress bar; the per-step log dicts go to train_log.jsonl and TensorBoard
     from transformers.trainer_callback import PrinterCallback
@@ -105,6 +109,7 @@ def run_one(spec: RunSpec, method: Method, task: Task, model_dir: Path, run_dir:
     from .evaluate import evaluate
 
     run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "fresh_groups.jsonl").unlink(missing_ok=True)  # a re-run starts its reward log afresh
     (run_dir / "run.json").write_text(json.dumps({**asdict(spec), "label": method.label, "model": str(model_dir),
                                                   "loss_type": method.loss_type}, indent=2))
     torch.manual_seed(spec.seed)
