@@ -100,3 +100,16 @@ def test_answer_based_ingress_drops_format_only_groups():
     assert admitted(["[7]", "7", "[3]", "3"]) == (True, True)
     assert admitted(["[7]", "7", "7", "[7]"]) == (True, False)  # all right, only the format varies
     assert admitted(["[3]", "[4]", "[5]", "[6]"]) == (False, False)
+
+
+def test_compare_on_geo_defaults_to_the_papers_multimodal_set_and_answer_ingress():
+    from hdreplay_lab.sandbox.compare import CompareConfig
+    from hdreplay_lab.sandbox.methods import METHODS
+
+    cfg = CompareConfig(task="geo")
+    assert cfg.methods == ("onpolicy_matched", "onpolicy_larger", "dapo", "headroom_drift")
+    hd = cfg.replay_config(METHODS["headroom_drift"])
+    assert (hd["ingress"], hd["answer_threshold"]) == ("answer", 0.9)
+    mixed = CompareConfig(task="geo", replay={"ingress": "mixed"}).replay_config(METHODS["headroom_drift"])
+    assert mixed["ingress"] == "mixed"
+    assert CompareConfig(task="add").replay_config(METHODS["headroom_drift"])["ingress"] == "mixed"

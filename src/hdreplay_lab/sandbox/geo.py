@@ -166,6 +166,7 @@ class GeoTask:
                          GeoBenchmark("perim", "perim", 80))
     jitter: int = 2
     answer_threshold: float | None = 0.9
+    default_ingress: str = "answer"  # `hdreplay compare --task geo` trains with answer-based ingress unless told
     format_rate: float = 0.5  # share of warm-start targets written in the [n] format
     arch: str = "qwen2vl"
     #: a ~270k-parameter Qwen2-VL; it reaches macro Mean@4 ~0.25 after ~1000 steps of batch 64 (~10 min on 2 cores)

@@ -54,6 +54,8 @@ def trainer_args(spec: RunSpec, method: Method, task: Task, run_dir: Path):
     b, n = method.fresh_groups(spec.prompts_per_step), spec.generations
     if getattr(task, "is_multiturn", False):
         width = 56 * task.max_tool_calls + 16
+    elif hasattr(task, "completion_width"):  # geo: "[" answer "]" EOS
+        width = task.completion_width(_train_problems(spec, method, task))
     else:
         width = max(len(p.answer) for p in _train_problems(spec, method, task)) + 2
     replay = {f"replay_{k.name}": spec.replay[k.name] for k in knobs() if k.name in spec.replay}
@@ -78,7 +80,10 @@ def build_trainer(spec: RunSpec, method: Method, task: Task, model_dir: Path, ru
 
     model, tok = load_model(model_dir)
     problems = _train_problems(spec, method, task)
-    ds = Dataset.from_dict({"prompt": [p.prompt for p in problems], "answer": [p.answer for p in problems]})
+    if getattr(task, "is_multimodal", False):  # conversational prompts + an image column, as TRL's VLM path reads
+        ds = task.dataset(problems)
+    else:
+        ds = Dataset.from_dict({"prompt": [p.prompt for p in problems], "answer": [p.answer for p in problems]})
     env_kwargs = {}
     if getattr(task, "is_multiturn", False):  # TRL's own environment mechanism drives the tool calls
         from .search import SearchEnv, install_chat_format
