@@ -13,7 +13,7 @@ pytestmark = pytest.mark.trl
 
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
-from hdreplay import CheckpointError  # noqa: E402
+from hdreplay import CheckpointError, ReplayController  # noqa: E402
 from hdreplay.integrations.trl import HDRGRPOTrainer  # noqa: E402
 from hdreplay.integrations.trl.batch import ROW_KEYS, SCALAR_KEYS, check_keys  # noqa: E402
 from trl_fixtures import RecordingTrainer, buffer_hash, make_args, prompts, reward_digit, tiny_model  # noqa: E402
@@ -126,7 +126,7 @@ def test_checkpoint_resume_equals_uninterrupted(model_dir, tmp_path):
     over = dict(max_steps=6, save_strategy="steps", save_steps=3, replay_tau=0.05, replay_k_rep=3)
     full = run(model_dir, tmp_path / "full", **over)
     ck = tmp_path / "full" / "checkpoint-3" / "hdreplay"
-    assert (ck / "state.json").exists()
+    assert ReplayController.verify(ck) is not None  # a complete, intact replay state with committed steps
     model, tok = tiny_model(model_dir)
     resumed = RecordingTrainer(model=model, reward_funcs=reward_digit, args=make_args(tmp_path / "full", **over),
                                train_dataset=prompts(), processing_class=tok)
