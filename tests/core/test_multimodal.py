@@ -14,6 +14,8 @@ from protocol import state_hash
 
 POLICY = TablePolicy(seed=0)
 
+pytestmark = pytest.mark.multimodal
+
 
 def mm(seed: int, images: int = 1, P: int = 6, *, grid=(1, 4, 4)) -> dict:
     """Qwen2-VL-like inputs of one prompt: per image prod(grid) patches of 1176 floats, its grid, per-token ids,

@@ -9,6 +9,8 @@ from hdreplay_lab.sandbox.geo import (
 )
 from hdreplay_lab.sandbox.tasks import get_task
 
+pytestmark = pytest.mark.multimodal
+
 
 def read_labels(img, shape: str) -> dict:
     """Read every label of a geo image back by template matching the 3x5 font (independent of the renderer's

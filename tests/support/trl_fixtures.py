@@ -15,6 +15,7 @@ from datasets import Dataset  # noqa: E402
 from trl import GRPOTrainer  # noqa: E402
 
 from hdreplay.integrations.trl import HDRGRPOConfig, HDRGRPOTrainer  # noqa: E402
+from hdreplay.integrations.trl.mm import BATCH_KEYS as MM_BATCH_KEYS  # noqa: E402
 from hdreplay_lab.sandbox.model import build_tiny_model, load_model  # noqa: E402
 
 
@@ -79,8 +80,9 @@ class RecordingTrainer(HDRGRPOTrainer):
         ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
         attn = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)
         C = inputs["completion_ids"].shape[1]
+        images = {k: inputs[k] for k in MM_BATCH_KEYS if inputs.get(k) is not None}  # a VLM's chunks carry them
         with torch.no_grad():
-            now, _, _ = GRPOTrainer._get_per_token_logps_and_entropies(self, model, ids, attn, C)
+            now, _, _ = GRPOTrainer._get_per_token_logps_and_entropies(self, model, ids, attn, C, **images)
         mask = inputs["completion_mask"] * inputs.get("tool_mask", torch.ones_like(inputs["completion_mask"]))
         rows = inputs["hdr_row"].cpu() if "hdr_row" in inputs else torch.zeros(ids.shape[0], dtype=torch.long)
         get = lambda k: None if inputs.get(k) is None else inputs[k].detach().cpu().clone()  # noqa: E731
@@ -90,6 +92,8 @@ class RecordingTrainer(HDRGRPOTrainer):
             "is_ratio": get("importance_sampling_ratio"), "sampling": get("sampling_per_token_logps"),
             "now": now.cpu(), "mask": mask.cpu(), "nib": int(inputs["num_items_in_batch"]),
             "completion_ids": inputs["completion_ids"].cpu(), "advantages": inputs["advantages"].cpu(),
+            "images": {k: (v.detach().cpu().clone() if isinstance(v, torch.Tensor) else list(v))
+                       for k, v in images.items()},
         })
         loss = super()._compute_loss(model, inputs)
         self.records[-1]["loss"] = float(loss.detach())
@@ -103,7 +107,8 @@ def buffer_hash(ctrl) -> str:
     h.update(repr(meta["group_ids"]).encode())
     for k in sorted(tensors):
         h.update(k.encode())
-        h.update(tensors[k].numpy().tobytes())
+        t = tensors[k]
+        h.update((t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy().tobytes())
     return h.hexdigest()
 
 

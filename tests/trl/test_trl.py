@@ -301,8 +301,11 @@ def test_output_key_contract(model_dir, tmp_path):
     for beta, keys in seen.items():
         assert keys == expected[beta], f"TRL's batch keys changed for beta={beta}: {sorted(keys ^ expected[beta])}"
         assert keys <= set(ROW_KEYS) | set(SCALAR_KEYS)
-    with pytest.raises(RuntimeError, match="'pixel_values'"):
-        check_keys({"prompt_ids": 0, "pixel_values": 0})
+    with pytest.raises(RuntimeError, match="'audio_features'"):  # a key no version of replay knows
+        check_keys({"prompt_ids": 0, "audio_features": 0})
+    check_keys({"prompt_ids": 0, "pixel_values": 0, "image_grid_thw": 0, "num_images": 0})  # VLM keys: replayed
+    with pytest.raises(RuntimeError, match="'pixel_attention_mask'.*Idefics3"):  # a VLM layout replay refuses
+        check_keys({"prompt_ids": 0, "pixel_values": 0, "pixel_attention_mask": 0})
 
 
 def test_tool_tokens_are_masked_in_buffer_loss_and_replay(model_dir, tmp_path):
