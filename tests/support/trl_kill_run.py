@@ -51,15 +51,15 @@ def install(kill_at: str, kill_step: int, trainer) -> None:
                 return orig_save(self, directory, **kw)
             if kill_at == "before_replay":
                 die()
-            real = {"rename": os.rename, "replace": os.replace}
+            from hdreplay.checkpoint import FS
 
-            def killing(name):
-                def f(src, dst, *a, **k):
-                    if str(dst).endswith("hdreplay"):
-                        die()
-                    return real[name](src, dst, *a, **k)
-                return f
-            os.rename, os.replace = killing("rename"), killing("replace")
+            real_replace = FS.replace
+
+            def replace(src, dst, *a, **k):  # the replay state's commit point: its manifest swapped in
+                if str(dst).endswith(os.path.join("hdreplay", "manifest.json")):
+                    die()
+                return real_replace(src, dst, *a, **k)
+            FS.replace = staticmethod(replace)
             return orig_save(self, directory, **kw)
         ReplayController.save = save
     elif kill_at == "rotate":

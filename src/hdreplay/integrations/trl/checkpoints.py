@@ -5,7 +5,7 @@
 1. ``checkpoint-N/hdreplay.pending`` (marker: this checkpoint is being written);
 2. the Trainer's own files (model, optimizer, scheduler, RNG, ``trainer_state.json``), with the
    Trainer's checkpoint rotation held back;
-3. ``checkpoint-N/hdreplay/`` (atomic: written to a temporary directory and renamed);
+3. ``checkpoint-N/hdreplay/`` (crash-safe: ``ReplayController.save`` commits it by swapping in its manifest);
 4. the marker is removed; only then may the Trainer's rotation (``save_total_limit``) delete older
    checkpoints.
 
