@@ -161,6 +161,7 @@ def test_unsupported_batches_fail_loudly(case, match):
         groups_from_batch(b, step=0, group_size=N, estimator="rloo")
 
 
+@pytest.mark.multimodal
 def test_a_group_whose_rows_disagree_on_their_images_is_skipped():
     """Vision-language rows are stored (tests/verl/test_verl_multimodal.py); a uid whose rows carry different
     multi_modal_inputs is skipped with a reason, the other groups are stored."""

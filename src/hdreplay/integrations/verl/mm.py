@@ -47,12 +47,39 @@ def continuation(prompt_positions: torch.Tensor, length: int) -> torch.Tensor:
 
 def capture(rows: Sequence[int], mm_rows: Any, position_ids: torch.Tensor | None, attention: torch.Tensor,
             P: int) -> tuple[dict[str, torch.Tensor], str | None]:
-    """The mm_inputs of the group made of batch ``rows``, or ({}, why) when it cannot be stored.
+    """The mm_inputs of the group made of batch ``rows`` (v0 padded batch), or ({}, why) when it cannot be stored.
 
     Args:
         rows: the group's row indices; mm_rows: ``non_tensor_batch["multi_modal_inputs"]`` (or None);
         position_ids: ``(B, K, P+R)`` or ``(B, P+R)`` (or None); attention: ``(B, P+R)`` bool; P: prompt width.
     """
+    out, why = group_dict(rows, mm_rows)
+    if why is None and is_multirow(position_ids):
+        pm = attention[rows[0], :P]
+        prompt = position_ids[rows[0]][:, :P][:, pm]
+        seqs = {r: (position_ids[r][:, :P][:, attention[r, :P]], position_ids[r][:, P:][:, attention[r, P:]])
+                for r in rows}
+        why = check_positions(prompt, seqs)
+        out[POSITIONS] = prompt.T.contiguous()
+    return (out, None) if why is None else ({}, why)
+
+
+def capture_rows(rows: Sequence[int], mm_rows: Any, positions: Sequence[torch.Tensor], prompt_lens: Sequence[int]
+                 ) -> tuple[dict[str, torch.Tensor], str | None]:
+    """The same for unpadded rows (verl's v1 TransferQueue rows): ``positions[r]`` is row r's ``(K, P_r+L_r)`` or
+    ``(P_r+L_r,)``, ``prompt_lens[r]`` its prompt length P_r."""
+    out, why = group_dict(rows, mm_rows)
+    first = positions[rows[0]]
+    if why is None and first.dim() == 2:
+        prompt = first[:, :prompt_lens[rows[0]]]
+        why = check_positions(prompt, {r: (positions[r][:, :prompt_lens[r]], positions[r][:, prompt_lens[r]:])
+                                       for r in rows})
+        out[POSITIONS] = prompt.T.contiguous()
+    return (out, None) if why is None else ({}, why)
+
+
+def group_dict(rows: Sequence[int], mm_rows: Any) -> tuple[dict[str, torch.Tensor], str | None]:
+    """The one ``multi_modal_inputs`` dict the rows of a group share (``{}`` for text), or ({}, why)."""
     first = mm_rows[rows[0]] if mm_rows is not None else {}
     first = first or {}
     if not isinstance(first, dict):
@@ -66,19 +93,24 @@ def capture(rows: Sequence[int], mm_rows: Any, position_ids: torch.Tensor | None
     bad = sorted(k for k, v in first.items() if not isinstance(v, torch.Tensor))
     if bad:
         return {}, f"multi_modal_inputs entries {bad} are not tensors; hdreplay stores tensors only"
-    out = dict(first)
-    if is_multirow(position_ids):
-        pm = attention[rows[0], :P]
-        prompt = position_ids[rows[0]][:, :P][:, pm]
-        for r in rows:
-            seq = position_ids[r]
-            resp = seq[:, P:][:, attention[r, P:]]
-            if not torch.equal(seq[:, :P][:, attention[r, :P]], prompt) or \
-                    not torch.equal(resp, continuation(prompt, resp.shape[1]).to(resp.dtype)):
-                return {}, (f"row {r}: the response's position ids do not continue the prompt's (an image or video "
-                            "inside the response, or multi-turn images); hdreplay replays responses of text only")
-        out[POSITIONS] = prompt.T.contiguous()
-    return out, None
+    return dict(first), None
+
+
+def check_positions(prompt: torch.Tensor, seqs: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> str | None:
+    """Why rows with ``(K, P)`` prompt positions ``prompt`` and per-row (prompt, response) positions ``seqs``
+    cannot be replayed with rebuilt positions, or None: every prompt must equal ``prompt`` and every response
+    continue it (:func:`continuation`)."""
+    for r, (p, resp) in seqs.items():
+        if not torch.equal(p, prompt) or not torch.equal(resp, continuation(prompt, resp.shape[1]).to(resp.dtype)):
+            return (f"row {r}: the response's position ids do not continue the prompt's (an image or video "
+                    "inside the response, or multi-turn images); hdreplay replays responses of text only")
+    return None
+
+
+def sequence_positions(group: GroupRecord, length: int) -> torch.Tensor:
+    """``(K, P_g + length)`` unpadded positions of one of the group's rows (verl v1 rows)."""
+    prompt = group.mm_inputs[POSITIONS].T
+    return torch.cat([prompt, continuation(prompt, length)], dim=1)
 
 
 def _same(a, b) -> bool:
