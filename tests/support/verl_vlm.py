@@ -117,3 +117,31 @@ def vlm_batch(model, proc, problems, n: int, *, seed: int, config, rewards=None)
     batch.batch["old_log_probs"] = vlm_logprobs(model, batch)
     algo = config.algorithm
     return compute_advantage(batch, adv_estimator=algo.adv_estimator, num_repeat=n, config=algo)
+
+
+def v1_trajectory(model, proc, *, R: int = 6, vocab_hi: int = 40):
+    """A stub-agent-loop row function for verl's v1 fit (``verl_v1_harness.StubAgentLoopManagerTQ``): response j
+    of prompt p at ``step`` as ``AgentLoopWorkerTQ._agent_loop_postprocess`` writes it for a vision-language model
+    -- unpadded ids, ``(4, P+L)`` positions from ``get_rope_index``, the prompt's ``multi_modal_inputs`` (the geo
+    problem p's image); random text responses, reward 1 on even j unless ``flat(p)``."""
+    problems = TASK.train_problems(64, seed=11)
+    cache: dict[int, tuple] = {}
+
+    def trajectory(p: int, j: int, *, step: int, flat) -> dict:
+        if p not in cache:
+            cache[p] = prompt_inputs(proc, problems[p % len(problems)])
+        ids, inputs = cache[p]
+        g = torch.Generator().manual_seed(100_003 * step + 101 * p + j)
+        L = int(torch.randint(2, R + 1, (1,), generator=g))
+        resp = torch.randint(3, vocab_hi, (L,), generator=g)
+        seq = torch.cat([ids, resp])
+        scores = torch.zeros(L)
+        scores[-1] = 1.0 if flat(p) else float(j % 2 == 0)
+        mask = torch.ones(L, dtype=torch.int64)
+        return {"prompts": ids, "responses": resp, "response_mask": mask, "loss_mask": mask, "input_ids": seq,
+                "attention_mask": torch.ones_like(seq), "rm_scores": scores, "num_turns": 2,
+                "position_ids": verl_positions(model, seq, torch.ones_like(seq), inputs["image_grid_thw"]),
+                "rollout_log_probs": -torch.rand(L, generator=g),
+                "multi_modal_inputs": {k: v.clone() for k, v in inputs.items()}}
+
+    return trajectory

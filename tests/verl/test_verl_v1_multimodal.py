@@ -160,3 +160,39 @@ def test_v1_rows_that_break_the_position_rule_or_disagree_on_images_are_skipped(
     fg = fresh_groups(list_of_dict_to_tensordict(bad), tags, step=3, group_size=N, estimator="grpo")
     assert [g.group_id.split(":")[1] for g in fg.groups] == [rows[2 * N]["uid"]] and len(fg.problems) == 2
     assert "not their multi_modal_inputs" in fg.problems[0] and "do not continue the prompt's" in fg.problems[1]
+
+
+# ------------------------------------------------------------------- through verl's v1 PPOTrainer.fit() with a VLM
+@pytest.fixture(scope="module")
+def vlm_fit(worker_group, transfer_queue, tmp_path_factory):
+    """3 steps of verl's v1 sync trainer with the recipe's seam, lr = 0: the CPU worker group loads a tiny Qwen2-VL
+    (saved + reloaded with from_pretrained) and feeds each row's multi_modal_inputs and (4, L) positions to it; the
+    stub agent loop writes geo images as verl's v1 agent loop does."""
+    from hdreplay.integrations.verl import HDRPPOTrainerSync
+    from hdreplay_lab.sandbox.vlm import build_tiny_vlm, load_vlm
+    from verl_v1_harness import run_v1
+    from verl_vlm import v1_trajectory
+
+    model_dir = build_tiny_vlm(tmp_path_factory.mktemp("vlm_fit"), chars=TASK.vocab, hidden=32)
+    model, proc = load_vlm(model_dir)
+    return run_v1(HDRPPOTrainerSync, worker_group, proc.tokenizer, str(model_dir), tmp_path_factory.mktemp("ck"),
+                  "hdr.k_rep=2", lr=0.0, steps=3, trajectory=v1_trajectory(model, proc))
+
+
+def test_v1_fit_replays_image_groups_with_zero_drift_and_trains_them_with_their_images(vlm_fit):
+    import numpy as np
+
+    run = vlm_fit
+    steps = run.trainer.steps
+    assert [s["num_replay_rows"] for s in steps] == [0, 2 * N, 2 * N]
+    for s in steps[1:]:  # the worker group re-scored stored groups with their images at unchanged weights
+        sel = s["selection"]
+        assert len(sel.scanned) and np.abs(sel.scanned_drift).max() < 1e-6 and sel.scanned_pass.all()
+        assert all(POSITIONS in g.mm_inputs and "pixel_values" in g.mm_inputs for g in sel.groups)
+    for update in (1, 2):  # every replayed and fresh row reached the loss with its one image, padding with none
+        kind = run.kind_of(update)
+        for rank in run.records:
+            for mb in rank["history"][update]:
+                for uid, images in zip(mb["uid"], mb["images"]):
+                    assert images == (0 if kind(uid) == "pad" else 1), (uid, kind(uid))
+        assert any(kind(u) == "replay" for rank in run.records for mb in rank["history"][update] for u in mb["uid"])
