@@ -12,7 +12,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import torch  # noqa: E402
 from datasets import Dataset  # noqa: E402
 
-from trl import GRPOTrainer  # noqa: E402
+from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
 from hdreplay.integrations.trl import HDRGRPOConfig, HDRGRPOTrainer  # noqa: E402
 from hdreplay.integrations.trl.mm import BATCH_KEYS as MM_BATCH_KEYS  # noqa: E402
@@ -42,6 +42,19 @@ def make_args(out_dir, **over) -> HDRGRPOConfig:
               ddp_find_unused_parameters=False, replay_tau=10.0, replay_k_rep=3, disable_tqdm=True)
     kw.update(over)
     return HDRGRPOConfig(**kw)
+
+
+def plain_config(args: HDRGRPOConfig) -> GRPOConfig:
+    """The same run for trl's own GRPOTrainer: every non-replay field of ``args``, same steps per generation."""
+    plain = GRPOConfig(**{k: v for k, v in args.to_dict().items() if not k.startswith("replay_")
+                          and k in GRPOConfig.__dataclass_fields__ and k not in ("generation_batch_size",)})
+    plain.steps_per_generation = args.steps_per_generation
+    return plain
+
+
+def loss_log(trainer, keys=("loss", "grad_norm", "reward", "entropy")) -> list[dict]:
+    """What the trainer logged per optimizer step, for loss-for-loss comparisons."""
+    return [{k: x[k] for k in keys} for x in trainer.state.log_history if "loss" in x]
 
 
 class RecordingTrainer(HDRGRPOTrainer):

@@ -16,7 +16,9 @@ from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 from hdreplay import CheckpointError, ReplayController  # noqa: E402
 from hdreplay.integrations.trl import HDRGRPOConfig, HDRGRPOTrainer  # noqa: E402
 from hdreplay.integrations.trl.batch import ROW_KEYS, SCALAR_KEYS, check_keys  # noqa: E402
-from trl_fixtures import RecordingTrainer, buffer_hash, make_args, prompts, reward_digit, tiny_model  # noqa: E402
+from trl_fixtures import (  # noqa: E402
+    RecordingTrainer, buffer_hash, loss_log, make_args, plain_config, prompts, reward_digit, tiny_model,
+)
 
 
 @pytest.fixture(scope="module")
@@ -98,18 +100,14 @@ def test_selector_none_reproduces_grpo_trainer_exactly(model_dir, tmp_path):
     common = dict(max_steps=3, seed=7)
     model, tok = tiny_model(model_dir)
     base_args = make_args(tmp_path / "a", **common)
-    plain = GRPOConfig(**{k: v for k, v in base_args.to_dict().items() if not k.startswith("replay_")
-                          and k in GRPOConfig.__dataclass_fields__ and k not in ("generation_batch_size",)})
-    plain.steps_per_generation = base_args.steps_per_generation
+    plain = plain_config(base_args)
     g = GRPOTrainer(model=model, reward_funcs=reward_digit, args=plain, train_dataset=prompts(), processing_class=tok)
     g.train()
     model2, tok2 = tiny_model(model_dir)
     h = HDRGRPOTrainer(model=model2, reward_funcs=reward_digit, train_dataset=prompts(), processing_class=tok2,
                        args=make_args(tmp_path / "b", replay_selector="none", **common))
     h.train()
-    keys = ("loss", "grad_norm", "reward", "entropy")
-    a = [{k: x[k] for k in keys} for x in g.state.log_history if "loss" in x]
-    b = [{k: x[k] for k in keys} for x in h.state.log_history if "loss" in x]
+    a, b = loss_log(g), loss_log(h)
     assert len(a) == 3 and a == b
     assert not any(k.startswith("replay/") for x in h.state.log_history for k in x)
 

@@ -11,14 +11,14 @@ import torch
 pytest.importorskip("trl")
 pytestmark = [pytest.mark.trl, pytest.mark.multimodal]
 
-from trl import GRPOConfig, GRPOTrainer  # noqa: E402
+from trl import GRPOTrainer  # noqa: E402
 
 from hdreplay import ReplayController  # noqa: E402
 from hdreplay.integrations.trl import HDRGRPOTrainer  # noqa: E402
 from hdreplay.integrations.trl.mm import NUM_IMAGES, group_inputs, row_inputs  # noqa: E402
 from hdreplay_lab.sandbox.geo import GeoTask  # noqa: E402
 from hdreplay_lab.sandbox.vlm import build_tiny_vlm, load_vlm  # noqa: E402
-from trl_fixtures import RecordingTrainer, buffer_hash, make_args  # noqa: E402
+from trl_fixtures import RecordingTrainer, buffer_hash, loss_log, make_args, plain_config  # noqa: E402
 
 TASK = GeoTask()
 
@@ -117,9 +117,7 @@ def test_replay_happens_and_moves_the_policy(vlm_dirs, tmp_path):
 def test_selector_none_equals_grpo_trainer_loss_for_loss(vlm_dirs, tmp_path):
     common = dict(max_steps=3, seed=7)
     base = vlm_args(tmp_path / "a", **common)
-    plain = GRPOConfig(**{k: v for k, v in base.to_dict().items() if not k.startswith("replay_")
-                          and k in GRPOConfig.__dataclass_fields__ and k not in ("generation_batch_size",)})
-    plain.steps_per_generation = base.steps_per_generation
+    plain = plain_config(base)
     model, proc = vlm(vlm_dirs)
     g = GRPOTrainer(model=model, reward_funcs=reward_digit, args=plain, train_dataset=dataset(), processing_class=proc)
     g.train()
@@ -127,9 +125,7 @@ def test_selector_none_equals_grpo_trainer_loss_for_loss(vlm_dirs, tmp_path):
     h = HDRGRPOTrainer(model=model2, reward_funcs=reward_digit, train_dataset=dataset(), processing_class=proc2,
                        args=vlm_args(tmp_path / "b", replay_selector="none", **common))
     h.train()
-    keys = ("loss", "grad_norm", "reward", "entropy")
-    a = [{k: x[k] for k in keys} for x in g.state.log_history if "loss" in x]
-    b = [{k: x[k] for k in keys} for x in h.state.log_history if "loss" in x]
+    a, b = loss_log(g), loss_log(h)
     assert len(a) == 3 and a == b
 
 
@@ -157,6 +153,16 @@ def test_images_with_a_text_model_are_refused(tmp_path):
     with pytest.raises(ValueError, match="image column .* not a processor"):
         HDRGRPOTrainer(model=model, reward_funcs=reward_digit, args=vlm_args(tmp_path / "o"), train_dataset=dataset(),
                        processing_class=tok)
+
+
+def test_a_vlm_processor_with_a_text_only_model_is_refused(vlm_dirs, tmp_path):
+    from hdreplay_lab.sandbox.model import build_tiny_model, load_model
+
+    model, _ = load_model(build_tiny_model(tmp_path / "text", chars=TASK.vocab, hidden=16, layers=1))
+    _, proc = vlm(vlm_dirs)
+    with pytest.raises(ValueError, match="without a vision tower"):
+        HDRGRPOTrainer(model=model, reward_funcs=reward_digit, args=vlm_args(tmp_path / "o"), train_dataset=dataset(),
+                       processing_class=proc)
 
 
 def test_a_processor_without_an_image_processor_is_refused(vlm_dirs, tmp_path):
@@ -203,8 +209,7 @@ def test_rows_with_images_in_the_completion_or_disagreeing_images_are_not_stored
             return out
 
     base = vlm_args(tmp_path / "p", max_steps=1)
-    plain = GRPOConfig(**{k: v for k, v in base.to_dict().items() if not k.startswith("replay_")
-                          and k in GRPOConfig.__dataclass_fields__ and k not in ("generation_batch_size",)})
+    plain = plain_config(base)
     model, proc = vlm(vlm_dirs)
     Probe(model=model, reward_funcs=reward_digit, args=plain, train_dataset=dataset(), processing_class=proc).train()
     out = seen["out"]

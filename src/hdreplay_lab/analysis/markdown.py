@@ -164,7 +164,7 @@ def _ingress(report: dict) -> str:
                  (f"{rule}: admitted format-only", f"rules/{rule}/format_only_share", "pct")]
     rows += [("buffer: format-only share (mean)", "buffer/format_only_mean", "pct"),
              *_intervals("buffer: format-only share", "buffer/by_interval", "pct"),
-             ("buffer: format-only share (final)", "buffer/format_only_final", "pct"),
+             ("buffer: format-only share (last step)", "buffer/format_only_final", "pct"),
              ("replay acceptance rate", "replay/accept_rate", "pct"), ("replay budget fill", "replay/budget_fill", "pct"),
              ("replay events on format-only groups", "replay/format_only_replay_share", "pct")]
     mism = [f"- {lab}: reconstructed ingress differs from the logged count at steps "

@@ -51,6 +51,18 @@ def check_processor(processing_class) -> None:
                          "or text models (pass the tokenizer)")
 
 
+def check_model(processing_class, model) -> None:
+    """Refuse a vision-language processor with a model object that has no vision tower (``config.vision_config``),
+    before ``GRPOTrainer.__init__`` fails on it with an AttributeError (a model given as a path is checked by TRL)."""
+    if not is_vlm(processing_class) or isinstance(model, str):
+        return
+    if getattr(getattr(model, "config", None), "vision_config", None) is None:
+        raise ValueError(f"processing_class is a {type(processing_class).__name__} (images) but model is a "
+                         f"{type(model).__name__} without a vision tower (no config.vision_config): a text-only model "
+                         "cannot take the images. Pass the vision-language model its processor belongs to, or the "
+                         "text model with its tokenizer.")
+
+
 def check_setup(processing_class, train_dataset, *, replay: str, micro_step: str) -> bool:
     """Refuse what cannot work before training; returns whether the model is a VLM (TRL's test).
 

@@ -76,6 +76,7 @@ class HDRGRPOTrainer(GRPOTrainer):
     def __init__(self, *args, **kwargs):
         bound = _INIT.bind(None, *args, **kwargs)
         bound.arguments["args"] = as_replay_config(bound.arguments.get("args"), bound.arguments["model"])
+        mm.check_model(bound.arguments.get("processing_class"), bound.arguments["model"])
         super().__init__(*bound.args[1:], **bound.kwargs)
         self._is_vlm = mm.check_setup(self.processing_class, self.train_dataset, replay=self.args.replay_selector,
                                       micro_step=self.args.replay_micro_step)
