@@ -57,8 +57,9 @@ def test_reward_log_groups_rows_and_keeps_the_name(tmp_path):
 REWARDS = np.array([0.0, 0.1, 0.9, 1.0])
 
 
-def _multi_reward_run(root, rule: str, *, steps=25, per_step=6, n=4, seed=0):
-    """A real controller run whose groups carry Geo3K-style rewards, plus the fresh log the sandbox would write."""
+def _multi_reward_run(root, rule: str, *, steps=25, per_step=6, n=4, seed=0, gid="s{t}g{k}"):
+    """A real controller run whose groups carry Geo3K-style rewards, plus the fresh log the sandbox would write.
+    ``gid``: the group-id format (HDRGRPOTrainer writes ``s<step>.<generation>g<k>``)."""
     cfg = ReplayConfig(k_rep=3, tau=5e-3, capacity=10, ingress=rule, answer_threshold=0.9)
     run = root / rule
     run.mkdir()
@@ -72,7 +73,7 @@ def _multi_reward_run(root, rule: str, *, steps=25, per_step=6, n=4, seed=0):
         p = np.array([0.45, 0.35, 0.1, 0.1]) if t < steps // 2 else np.array([0.05, 0.45, 0.2, 0.3])
         rw = rng.choice(REWARDS, size=(per_step, n), p=p)
         fresh.append({"step": t, "n": n, "rewards": rw.tolist()})
-        ctrl.stage([make_group(f"s{t}g{k}", policy=pol, step=t, n=n, seed=97 * t + k, rewards=rw[k].tolist())
+        ctrl.stage([make_group(gid.format(t=t, k=k), policy=pol, step=t, n=n, seed=97 * t + k, rewards=rw[k].tolist())
                     for k in range(per_step)], step=t)
         ctrl.commit()
         buffered.append([ctrl.buffer.group_id(int(i)) for i in ctrl.buffer.insertion_ids()])
@@ -83,9 +84,9 @@ def _multi_reward_run(root, rule: str, *, steps=25, per_step=6, n=4, seed=0):
     return run, fresh, buffered
 
 
-@pytest.mark.parametrize("rule", ["mixed", "answer"])
-def test_section_matches_the_controller_that_ran(tmp_path, rule):
-    run, fresh, buffered = _multi_reward_run(tmp_path, rule)
+@pytest.mark.parametrize("rule,gid", [("mixed", "s{t}g{k}"), ("answer", "s{t}g{k}"), ("mixed", "s{t}.0g{k}")])
+def test_section_matches_the_controller_that_ran(tmp_path, rule, gid):
+    run, fresh, buffered = _multi_reward_run(tmp_path, rule, gid=gid)
     data = load_run(run)
     sec = ingress(data.fresh, data.steps, data.groups, data.replay_config, threshold=None)
     assert sec["available"] and sec["rule"] == rule and sec["threshold"] == 0.9
@@ -98,7 +99,7 @@ def test_section_matches_the_controller_that_ran(tmp_path, rule):
     assert sec["rules"]["mixed"]["admit_share"] == pytest.approx(varies.mean())
     assert sec["rules"]["answer"]["admit_share"] == pytest.approx(((S >= 1) & (S <= 3)).mean())
     # after every step, the buffer share equals the format-only share of the groups the controller really held
-    cls = {f"s{rec['step']}g{k}": (len(set(g)) > 1 and (sum(v >= 0.9 for v in g) in (0, len(g))))
+    cls = {gid.format(t=rec["step"], k=k): (len(set(g)) > 1 and (sum(v >= 0.9 for v in g) in (0, len(g))))
            for rec in fresh for k, g in enumerate(rec["rewards"])}
     held = [np.mean([cls[g] for g in ids]) if ids else None for ids in buffered]
     assert sec["series"]["buffer_format_only"] == pytest.approx(held)

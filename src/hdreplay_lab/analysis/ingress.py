@@ -31,7 +31,7 @@ from .stats import interval_means, opt, unavailable
 
 RULES = ("mixed", "answer", "positive")
 COMPOSITION = ("no_correct", "mixed", "all_correct")  # S = 0, 1..n-1, n among admitted groups
-_GID = re.compile(r"^s(\d+)g(\d+)$")
+_GID = re.compile(r"^s(\d+)(?:\.0)?g(\d+)$")  # s<step>g<k> (sandbox) / s<step>.0g<k> (HDRGRPOTrainer, 1st generation)
 
 
 def classify(rewards: np.ndarray, threshold: float) -> dict[str, np.ndarray]:
