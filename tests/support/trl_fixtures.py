@@ -52,6 +52,19 @@ def plain_config(args: HDRGRPOConfig) -> GRPOConfig:
     return plain
 
 
+def grpo_and_replay_none(load, data, args: HDRGRPOConfig, none_args: HDRGRPOConfig, reward):
+    """trl's GRPOTrainer on ``args``'s plain config and HDRGRPOTrainer on ``none_args`` (replay_selector="none"),
+    each on a fresh ``load()`` -> (model, processing_class) and ``data()``, both trained; returns (plain, hdr)."""
+    model, proc = load()
+    g = GRPOTrainer(model=model, reward_funcs=reward, args=plain_config(args), train_dataset=data(),
+                    processing_class=proc)
+    g.train()
+    model, proc = load()
+    h = HDRGRPOTrainer(model=model, reward_funcs=reward, args=none_args, train_dataset=data(), processing_class=proc)
+    h.train()
+    return g, h
+
+
 def loss_log(trainer, keys=("loss", "grad_norm", "reward", "entropy")) -> list[dict]:
     """What the trainer logged per optimizer step, for loss-for-loss comparisons."""
     return [{k: x[k] for k in keys} for x in trainer.state.log_history if "loss" in x]

@@ -17,7 +17,7 @@ from hdreplay import CheckpointError, ReplayController  # noqa: E402
 from hdreplay.integrations.trl import HDRGRPOConfig, HDRGRPOTrainer  # noqa: E402
 from hdreplay.integrations.trl.batch import ROW_KEYS, SCALAR_KEYS, check_keys  # noqa: E402
 from trl_fixtures import (  # noqa: E402
-    RecordingTrainer, buffer_hash, loss_log, make_args, plain_config, prompts, reward_digit, tiny_model,
+    RecordingTrainer, buffer_hash, grpo_and_replay_none, loss_log, make_args, prompts, reward_digit, tiny_model,
 )
 
 
@@ -98,15 +98,8 @@ def test_replay_rows_train_through_the_real_loss(model_dir, tmp_path, loss_type,
 
 def test_selector_none_reproduces_grpo_trainer_exactly(model_dir, tmp_path):
     common = dict(max_steps=3, seed=7)
-    model, tok = tiny_model(model_dir)
-    base_args = make_args(tmp_path / "a", **common)
-    plain = plain_config(base_args)
-    g = GRPOTrainer(model=model, reward_funcs=reward_digit, args=plain, train_dataset=prompts(), processing_class=tok)
-    g.train()
-    model2, tok2 = tiny_model(model_dir)
-    h = HDRGRPOTrainer(model=model2, reward_funcs=reward_digit, train_dataset=prompts(), processing_class=tok2,
-                       args=make_args(tmp_path / "b", replay_selector="none", **common))
-    h.train()
+    g, h = grpo_and_replay_none(lambda: tiny_model(model_dir), prompts, make_args(tmp_path / "a", **common),
+                                make_args(tmp_path / "b", replay_selector="none", **common), reward_digit)
     a, b = loss_log(g), loss_log(h)
     assert len(a) == 3 and a == b
     assert not any(k.startswith("replay/") for x in h.state.log_history for k in x)

@@ -18,7 +18,9 @@ from hdreplay.integrations.trl import HDRGRPOTrainer  # noqa: E402
 from hdreplay.integrations.trl.mm import NUM_IMAGES, group_inputs, row_inputs  # noqa: E402
 from hdreplay_lab.sandbox.geo import GeoTask  # noqa: E402
 from hdreplay_lab.sandbox.vlm import build_tiny_vlm, load_vlm  # noqa: E402
-from trl_fixtures import RecordingTrainer, buffer_hash, loss_log, make_args, plain_config  # noqa: E402
+from trl_fixtures import (  # noqa: E402
+    RecordingTrainer, buffer_hash, grpo_and_replay_none, loss_log, make_args, plain_config,
+)
 
 TASK = GeoTask()
 
@@ -116,15 +118,8 @@ def test_replay_happens_and_moves_the_policy(vlm_dirs, tmp_path):
 
 def test_selector_none_equals_grpo_trainer_loss_for_loss(vlm_dirs, tmp_path):
     common = dict(max_steps=3, seed=7)
-    base = vlm_args(tmp_path / "a", **common)
-    plain = plain_config(base)
-    model, proc = vlm(vlm_dirs)
-    g = GRPOTrainer(model=model, reward_funcs=reward_digit, args=plain, train_dataset=dataset(), processing_class=proc)
-    g.train()
-    model2, proc2 = vlm(vlm_dirs)
-    h = HDRGRPOTrainer(model=model2, reward_funcs=reward_digit, train_dataset=dataset(), processing_class=proc2,
-                       args=vlm_args(tmp_path / "b", replay_selector="none", **common))
-    h.train()
+    g, h = grpo_and_replay_none(lambda: vlm(vlm_dirs), dataset, vlm_args(tmp_path / "a", **common),
+                                vlm_args(tmp_path / "b", replay_selector="none", **common), reward_digit)
     a, b = loss_log(g), loss_log(h)
     assert len(a) == 3 and a == b
 
