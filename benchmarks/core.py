@@ -19,6 +19,11 @@ Writes benchmarks/results/core.json with
     get_copy_us_per_group             what handing out copies costs: ReplayBuffer.get of K_rep = 64 groups
                                       (copies, the only way groups leave the buffer) vs the same groups as
                                       views of the storage (what 0.1 returned), per group, at 65536 groups
+    image_bytes_per_group             groups with images (n = 8): multimodal bytes the buffer stores per group
+                                      (one copy: ReplayBuffer.mm_nbytes / groups) vs one copy per response
+                                      (what TRL's batch and verl's per-row multi_modal_inputs hold), for a
+                                      Qwen2-VL processor at a Geometry3K-sized image (fp32 and bf16) and the
+                                      geo sandbox's 56x56 image; ``--only image_bytes`` updates just this entry
 """
 
 from __future__ import annotations
@@ -190,6 +195,40 @@ def copy_cost(buf: ReplayBuffer, *, k_rep: int, repeats: int) -> dict:
     return {"get_copy_us_per_group": out["copy"], "get_view_us_per_group": out["view"]}
 
 
+def image_bytes(n: int = 8, groups: int = 64) -> dict:
+    """Stored multimodal bytes per group vs n copies, measured on a buffer of ``groups`` image groups."""
+    from PIL import Image
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    cases = {"qwen2vl_geo3k_336px_fp32": (336, torch.float32, None), "qwen2vl_geo3k_336px_bf16": (336, torch.bfloat16,
+                                                                                                  None),
+             "geo_sandbox_56px_fp32": (56, torch.float32, 56 * 56)}
+    out = {}
+    rng = np.random.default_rng(1)
+    for name, (side, dtype, pixels) in cases.items():
+        proc = Qwen2VLImageProcessorPil(**({"min_pixels": pixels, "max_pixels": pixels} if pixels else {}))
+        img = Image.fromarray(rng.integers(0, 256, (side, side, 3), dtype=np.uint8))
+        enc = proc(images=[img], return_tensors="pt")
+        P = int(enc["image_grid_thw"].prod()) // 4 + 64  # image tokens (2x2 merge) + 64 text tokens
+        sample = {"pixel_values": enc["pixel_values"].to(dtype), "image_grid_thw": enc["image_grid_thw"],
+                  "mm_token_type_ids": torch.zeros(P, dtype=torch.int64)}
+        gs = make_groups(groups, n=n, step=0, rng=rng, len_median=200, len_max=1024, prompt_range=(P, P + 1))
+        gs = [GroupRecord.from_responses(group_id=g.group_id, prompt_ids=g.prompt_ids, completion_ids=g.responses(),
+                                         logprobs=g.split(g.logprobs), advantages=g.advantages, rewards=g.rewards,
+                                         birth_step=0, mm_inputs={k: v.clone() for k, v in sample.items()})
+              for g in gs]
+        buf = ReplayBuffer(groups)
+        buf.append(gs, ref_headroom=[0.0] * groups, step=0)
+        one = sum(v.numel() * v.element_size() for v in sample.values())
+        stored = buf.mm_nbytes() / groups
+        out[name] = {"stored_bytes_per_group": stored, "one_copy_per_response_bytes": n * one,
+                     "ratio_per_response_over_stored": n * one / stored, "sample_bytes": one,
+                     "pixel_values_shape": list(sample["pixel_values"].shape), "dtype": str(dtype),
+                     "image_grid_thw": enc["image_grid_thw"][0].tolist(), "prompt_tokens": P, "n": n,
+                     "buffer_bytes_per_group_total": buf.nbytes() / groups}
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="fewer repeats, smaller storage run (< 30 s)")
@@ -197,7 +236,16 @@ def main() -> None:
     ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                     help="cpu: time with this process's CPU time (process_time), robust on a machine shared with "
                          "other jobs; wall: perf_counter")
+    ap.add_argument("--only", choices=("image_bytes",), default=None,
+                    help="run one section and update its entry in an existing --out file")
     args = ap.parse_args()
+    if args.only == "image_bytes":
+        out = Path(args.out)
+        result = json.loads(out.read_text()) if out.exists() else {}
+        result["image_bytes_per_group"] = image_bytes()
+        out.write_text(json.dumps(result, indent=2) + "\n")
+        print(json.dumps(result["image_bytes_per_group"], indent=2))
+        return
     global clock
     clock = time.process_time if args.clock == "cpu" else time.perf_counter
     torch.set_num_threads(1)
@@ -229,6 +277,7 @@ def main() -> None:
         "commit_after_load_ratio": cal["commit_after_load_ratio"],
         "commit_after_load": cal,
         **cc,
+        "image_bytes_per_group": image_bytes(),
         "targets": {"bytes_per_response_token": "<= 10", "select_scaling_ratio": "<= 3",
                     "commit_after_load_ratio": "<= 1.5"},
         "storage_workload": {k: v for k, v in st.items() if k not in ("bytes_per_response_token",

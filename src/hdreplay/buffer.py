@@ -28,6 +28,7 @@ import torch
 from .checkpoint import read_checkpoint_dir, write_checkpoint_dir
 from .checkpoint_schema import BufferState, parse_buffer_state
 from .errors import CheckpointError, ReplayConfigError, ReplayInputError
+from .multimodal import Schema, schema_difference, schema_of, schema_to_json
 from .record import GroupRecord
 from .storage import BLOCK_GROUPS, Block, copy_groups
 from .validate import (
@@ -61,15 +62,16 @@ class ReplayBuffer:
         self.capacity = check_int("capacity", capacity, lo=1, hi=MAX_CAPACITY, err=ReplayConfigError)
         self.group_size = None if group_size is None else check_int(
             "group_size", group_size, lo=1, hi=MAX_COUNT, err=ReplayConfigError)
-        self._install([], self._new_slots(min(self.capacity, INITIAL_SLOTS)), 0, 0, None)
+        self._install([], self._new_slots(min(self.capacity, INITIAL_SLOTS)), 0, 0, None, None)
 
     def _install(self, blocks: list[Block], slots: dict[str, np.ndarray], next_id: int, size: int,
-                 extras_keys: tuple[str, ...] | None) -> None:
+                 extras_keys: tuple[str, ...] | None, mm_schema: Schema | None) -> None:
         """Replace the whole state at once (construction and loads)."""
         self._blocks = blocks
         self._block_first = [b.first_id for b in blocks]
         self._slots = slots
         self._next_id, self._size, self._extras_keys = next_id, size, extras_keys
+        self._mm_schema = mm_schema
         self._id_of_group = {g: b.first_id + j for b in blocks for j, g in enumerate(b.group_ids)}
 
     @classmethod
@@ -144,6 +146,16 @@ class ReplayBuffer:
         """Bytes held: block tensors plus per-slot state arrays."""
         return sum(b.nbytes for b in self._blocks) + sum(a.nbytes for a in self._slots.values())
 
+    def mm_nbytes(self) -> int:
+        """Bytes of the stored multimodal inputs (one copy per group), offsets included."""
+        return sum(b.mm.nbytes for b in self._blocks)
+
+    @property
+    def mm_schema(self) -> Schema | None:
+        """``name -> (dtype, trailing shape)`` every group's ``mm_inputs`` must have (None until the first append;
+        ``{}`` for a text buffer)."""
+        return None if self._mm_schema is None else dict(self._mm_schema)
+
     def stored_response_tokens(self) -> int:
         return sum(b.tokens.numel() for b in self._blocks)
 
@@ -187,6 +199,7 @@ class ReplayBuffer:
         """Raise if ``records`` cannot be appended; the buffer is not modified."""
         seen = set()
         keys = self._extras_keys
+        mm = self._mm_schema
         for r in check_sequence("records", records):
             if not isinstance(r, GroupRecord):
                 raise ReplayInputError(f"records: expected GroupRecord, got {type(r).__name__}")
@@ -205,6 +218,14 @@ class ReplayBuffer:
                 raise ReplayInputError(
                     f"group {r.group_id!r} carries extras {list(rk)} but the buffer holds {list(keys)}; "
                     "every group must carry the same extras"
+                )
+            rs = schema_of(r.mm_inputs)
+            if mm is None:
+                mm = rs
+            elif (why := schema_difference(rs, mm)) is not None:
+                raise ReplayInputError(
+                    f"group {r.group_id!r}: multimodal inputs differ from the buffer's: {why}; every group must "
+                    "come from the same processor and settings (a text group cannot join an image buffer either)"
                 )
 
     def append(self, records: Sequence[GroupRecord], *, ref_headroom, step: int) -> list[dict[str, Any]]:
@@ -247,6 +268,8 @@ class ReplayBuffer:
             self._id_of_group[r.group_id] = i
         if self._extras_keys is None:
             self._extras_keys = tuple(sorted(records[0].extras))
+        if self._mm_schema is None:
+            self._mm_schema = schema_of(records[0].mm_inputs)
         self._next_id += len(records)
         self._size += len(records)
         return evicted
@@ -340,6 +363,8 @@ class ReplayBuffer:
             "birth_steps": [] if blk is None else list(blk.birth_steps),
             "extras_keys": None if self._extras_keys is None else list(self._extras_keys),
         }
+        if self._mm_schema:  # written only for multimodal buffers: text checkpoints keep their exact form
+            meta["mm_schema"] = schema_to_json(self._mm_schema)
         return tensors, meta
 
     def load_state_dict(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
@@ -360,7 +385,7 @@ class ReplayBuffer:
         ids = np.arange(state.next_id - state.size, state.next_id, dtype=np.int64)
         for k, a in state.slots.items():
             slots[k][ids % L] = a
-        self._install(blocks, slots, state.next_id, state.size, state.extras_keys)
+        self._install(blocks, slots, state.next_id, state.size, state.extras_keys, state.mm_schema)
 
     def save(self, directory: str | os.PathLike) -> None:
         """Write the buffer to ``directory`` crash-safely (see :mod:`hdreplay.checkpoint`)."""

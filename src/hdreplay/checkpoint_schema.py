@@ -28,6 +28,7 @@ import torch
 
 from .adaptive import TauState
 from .errors import CheckpointError, ReplayConfigError
+from .multimodal import Schema, schema_from_json
 from .sampling import rng_from_state
 from .storage import PAYLOAD_DTYPES, Block
 from .validate import MAX_COUNT, MAX_STEP, is_int, is_real
@@ -48,6 +49,7 @@ class BufferState:
     next_id: int
     size: int
     extras_keys: tuple[str, ...] | None
+    mm_schema: Schema | None = None
 
 
 @dataclass
@@ -101,9 +103,13 @@ def parse_buffer_state(tensors: Any, meta: Any, *, capacity: int, group_size: in
         raise bad(f"extras_keys must be None or a sorted list of distinct names, got {ek!r}")
     if size and ek is None:
         raise bad("extras_keys is None but groups are stored")
+    mm = schema_from_json(meta.get("mm_schema"), bad)  # absent for text buffers (and in older checkpoints)
+    if mm is None and size:
+        mm = {}  # stored text groups: an image group may not join them
     allowed = {f"slot.{k}" for k in slot_fields}
     if size:
         allowed |= set(PAYLOAD_DTYPES) | {f"extra.{e}" for e in ek}
+        allowed |= {f"{p}.{k}" for k in (mm or {}) for p in ("mm", "mm_off")}
     unexpected = sorted(set(tensors) - allowed)
     if unexpected:
         raise bad(f"unexpected tensors {unexpected[:5]}")
@@ -128,7 +134,7 @@ def parse_buffer_state(tensors: Any, meta: Any, *, capacity: int, group_size: in
     block = None
     if size:
         block = Block.from_tensors(tensors, first_id=int(ids[0]), group_ids=gids, birth_steps=births,
-                                   extras_keys=ek, where=where)
+                                   extras_keys=ek, where=where, mm_schema=mm)
         if not np.array_equal(block.loss_tokens(), slots["num_loss_tokens"]):
             raise bad("slot.num_loss_tokens differs from the stored loss masks")
         n = np.diff(block.resp_off)
@@ -136,7 +142,7 @@ def parse_buffer_state(tensors: Any, meta: Any, *, capacity: int, group_size: in
             if gs is not None and (n != gs).any():
                 raise bad(f"stored groups have {sorted(set(n.tolist()))} responses but the {label} group_size "
                           f"is {gs}; resume with the saved group size")
-    return BufferState(block, slots, nid, size, None if ek is None else tuple(ek))
+    return BufferState(block, slots, nid, size, None if ek is None else tuple(ek), mm)
 
 
 def parse_controller_state(tensors: Any, meta: Any, *, config: Any, where: str = "controller state"

@@ -27,6 +27,7 @@ from typing import Mapping, Sequence
 import torch
 
 from .errors import ReplayInputError
+from .multimodal import check_mm_inputs
 from .validate import MAX_TOKEN_ID, check_step
 
 #: log-probs may exceed 0 by this much through float round-off of log_softmax.
@@ -115,6 +116,10 @@ class GroupRecord:
         rewards:           (n,) float32 response rewards (finite).
         birth_step:        training step t0 at which the group was generated.
         extras:            name -> (T,) float32 token-level extras (e.g. ``ref_logprobs``).
+        mm_inputs:         name -> tensor: the prompt's multimodal inputs (``pixel_values``, ``image_grid_thw``,
+                           ...) as the processor produced them for ONE sample, stored once for the n
+                           responses, dtype kept; leading axis free, trailing axes fixed per buffer
+                           (see :mod:`hdreplay.multimodal`).  Empty for text groups.
 
     Construct with :meth:`from_responses` (lists of per-response tensors) or
     :meth:`from_padded` (right-padded ``(n, L)`` tensors); both validate and raise
@@ -131,6 +136,7 @@ class GroupRecord:
     rewards: torch.Tensor
     birth_step: int
     extras: Mapping[str, torch.Tensor] = field(default_factory=dict)
+    mm_inputs: Mapping[str, torch.Tensor] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         gid = self.group_id
@@ -201,6 +207,7 @@ class GroupRecord:
                 raise ReplayInputError(f"group {gid!r}: `extras[{key!r}]` is non-finite at loss-mask positions")
             extras[key] = t.masked_fill(~self.loss_mask, 0.0)
         set_(self, "extras", extras)
+        set_(self, "mm_inputs", check_mm_inputs(self.mm_inputs, gid))
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -216,9 +223,11 @@ class GroupRecord:
         birth_step: int,
         loss_masks: Sequence | None = None,
         extras: Mapping[str, Sequence] | None = None,
+        mm_inputs: Mapping[str, torch.Tensor] | None = None,
     ) -> "GroupRecord":
         """Build from per-response sequences: ``completion_ids[i]: (L_i,)``, ``logprobs[i]: (L_i,)``,
-        optional ``loss_masks[i]: (L_i,)`` (default all ones), ``extras[name][i]: (L_i,)``."""
+        optional ``loss_masks[i]: (L_i,)`` (default all ones), ``extras[name][i]: (L_i,)``, and the
+        prompt's ``mm_inputs`` (one sample, see the class docstring)."""
         gid = group_id
         comps = [_tensor(f"completion_ids[{i}]", c, gid).flatten()
                  for i, c in enumerate(_seq("completion_ids", completion_ids, gid))]
@@ -259,6 +268,7 @@ class GroupRecord:
             rewards=rewards,
             birth_step=birth_step,
             extras=ex,
+            mm_inputs={} if mm_inputs is None else mm_inputs,
         )
 
     @classmethod
@@ -275,6 +285,7 @@ class GroupRecord:
         birth_step: int,
         loss_mask: torch.Tensor | None = None,
         extras: Mapping[str, torch.Tensor] | None = None,
+        mm_inputs: Mapping[str, torch.Tensor] | None = None,
     ) -> "GroupRecord":
         """Build from right-padded tensors.
 
@@ -285,6 +296,7 @@ class GroupRecord:
             loss_mask:       optional (n, L) 1 where the policy generated the token
                              (completion_mask x tool_mask); defaults to ``completion_mask``.
             extras:          name -> (n, L) float tensors.
+            mm_inputs:       the prompt's multimodal inputs, one sample (see the class docstring).
         """
         gid = group_id
         ids = _tensor("completion_ids", completion_ids, gid)
@@ -324,6 +336,7 @@ class GroupRecord:
             rewards=rewards,
             birth_step=birth_step,
             extras={k: tensors[f"extras[{k!r}]"][cmb] for k in (extras or {})},
+            mm_inputs={} if mm_inputs is None else mm_inputs,
         )
 
     def clone(self) -> "GroupRecord":
@@ -335,6 +348,7 @@ class GroupRecord:
         object.__setattr__(rec, "group_id", self.group_id)
         object.__setattr__(rec, "birth_step", self.birth_step)
         object.__setattr__(rec, "extras", {k: v.clone() for k, v in self.extras.items()})
+        object.__setattr__(rec, "mm_inputs", {k: v.clone() for k, v in self.mm_inputs.items()})
         return rec
 
     # ------------------------------------------------------------------ views
@@ -346,6 +360,11 @@ class GroupRecord:
     def num_tokens(self) -> int:
         """T: completion tokens, loss-mask or not."""
         return self.completion_ids.numel()
+
+    @property
+    def mm_nbytes(self) -> int:
+        """Bytes of the stored multimodal inputs (one copy for the group)."""
+        return sum(t.numel() * t.element_size() for t in self.mm_inputs.values())
 
     @property
     def num_loss_tokens(self) -> int:
@@ -375,6 +394,7 @@ class GroupRecord:
     def __repr__(self) -> str:  # short: tensors are big
         return (
             f"GroupRecord(group_id={self.group_id!r}, n={self.num_responses}, P={self.prompt_ids.numel()}, "
-            f"T={self.num_tokens}, |T(g)|={self.num_loss_tokens}, birth_step={self.birth_step})"
+            f"T={self.num_tokens}, |T(g)|={self.num_loss_tokens}, birth_step={self.birth_step}"
+            + (f", mm_inputs={sorted(self.mm_inputs)}" if self.mm_inputs else "") + ")"
         )
 

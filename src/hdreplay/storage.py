@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from .errors import CheckpointError
+from .multimodal import Ragged, Schema
 from .record import LOGPROB_POSITIVE_TOLERANCE, GroupRecord
 
 #: checkpoint tensors of the group payload and their dtypes (``extra.<name>``: float32 each)
@@ -39,11 +40,11 @@ BLOCK_GROUPS = 64
 
 
 def _record(group_id, birth_step, prompt, tokens, resp_len, mask, logprobs, advantages, rewards,
-            extras) -> GroupRecord:
+            extras, mm_inputs) -> GroupRecord:
     rec = object.__new__(GroupRecord)  # the stored data was validated on the way in
     for k, v in dict(group_id=group_id, prompt_ids=prompt, completion_ids=tokens, response_lengths=resp_len,
                      loss_mask=mask, logprobs=logprobs, advantages=advantages, rewards=rewards,
-                     birth_step=birth_step, extras=extras).items():
+                     birth_step=birth_step, extras=extras, mm_inputs=mm_inputs).items():
         object.__setattr__(rec, k, v)
     return rec
 
@@ -70,8 +71,9 @@ def copy_groups(items: Sequence[tuple["Block", int]]) -> list[GroupRecord]:
     keys = list(items[0][0].extras)
     extras = {k: torch.cat([blk.extras[k][sp[0]:sp[1]] for (blk, _), sp in zip(items, spans)]).split(ntok)
               for k in keys}
+    mm = [blk.mm.gather([j])[0] for blk, j in items]  # copies (one per group: image tensors are large anyway)
     return [_record(blk.group_ids[j], blk.birth_steps[j], prompt[i], tokens[i], resp_len[i], masks[i],
-                    logprobs[i], adv[i], rew[i], {k: extras[k][i] for k in keys})
+                    logprobs[i], adv[i], rew[i], {k: extras[k][i] for k in keys}, mm[i])
             for i, (blk, j) in enumerate(items)]
 
 
@@ -97,6 +99,7 @@ class Block:
     rewards: torch.Tensor  # (sum n,) float32
     resp_off: np.ndarray  # (k+1,) int64
     extras: dict[str, torch.Tensor]  # name -> (sum T,) float32
+    mm: Ragged  # multimodal prompt inputs, one copy per group (empty for text groups)
 
     @property
     def count(self) -> int:
@@ -110,7 +113,7 @@ class Block:
     @property
     def nbytes(self) -> int:
         offsets = self.prompt_off.nbytes + self.tok_off.nbytes + self.resp_off.nbytes
-        return sum(t.numel() * t.element_size() for t in self._tensors()) + offsets
+        return sum(t.numel() * t.element_size() for t in self._tensors()) + offsets + self.mm.nbytes
 
     @classmethod
     def build(cls, first_id: int, records: Sequence[GroupRecord]) -> "Block":
@@ -133,6 +136,7 @@ class Block:
             rewards=torch.cat([r.rewards for r in records]),
             resp_off=_offsets(r.num_responses for r in records),
             extras={k: torch.cat([r.extras[k] for r in records]) for k in keys},
+            mm=Ragged.build([r.mm_inputs for r in records]),
         )
 
     def spans(self, j: int) -> tuple[int, int, int, int, int, int]:
@@ -147,7 +151,7 @@ class Block:
         mask = torch.ones(t1 - t0, dtype=torch.bool) if self.loss_mask is None else self.loss_mask[t0:t1]
         return _record(self.group_ids[j], self.birth_steps[j], self.prompt[p0:p1], self.tokens[t0:t1],
                        self.resp_len[r0:r1], mask, self.logprobs[t0:t1], self.advantages[r0:r1],
-                       self.rewards[r0:r1], {k: v[t0:t1] for k, v in self.extras.items()})
+                       self.rewards[r0:r1], {k: v[t0:t1] for k, v in self.extras.items()}, self.mm.view(j))
 
     def slice(self, start: int, stop: int) -> "Block":
         """A block owning copies of groups ``start..stop-1``."""
@@ -169,6 +173,7 @@ class Block:
             rewards=self.rewards[r0:r1].clone(),
             resp_off=self.resp_off[start:stop + 1] - r0,
             extras={k: v[t0:t1].clone() for k, v in self.extras.items()},
+            mm=self.mm.slice(start, stop),
         )
 
     def tail(self, start: int) -> "Block":
@@ -204,6 +209,7 @@ class Block:
             advantages=cat("advantages"), rewards=cat("rewards"),
             resp_off=offsets("resp_off", "resp_len").astype(np.int64),
             extras={k: torch.cat([b.extras[k] for b in blocks]) for k in blocks[0].extras},
+            mm=Ragged.concat([b.mm for b in blocks]),
         )
 
     def to_tensors(self) -> dict[str, torch.Tensor]:
@@ -216,6 +222,7 @@ class Block:
             "loss_mask": mask.to(torch.uint8),
         }
         out.update({f"extra.{k}": v for k, v in self.extras.items()})
+        out.update(self.mm.to_tensors())
         return out
 
     def loss_tokens(self) -> np.ndarray:
@@ -227,9 +234,10 @@ class Block:
 
     @classmethod
     def from_tensors(cls, tensors: Mapping[str, torch.Tensor], *, first_id: int, group_ids: list,
-                     birth_steps: list, extras_keys: Sequence[str], where: str) -> "Block":
-        """Validate checkpoint tensors of ``len(group_ids) >= 1`` groups; the block views ``tensors``
-        (cut it with :meth:`chunks` to own the memory)."""
+                     birth_steps: list, extras_keys: Sequence[str], where: str,
+                     mm_schema: Schema | None = None) -> "Block":
+        """Validate checkpoint tensors of ``len(group_ids) >= 1`` groups (multimodal ones against
+        ``mm_schema``); the block views ``tensors`` (cut it with :meth:`chunks` to own the memory)."""
         k = len(group_ids)
 
         def bad(msg: str) -> CheckpointError:
@@ -284,6 +292,7 @@ class Block:
             loss_mask=None if bool(mask.all()) else mask, tok_off=off["tok_off"].copy(), resp_len=t["resp_len"],
             advantages=t["advantages"], rewards=t["rewards"], resp_off=off["resp_off"].copy(),
             extras={e: t[f"extra.{e}"] for e in extras_keys},
+            mm=Ragged.from_tensors(tensors, mm_schema, k, bad),
         )
         if (blk.loss_tokens() < 1).any():
             raise bad("a group has no loss-mask token")

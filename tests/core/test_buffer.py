@@ -25,6 +25,9 @@ def assert_same_record(a, b):
     assert a.extras.keys() == b.extras.keys()
     for k in a.extras:
         assert torch.equal(a.extras[k], b.extras[k])
+    assert a.mm_inputs.keys() == b.mm_inputs.keys()
+    for k in a.mm_inputs:
+        assert a.mm_inputs[k].dtype == b.mm_inputs[k].dtype and torch.equal(a.mm_inputs[k], b.mm_inputs[k])
 
 
 def test_fifo_eviction_and_capacity():

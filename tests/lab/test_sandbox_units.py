@@ -62,7 +62,7 @@ def test_answer_based_ingress_on_the_multi_reward_task():
 
 
 def test_tasks_hold_out_their_benchmarks_and_validate_names():
-    for task in TASKS.values():
+    for task in (t for t in TASKS.values() if not getattr(t, "is_multimodal", False)):  # geo: tests/lab/test_geo.py
         key = (lambda p: p.question) if task.is_multiturn else (lambda p: p.prompt)  # noqa: E731
         perfect = ((lambda p: [{"role": "assistant", "content": p.answer}]) if task.is_multiturn
                    else (lambda p: p.answer + "."))  # noqa: E731
@@ -110,9 +110,9 @@ def test_warm_start_is_cached_and_loads_through_from_pretrained(tmp_path):
     untrained, _ = load_model(build_tiny_model(tmp_path / "init", chars=task.vocab, hidden=32, layers=1,
                                                heads=cfg.heads, kv_heads=cfg.kv_heads, seed=cfg.seed,
                                                max_positions=512))
-    ids, att, lab = _batch(tok, task, task.benchmark_problems(task.benchmarks[0])[:64], random.Random(1))
+    batch = _batch(tok, task, task.benchmark_problems(task.benchmarks[0])[:64], random.Random(1))
     with torch.no_grad():
-        losses = [m(input_ids=ids, attention_mask=att, labels=lab).loss.item() for m in (model, untrained)]
+        losses = [m(**batch).loss.item() for m in (model, untrained)]
     assert losses[0] < 0.9 * losses[1], losses  # measured: 2.46 vs 2.92
     # the recorded held-out Mean@n is what the reloaded model scores (the save / reload is faithful)
     assert _quick_eval(model, tok, task, cfg) == meta["mean_at_n"] == meta["history"][-1]["mean_at_n"]

@@ -2,6 +2,8 @@
 and writes what each rank saw to ``<out>/rank<r>.json``.
 
     torchrun --nproc_per_node 2 tests/dist_trl_run.py OUT_DIR MODEL_DIR [max_steps] [resume_checkpoint]
+
+A MODEL_DIR with a saved processor (hdreplay_lab.sandbox.vlm.build_tiny_vlm) trains the VLM on the geo task's images.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import torch.distributed as dist  # noqa: E402
 
 from trl_fixtures import RecordingTrainer, make_args, prompts, reward_digit  # noqa: E402
 from hdreplay_lab.sandbox.model import load_model  # noqa: E402
+from hdreplay_lab.sandbox.vlm import is_vlm_dir, load_vlm  # noqa: E402
 
 
 class CountingTrainer(RecordingTrainer):
@@ -27,16 +30,32 @@ class CountingTrainer(RecordingTrainer):
         return super()._logps(*a, **k)
 
 
+def reward_digit_chat(completions, **kw):
+    return reward_digit([c[0]["content"] if isinstance(c, list) else c for c in completions])
+
+
 def main() -> None:
     out, model_dir = sys.argv[1], sys.argv[2]
     max_steps = int(sys.argv[3]) if len(sys.argv) > 3 else 4
-    resume = sys.argv[4] if len(sys.argv) > 4 else None
-    model, tok = load_model(model_dir)
+    resume = sys.argv[4] if len(sys.argv) > 4 and sys.argv[4] != "-" else None
+    data, reward, over = prompts(), reward_digit, {}
+    if is_vlm_dir(model_dir):
+        from hdreplay_lab.sandbox.geo import GeoTask
+
+        model, tok = load_vlm(model_dir)
+        with torch.no_grad():  # larger weights, as in test_trl_multimodal: images change the log-probs visibly
+            for p in model.parameters():
+                p.mul_(3.0)
+        task = GeoTask()
+        data, reward = task.dataset(task.train_problems(64, seed=0)), reward_digit_chat
+        over = dict(replay_tau=10.0, max_completion_length=4)
+    else:
+        model, tok = load_model(model_dir)
     # 2 rows per rank and micro-step, groups of 4: every group spans both ranks
-    args = make_args(out, max_steps=max_steps, per_device_train_batch_size=2, gradient_accumulation_steps=2,
-                     num_generations=4, replay_k_rep=2, replay_tau=0.1, learning_rate=5e-3, save_strategy="steps",
-                     save_steps=2, replay_scan_chunk=3)
-    tr = CountingTrainer(model=model, reward_funcs=reward_digit, args=args, train_dataset=prompts(),
+    args = make_args(out, **{**dict(max_steps=max_steps, per_device_train_batch_size=2, gradient_accumulation_steps=2,
+                                    num_generations=4, replay_k_rep=2, replay_tau=0.1, learning_rate=5e-3,
+                                    save_strategy="steps", save_steps=2, replay_scan_chunk=3), **over})
+    tr = CountingTrainer(model=model, reward_funcs=reward, args=args, train_dataset=data,
                          processing_class=tok)
     tr.train(resume_from_checkpoint=resume)
     r = tr.accelerator.process_index
@@ -48,6 +67,7 @@ def main() -> None:
                    "mask_sum": int(x["mask"].sum()), "nib": x["nib"],
                    "replay_ratio_dev": float((torch.exp(x["now"] - x["old"])[x["is_replay"]][
                        x["mask"][x["is_replay"]].bool()] - 1).abs().max()) if x["is_replay"].any() else None,
+                   "images": x["images"].get("num_images"),
                    "replay_old_vs_now": float((x["now"] - x["old"]).abs().max()) if x["old"] is not None else None}
                   for x in tr.records],
         "forward_calls": CountingTrainer.forward_calls,

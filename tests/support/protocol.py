@@ -6,6 +6,8 @@ import hashlib
 import json
 from functools import partial
 
+import torch
+
 from hdreplay import ReplayController
 from hdreplay_lab.synthetic import drive, fresh_groups, policy_walk
 
@@ -53,6 +55,7 @@ def _digest(tensors, meta, extra=None) -> str:
     h = hashlib.sha256(json.dumps(meta, sort_keys=True, default=repr).encode())
     for k in sorted(tensors):
         h.update(f"{k}:{tensors[k].dtype}:{tuple(tensors[k].shape)}".encode())
-        h.update(tensors[k].contiguous().numpy().tobytes())
+        t = tensors[k].contiguous()
+        h.update((t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy().tobytes())  # numpy has no bf16
     h.update(repr(extra).encode())
     return h.hexdigest()

@@ -12,9 +12,10 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import torch  # noqa: E402
 from datasets import Dataset  # noqa: E402
 
-from trl import GRPOTrainer  # noqa: E402
+from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
 from hdreplay.integrations.trl import HDRGRPOConfig, HDRGRPOTrainer  # noqa: E402
+from hdreplay.integrations.trl.mm import BATCH_KEYS as MM_BATCH_KEYS  # noqa: E402
 from hdreplay_lab.sandbox.model import build_tiny_model, load_model  # noqa: E402
 
 
@@ -41,6 +42,32 @@ def make_args(out_dir, **over) -> HDRGRPOConfig:
               ddp_find_unused_parameters=False, replay_tau=10.0, replay_k_rep=3, disable_tqdm=True)
     kw.update(over)
     return HDRGRPOConfig(**kw)
+
+
+def plain_config(args: HDRGRPOConfig) -> GRPOConfig:
+    """The same run for trl's own GRPOTrainer: every non-replay field of ``args``, same steps per generation."""
+    plain = GRPOConfig(**{k: v for k, v in args.to_dict().items() if not k.startswith("replay_")
+                          and k in GRPOConfig.__dataclass_fields__ and k not in ("generation_batch_size",)})
+    plain.steps_per_generation = args.steps_per_generation
+    return plain
+
+
+def grpo_and_replay_none(load, data, args: HDRGRPOConfig, none_args: HDRGRPOConfig, reward):
+    """trl's GRPOTrainer on ``args``'s plain config and HDRGRPOTrainer on ``none_args`` (replay_selector="none"),
+    each on a fresh ``load()`` -> (model, processing_class) and ``data()``, both trained; returns (plain, hdr)."""
+    model, proc = load()
+    g = GRPOTrainer(model=model, reward_funcs=reward, args=plain_config(args), train_dataset=data(),
+                    processing_class=proc)
+    g.train()
+    model, proc = load()
+    h = HDRGRPOTrainer(model=model, reward_funcs=reward, args=none_args, train_dataset=data(), processing_class=proc)
+    h.train()
+    return g, h
+
+
+def loss_log(trainer, keys=("loss", "grad_norm", "reward", "entropy")) -> list[dict]:
+    """What the trainer logged per optimizer step, for loss-for-loss comparisons."""
+    return [{k: x[k] for k in keys} for x in trainer.state.log_history if "loss" in x]
 
 
 class RecordingTrainer(HDRGRPOTrainer):
@@ -79,8 +106,9 @@ class RecordingTrainer(HDRGRPOTrainer):
         ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
         attn = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)
         C = inputs["completion_ids"].shape[1]
+        images = {k: inputs[k] for k in MM_BATCH_KEYS if inputs.get(k) is not None}  # a VLM's chunks carry them
         with torch.no_grad():
-            now, _, _ = GRPOTrainer._get_per_token_logps_and_entropies(self, model, ids, attn, C)
+            now, _, _ = GRPOTrainer._get_per_token_logps_and_entropies(self, model, ids, attn, C, **images)
         mask = inputs["completion_mask"] * inputs.get("tool_mask", torch.ones_like(inputs["completion_mask"]))
         rows = inputs["hdr_row"].cpu() if "hdr_row" in inputs else torch.zeros(ids.shape[0], dtype=torch.long)
         get = lambda k: None if inputs.get(k) is None else inputs[k].detach().cpu().clone()  # noqa: E731
@@ -90,6 +118,8 @@ class RecordingTrainer(HDRGRPOTrainer):
             "is_ratio": get("importance_sampling_ratio"), "sampling": get("sampling_per_token_logps"),
             "now": now.cpu(), "mask": mask.cpu(), "nib": int(inputs["num_items_in_batch"]),
             "completion_ids": inputs["completion_ids"].cpu(), "advantages": inputs["advantages"].cpu(),
+            "images": {k: (v.detach().cpu().clone() if isinstance(v, torch.Tensor) else list(v))
+                       for k, v in images.items()},
         })
         loss = super()._compute_loss(model, inputs)
         self.records[-1]["loss"] = float(loss.detach())
@@ -103,7 +133,8 @@ def buffer_hash(ctrl) -> str:
     h.update(repr(meta["group_ids"]).encode())
     for k in sorted(tensors):
         h.update(k.encode())
-        h.update(tensors[k].numpy().tobytes())
+        t = tensors[k]
+        h.update((t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy().tobytes())
     return h.hexdigest()
 
 

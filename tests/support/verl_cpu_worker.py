@@ -30,24 +30,31 @@ from verl.single_controller.base import Worker
 from verl.single_controller.base.decorator import Dispatch, make_nd_compute_dataproto_dispatch_fn, register
 from verl.utils import tensordict_utils as tu
 from verl.utils.config import omega_conf_to_dataclass
+from verl.utils.model import extract_multi_modal_inputs
 from verl.workers.engine.utils import prepare_micro_batches
 from verl.workers.utils.losses import ppo_loss
 
 from hdreplay_lab.sandbox.model import load_model
+from hdreplay_lab.sandbox.vlm import is_vlm_dir, load_vlm
 
 
 def teacher_forced(model, input_ids, position_ids, *, temperature: float = 1.0, grad: bool = False,
-                   batched: bool = False):
+                   batched: bool = False, mm_rows=None):
     """Per-sequence log-probs and entropies of nested (jagged) sequences; value t scores token t+1.
 
     ``batched``: one forward over the right-padded micro-batch (causal attention: a row's values do not
-    depend on the pad tokens after it; equal to the per-sequence path up to float rounding) - for benchmarks."""
+    depend on the pad tokens after it; equal to the per-sequence path up to float rounding) - for benchmarks.
+    ``mm_rows``: the rows' ``multi_modal_inputs`` dicts (a vision-language model): each row's images go through
+    verl's ``extract_multi_modal_inputs``, its ``(K, L)`` positions as the ``(K, 1, L)`` the model takes."""
     if batched:
         return _teacher_forced_batched(model, input_ids, position_ids, temperature=temperature, grad=grad)
     lps, ents = [], []
     with torch.enable_grad() if grad else torch.no_grad():
-        for ids, pos in zip(input_ids.unbind(0), position_ids.unbind(0), strict=True):
-            logits = model(input_ids=ids[None], position_ids=pos[None]).logits[0].float() / temperature
+        mm_rows = mm_rows if mm_rows is not None else [None] * input_ids.shape[0]
+        for ids, pos, mm in zip(input_ids.unbind(0), position_ids.unbind(0), mm_rows, strict=True):
+            images = {k: v for k, v in extract_multi_modal_inputs([mm]).items() if k != "images_seqlens"} if mm else {}
+            pos = pos[:, None, :] if pos.dim() == 2 else pos[None]
+            logits = model(input_ids=ids[None], position_ids=pos, **images).logits[0].float() / temperature
             logp = torch.log_softmax(logits, dim=-1)
             nxt = torch.roll(ids, shifts=-1)
             lp = logp.gather(-1, nxt[:, None]).squeeze(-1)
@@ -102,12 +109,14 @@ class CPUActorWorker(Worker):
         return self.rank
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def reset(self, lr: float = 0.0, actor_config=None):
+    def reset(self, lr: float = 0.0, actor_config=None, model_dir: str | None = None):
         """Reload the saved tiny model (from_pretrained), fresh optimizer, empty records; optionally a new
-        actor config (e.g. with use_kl_loss) for verl's ppo_loss."""
+        actor config (e.g. with use_kl_loss) for verl's ppo_loss, and another model for this run only
+        (``model_dir``: e.g. a tiny VLM; the next reset without it loads the worker's own model again)."""
         if actor_config is not None:
             self.actor_config = omega_conf_to_dataclass(actor_config)
-        self.model, _ = load_model(self.model_dir)
+        path = model_dir or self.model_dir
+        self.model, _ = load_vlm(path) if is_vlm_dir(path) else load_model(path)
         self.model.eval()
         self.ref_model = copy.deepcopy(self.model)
         self.lr = lr
@@ -132,7 +141,7 @@ class CPUActorWorker(Worker):
         lps, ents = [], []
         for micro in micro_batches:
             lp, ent = teacher_forced(model, micro["input_ids"], micro["position_ids"], temperature=temperature,
-                                     batched=self.batched)
+                                     batched=self.batched, mm_rows=_non_tensor_list(micro, "multi_modal_inputs"))
             lps.extend(lp.unbind(0))
             ents.extend(ent.unbind(0))
         nest = lambda xs: torch.nested.as_nested_tensor(xs, layout=torch.jagged)  # noqa: E731
@@ -166,6 +175,8 @@ class CPUActorWorker(Worker):
             "adv_first": [float(a[m.bool()][0]) if m.any() else 0.0 for a, m in zip(rows(mb["advantages"]), masks)],
             "loss_tokens": [float(m.sum()) for m in masks],
             "responses": responses,
+            "images": [len(d.get("image_grid_thw", [])) if d else 0
+                       for d in (_non_tensor_list(mb, "multi_modal_inputs") or [None] * len(masks))],
         }
         if "ref_log_prob" in mb.keys():
             rec["ref_lp_sum"] = [float((r * m).sum()) for r, m in zip(rows(mb["ref_log_prob"]), masks)]
@@ -197,7 +208,7 @@ class CPUActorWorker(Worker):
             for micro in micro_batches:
                 lp, _ = teacher_forced(self.model, micro["input_ids"], micro["position_ids"],
                                        temperature=tu.get(micro, "temperature", default=1.0), grad=True,
-                                       batched=self.batched)
+                                       batched=self.batched, mm_rows=_non_tensor_list(micro, "multi_modal_inputs"))
                 loss, _metrics = ppo_loss(cfg, {"log_probs": lp}, micro)
                 loss.backward()
                 total += loss.detach().item()

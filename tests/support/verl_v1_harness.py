@@ -57,8 +57,9 @@ class StubAgentLoopManagerTQ:
     "train" (keys ``{uid}_{j}_0``, the fields and tags verl's agent loop writes), then marks the prompt
     finished.  ``prompts`` records the prompt indices of each call."""
 
-    def __init__(self, n: int, *, flat=flat_every_4th):
+    def __init__(self, n: int, *, flat=flat_every_4th, trajectory=None):
         self.n, self.flat, self.prompts = n, flat, []
+        self.trajectory = trajectory or stub_trajectory  # (p, j, *, step, flat) -> the row's fields
         self.prompt_of: dict[str, int] = {}  # uid (a fresh uuid per run) -> prompt index
 
     @classmethod
@@ -77,7 +78,7 @@ class StubAgentLoopManagerTQ:
         for p, uid in zip(idx, uids):
             keys, fields, tags = [], [], []
             for j in range(self.n):
-                row = stub_trajectory(p, j, step=step, flat=self.flat)
+                row = self.trajectory(p, j, step=step, flat=self.flat)
                 row.update(uid=uid, session_id=j, raw_prompt=[{"role": "user", "content": f"q{p}"}],
                            extra_fields={"min_global_steps": step - 1, "max_global_steps": step - 1,
                                          "reward_extra_info": {"acc": float(row["rm_scores"].sum())}})
@@ -205,8 +206,10 @@ class Run:
 
 
 def run_v1(cls, wg, tokenizer, model_dir, ckpt_dir, *overrides, lr: float, steps: int, flat=flat_every_4th,
-           dataset_size: int = 64):
-    """Reset the workers (fresh tiny model, SGD at ``lr``), build ``recording(cls)`` and run ``fit()``."""
+           dataset_size: int = 64, trajectory=None):
+    """Reset the workers (fresh tiny model, SGD at ``lr``), build ``recording(cls)`` and run ``fit()``.
+    ``trajectory``: the stub agent loop's rows (default :func:`stub_trajectory`); with another ``model_dir`` than
+    the workers' own (e.g. a tiny VLM) the workers load it for this run."""
     import transfer_queue as tq
 
     cfg = compose_v1_config(*overrides, f"trainer.total_training_steps={steps}", ckpt_dir=str(ckpt_dir),
@@ -214,9 +217,9 @@ def run_v1(cls, wg, tokenizer, model_dir, ckpt_dir, *overrides, lr: float, steps
     stale = list((tq.kv_list("train") or {}).get("train", {}))
     if stale:  # a run leaves prompts it generated but never trained (DAPO surplus, async prefetch)
         tq.kv_clear(keys=stale, partition_id="train")  # verl's TaskRunner starts every run on a fresh one
-    wg.reset(lr=lr, actor_config=cfg.actor_rollout_ref.actor)
+    wg.reset(lr=lr, actor_config=cfg.actor_rollout_ref.actor, model_dir=model_dir)
     trainer = make_v1_trainer(recording(cls), cfg, wg, tokenizer, dataset_size=dataset_size)
-    agent = StubAgentLoopManagerTQ(n=cfg.actor_rollout_ref.rollout.n, flat=flat)
+    agent = StubAgentLoopManagerTQ(n=cfg.actor_rollout_ref.rollout.n, flat=flat, trajectory=trajectory)
     trainer.fit(agent)
     left = {pid: dict(v) for pid, v in (tq.kv_list() or {}).items()}
     return Run(trainer, agent, wg.get_records(), left)

@@ -16,7 +16,9 @@ from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 from hdreplay import CheckpointError, ReplayController  # noqa: E402
 from hdreplay.integrations.trl import HDRGRPOConfig, HDRGRPOTrainer  # noqa: E402
 from hdreplay.integrations.trl.batch import ROW_KEYS, SCALAR_KEYS, check_keys  # noqa: E402
-from trl_fixtures import RecordingTrainer, buffer_hash, make_args, prompts, reward_digit, tiny_model  # noqa: E402
+from trl_fixtures import (  # noqa: E402
+    RecordingTrainer, buffer_hash, grpo_and_replay_none, loss_log, make_args, prompts, reward_digit, tiny_model,
+)
 
 
 @pytest.fixture(scope="module")
@@ -96,20 +98,9 @@ def test_replay_rows_train_through_the_real_loss(model_dir, tmp_path, loss_type,
 
 def test_selector_none_reproduces_grpo_trainer_exactly(model_dir, tmp_path):
     common = dict(max_steps=3, seed=7)
-    model, tok = tiny_model(model_dir)
-    base_args = make_args(tmp_path / "a", **common)
-    plain = GRPOConfig(**{k: v for k, v in base_args.to_dict().items() if not k.startswith("replay_")
-                          and k in GRPOConfig.__dataclass_fields__ and k not in ("generation_batch_size",)})
-    plain.steps_per_generation = base_args.steps_per_generation
-    g = GRPOTrainer(model=model, reward_funcs=reward_digit, args=plain, train_dataset=prompts(), processing_class=tok)
-    g.train()
-    model2, tok2 = tiny_model(model_dir)
-    h = HDRGRPOTrainer(model=model2, reward_funcs=reward_digit, train_dataset=prompts(), processing_class=tok2,
-                       args=make_args(tmp_path / "b", replay_selector="none", **common))
-    h.train()
-    keys = ("loss", "grad_norm", "reward", "entropy")
-    a = [{k: x[k] for k in keys} for x in g.state.log_history if "loss" in x]
-    b = [{k: x[k] for k in keys} for x in h.state.log_history if "loss" in x]
+    g, h = grpo_and_replay_none(lambda: tiny_model(model_dir), prompts, make_args(tmp_path / "a", **common),
+                                make_args(tmp_path / "b", replay_selector="none", **common), reward_digit)
+    a, b = loss_log(g), loss_log(h)
     assert len(a) == 3 and a == b
     assert not any(k.startswith("replay/") for x in h.state.log_history for k in x)
 
@@ -301,8 +292,11 @@ def test_output_key_contract(model_dir, tmp_path):
     for beta, keys in seen.items():
         assert keys == expected[beta], f"TRL's batch keys changed for beta={beta}: {sorted(keys ^ expected[beta])}"
         assert keys <= set(ROW_KEYS) | set(SCALAR_KEYS)
-    with pytest.raises(RuntimeError, match="'pixel_values'"):
-        check_keys({"prompt_ids": 0, "pixel_values": 0})
+    with pytest.raises(RuntimeError, match="'audio_features'"):  # a key no version of replay knows
+        check_keys({"prompt_ids": 0, "audio_features": 0})
+    check_keys({"prompt_ids": 0, "pixel_values": 0, "image_grid_thw": 0, "num_images": 0})  # VLM keys: replayed
+    with pytest.raises(RuntimeError, match="'pixel_attention_mask'.*Idefics3"):  # a VLM layout replay refuses
+        check_keys({"prompt_ids": 0, "pixel_values": 0, "pixel_attention_mask": 0})
 
 
 def test_tool_tokens_are_masked_in_buffer_loss_and_replay(model_dir, tmp_path):

@@ -96,3 +96,21 @@ def test_resume_on_two_processes_equals_the_uninterrupted_run(runs):
     (f0, f1), (s0, s1) = runs
     assert s0["selections"] == f0["selections"][2:] == s1["selections"]
     assert s0["buffer_hashes"] == f0["buffer_hashes"][2:] == s1["buffer_hashes"]
+
+
+@pytest.mark.multimodal
+def test_a_vlm_on_two_processes_holds_the_same_image_groups_on_every_rank(tmp_path):
+    """A tiny Qwen2-VL on the geo task's images: groups span both ranks, their images are gathered (TRL's flat
+    pixel tensors differ per rank), and both ranks store and replay the same groups, images included."""
+    from hdreplay_lab.sandbox.geo import GeoTask
+    from hdreplay_lab.sandbox.vlm import build_tiny_vlm
+
+    build_tiny_vlm(tmp_path / "vlm", arch="qwen2vl", chars=GeoTask().vocab, hidden=32)
+    torchrun(tmp_path / "run", tmp_path / "vlm", 4)
+    r0, r1 = [json.loads((tmp_path / "run" / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert r0["world"] == r1["world"] == 2
+    assert len(r0["buffer_hashes"]) == 4 and r0["buffer_hashes"] == r1["buffer_hashes"]
+    assert r0["selections"] == r1["selections"] and sum(len(s["groups"]) for s in r0["selections"]) > 0
+    assert r0["forward_calls"] == r1["forward_calls"]
+    replayed = [m for r in (r0, r1) for m in r["micro"] if any(m["is_replay"])]
+    assert replayed and all(m["images"] == [1] * len(m["is_replay"]) for m in replayed)

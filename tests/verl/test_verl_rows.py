@@ -144,7 +144,6 @@ def test_groups_that_cannot_be_stored_are_skipped_with_a_reason():
 @pytest.mark.parametrize("case,match", [
     ("unknown_key", "values"),
     ("varying_advantage", "adv_estimator=rloo"),
-    ("multimodal", "multi_modal_inputs"),
     ("positions", "position_ids"),
     ("no_uid", "uid"),
 ])
@@ -154,14 +153,24 @@ def test_unsupported_batches_fail_loudly(case, match):
         b.batch["values"] = torch.zeros_like(b.batch["old_log_probs"])
     elif case == "varying_advantage":
         b.batch["advantages"][0, 0] += 1.0
-    elif case == "multimodal":
-        b.non_tensor_batch["multi_modal_inputs"][0] = {"pixel_values": torch.zeros(1)}
     elif case == "positions":
         b.batch["position_ids"] = b.batch["position_ids"] + 1
     else:
         b.non_tensor_batch.pop("uid")
     with pytest.raises(RuntimeError, match=match):
         groups_from_batch(b, step=0, group_size=N, estimator="rloo")
+
+
+@pytest.mark.multimodal
+def test_a_group_whose_rows_disagree_on_their_images_is_skipped():
+    """Vision-language rows are stored (tests/verl/test_verl_multimodal.py); a uid whose rows carry different
+    multi_modal_inputs is skipped with a reason, the other groups are stored."""
+    b = fresh_batch((1, 2), N, seed=2)
+    r = 0
+    b.non_tensor_batch["multi_modal_inputs"][r] = {"pixel_values": torch.zeros(1)}
+    groups, problems, num_uids = groups_from_batch(b, step=0, group_size=N)
+    assert num_uids == 2 and len(groups) == 1 and len(problems) == 1
+    assert b.non_tensor_batch["uid"][r] in problems[0] and "not their multi_modal_inputs" in problems[0]
 
 
 def test_reference_logprobs_must_be_stored_when_the_batch_has_them():

@@ -85,6 +85,20 @@ def test_replay_rows_rebuild_every_update_field_of_the_original_rows():
         assert tag["seq_len"] == orig["input_ids"].numel()
 
 
+def test_text_rows_with_verls_empty_multi_modal_inputs_replay_as_text():
+    """verl's v1 agent loop writes ``multi_modal_inputs = {}`` on text rows: it is an update field, the groups are
+    text groups, and replay and padding rows carry ``{}`` (the workers fetch one field list for all rows)."""
+    rows, tags = fresh_rows(extra={"multi_modal_inputs": {}})
+    fg = fresh_groups(_td(rows[:-1]), tags[:-1], step=3, group_size=N)
+    assert "multi_modal_inputs" in fg.fields and fg.position_rows is None and not fg.problems
+    assert all(g.mm_inputs == {} for g in fg.groups)
+    rep, _ = replay_rows(fg.groups, fields=fg.fields, dtypes=fg.dtypes)
+    pad, _ = padding_rows(2, fields=fg.fields, dtypes=fg.dtypes, token_id=1, uid="p")
+    assert all(r["multi_modal_inputs"] == {} and r["position_ids"].dim() == 1 for r in rep + pad)
+    td = _td(rep + pad)
+    assert list(td["multi_modal_inputs"]) == [{}] * len(rep + pad)
+
+
 def test_a_uid_with_missing_rows_is_reported_and_skipped():
     rows, tags = fresh_rows(drop=(2, 1))
     fg = fresh_groups(_td(rows), tags, step=1, group_size=N)
@@ -96,8 +110,7 @@ def test_a_uid_with_missing_rows_is_reported_and_skipped():
     ({"rollout_is_weights": torch.ones(3)}, r"rollout_is_weights: rollout importance weights"),
     ({"routed_experts": torch.zeros(3)}, r"routed_experts: MoE router replay"),
     ({"my_tensor": torch.zeros(2)}, r"my_tensor: unknown to hdreplay"),
-    ({"multi_modal_inputs": {"pixel_values": torch.zeros(2, 3)}}, "multi_modal_inputs"),
-])
+])  # multi_modal_inputs are carried: tests/verl/test_verl_v1_multimodal.py
 def test_fields_replay_rows_cannot_carry_refuse_the_batch(extra, match):
     rows, tags = fresh_rows(extra=extra)
     with pytest.raises(RuntimeError, match=match):
@@ -109,6 +122,9 @@ def test_non_text_position_ids_and_missing_fields_are_refused():
     bad = [dict(r, position_ids=r["position_ids"] + 1) for r in rows[:-1]]
     with pytest.raises(RuntimeError, match="arange"):
         fresh_groups(_td(bad), tags[:-1], step=1, group_size=N)
+    deep = [dict(r, position_ids=r["position_ids"].expand(2, 3, -1).contiguous()) for r in rows[:-1]]
+    with pytest.raises(RuntimeError, match=r"position_ids with 3 dims per row"):
+        fresh_groups(_td(deep), tags[:-1], step=1, group_size=N)
     gone = [{k: v for k, v in r.items() if k != "old_log_probs"} for r in rows[:-1]]
     with pytest.raises(RuntimeError, match="old_log_probs"):
         update_fields(_td(gone))

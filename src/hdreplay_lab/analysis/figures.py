@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Callable
 
+import pandas as pd
 from tqdm import tqdm
 
 from .load import AnalysisInputError
@@ -200,12 +201,33 @@ def fig_phases(runs: Runs):
     return fig
 
 
+def fig_ingress(runs: Runs):
+    have = _have(runs, "ingress")
+    fig, ax = new_figure(1, 3, (15, 4))
+    styles = {"mixed": "-", "answer": "--", "positive": ":"}
+    for i, lab, sec in have:
+        s, c = sec["series"], run_color(i)
+        for rule, style in styles.items():
+            y = pd.Series(s[f"admit_{rule}"], dtype="float64").rolling(5, min_periods=1).mean()
+            ax[0, 0].plot(s["step"], y, style, color=c, label=f"{lab}: {rule}")
+        ax[0, 1].plot(*_xy(s["step"], s["buffer_format_only"]), color=c, label=f"{lab} ({sec['rule']} ingress)")
+    _bars(ax[0, 2], [(i, f"{lab}: {rule}", {"rows": [{"x": j, "y": sec["rules"][rule][k]}
+                                                      for j, k in enumerate(("no_correct", "mixed", "all_correct"))]})
+                     for i, lab, sec in have for rule in ("mixed", "answer")], lambda r: r["x"], "y", lambda s: s["rows"])
+    ax[0, 2].set_xticks(range(3), ["S = 0", "1 <= S <= n-1", "S = n"])
+    _finish(ax[0], [("step", "share of fresh groups admitted", "(A) ingress per step (5-step mean)"),
+                    ("step", "format-only share of the buffer", "(B) buffer composition (run's rule)"),
+                    ("answer-correct responses S of admitted groups", "share of admitted groups",
+                     "(C) what each rule admits")])
+    return fig
+
+
 #: name -> (the section some run must have, figure function); entropy_timing decides for itself
 FIGURES: dict[str, tuple[str | None, Callable[[Runs], Any]]] = {
     "acceptance": ("acceptance", fig_acceptance), "replay_kl": ("replay_kl", fig_replay_kl), "scan": ("scan", fig_scan),
     "age": ("age_gate", fig_age), "headroom_deciles": ("headroom_deciles", fig_headroom_deciles),
     "multiplicity": ("multiplicity", fig_multiplicity), "counterfactual": ("counterfactual", fig_counterfactual),
-    "entropy_timing": (None, fig_entropy_timing), "phases": ("phases", fig_phases),
+    "entropy_timing": (None, fig_entropy_timing), "phases": ("phases", fig_phases), "ingress": ("ingress", fig_ingress),
 }
 
 

@@ -8,6 +8,7 @@
     replay/steps.jsonl        per-step replay records (hdreplay.diagnostics.StepRecord); replay/groups.jsonl: per-group
                               lifetime records; a bare diagnostics directory (steps.jsonl inside) is a run too
     metrics.json              final evaluation
+    fresh_groups.jsonl        per step, the rewards of every fresh group (hdreplay_lab.sandbox.rewardlog)
 Nothing here computes statistics.
 """
 
@@ -29,7 +30,7 @@ ON_BAD_LINE = ("skip", "stop")
 STEP_LISTS = ("accepted_ages", "scan_age", "scan_drift", "scan_pass", "scan_cached_headroom", "scan_headroom")
 GROUP_FIELDS = ("group_id", "insertion_id", "birth_step", "evicted_step", "ref_headroom", "replay_count", "exposure")
 FILES = ("run.json", "train_log.jsonl", "replay/steps.jsonl", "steps.jsonl", "trainer_state.json", "metrics.json",
-         "replay/groups.jsonl", "groups.jsonl")
+         "replay/groups.jsonl", "groups.jsonl", "fresh_groups.jsonl")
 
 
 class AnalysisInputError(ReplayError, ValueError):
@@ -52,6 +53,18 @@ def check_step_record(rec: dict) -> str | None:
     lens = {k: len(rec[k]) for k in STEP_LISTS[1:] if k in rec and not bad}
     return (f"{bad!r} must be a list, got {type(rec[bad]).__name__}" if bad
             else f"scan lists have different lengths {lens}" if len(set(lens.values())) > 1 else None)
+
+
+def check_fresh_record(rec: dict) -> str | None:
+    """Why a parsed fresh_groups.jsonl object is unusable, or None if it is fine."""
+    r = rec.get("rewards")
+    if not _is_int(rec.get("step")) or rec["step"] < 0:
+        return f"'step' must be an int >= 0, got {rec.get('step')!r}"
+    if not isinstance(r, list) or not all(isinstance(g, list) and g for g in r):
+        return "'rewards' must be a list of non-empty lists (one per group)"
+    bad = next((v for g in r for v in g if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)))),
+               None)
+    return f"'rewards' must hold numbers or null, got {bad!r}" if bad is not None else None
 
 
 def check_group_record(rec: dict) -> str | None:
@@ -112,7 +125,7 @@ class RunData:
     """One loaded run directory (raw rows, no statistics): ``steps`` / ``groups`` (:func:`step_frame` /
     :func:`group_frame`), ``log`` (trainer log entries) and ``log_source`` (the file they came from), ``meta``
     (run.json, {} if absent), ``metrics`` (metrics.json or None), ``replay_dir`` (where steps.jsonl was found) and
-    ``problems`` (skipped lines and ignored files, each naming file:line)."""
+    ``problems`` (skipped lines and ignored files, each naming file:line), ``fresh`` (fresh_groups.jsonl rows)."""
 
     path: Path
     label: str
@@ -124,6 +137,7 @@ class RunData:
     metrics: dict | None = None
     replay_dir: Path | None = None
     problems: list[str] = field(default_factory=list)
+    fresh: pd.DataFrame = field(default_factory=pd.DataFrame)
 
     @property
     def has_replay(self) -> bool:
@@ -194,6 +208,9 @@ def load_run(path: str | Path, *, label: str | None = None, on_bad_line: str = "
         run.log, run.log_source = pd.DataFrame(history if isinstance(history, list) else []), str(state)
     elif events:
         run.log, run.log_source = tensorboard_log(p), f"{p} (TensorBoard events)"
+    if "fresh_groups.jsonl" in found:
+        run.fresh = read_jsonl(found["fresh_groups.jsonl"], on_bad_line=on_bad_line, check=check_fresh_record,
+                               problems=run.problems)
     steps = found.get("replay/steps.jsonl") or found.get("steps.jsonl")
     if steps:
         run.replay_dir = steps.parent

@@ -147,6 +147,36 @@ def _phases(sec: dict) -> str:
                                                [[name, *(f(p) for p in sec["phases"])] for name, f in rows])
 
 
+def _ingress(report: dict) -> str:
+    runs = report["runs"]
+    thr = {a["ingress"]["threshold"] for a in runs.values() if _ok(a["ingress"])}
+    rows = [("run's ingress rule", "rule", "text"), ("fresh groups", "n_groups", "int"),
+            ("fresh: answer-mixed", "fresh/answer_mixed", "pct"), ("fresh: format-only", "fresh/format_only", "pct"),
+            ("fresh: format-only, no correct answer", "fresh/format_only_no_correct", "pct"),
+            ("fresh: all rewards equal", "fresh/uniform", "pct")]
+    for rule in ("mixed", "answer", "positive"):
+        rows += [(f"{rule}: admitted share", f"rules/{rule}/admit_share", "pct"),
+                 *[(f"{rule}: admitted share ({i})", f"rules/{rule}/by_interval/{i}", "pct") for i in INTERVALS],
+                 (f"{rule}: admitted per step", f"rules/{rule}/admitted_per_step", "num"),
+                 (f"{rule}: admitted with no correct answer", f"rules/{rule}/no_correct", "pct"),
+                 (f"{rule}: admitted answer-mixed", f"rules/{rule}/mixed", "pct"),
+                 (f"{rule}: admitted all correct", f"rules/{rule}/all_correct", "pct"),
+                 (f"{rule}: admitted format-only", f"rules/{rule}/format_only_share", "pct")]
+    rows += [("buffer: format-only share (mean)", "buffer/format_only_mean", "pct"),
+             *_intervals("buffer: format-only share", "buffer/by_interval", "pct"),
+             ("buffer: format-only share (last step)", "buffer/format_only_final", "pct"),
+             ("replay acceptance rate", "replay/accept_rate", "pct"), ("replay budget fill", "replay/budget_fill", "pct"),
+             ("replay events on format-only groups", "replay/format_only_replay_share", "pct")]
+    mism = [f"- {lab}: reconstructed ingress differs from the logged count at steps "
+            f"{a['ingress']['buffer']['admitted_mismatch_steps'][:10]}" for lab, a in runs.items()
+            if _ok(a["ingress"]) and _ok(a["ingress"]["buffer"]) and a["ingress"]["buffer"]["admitted_mismatch_steps"]]
+    return (f"a_i = 1[r_i >= {', '.join(f'{t:g}' for t in sorted(thr)) or 'threshold'}] (answer correct), "
+            "S = sum_i a_i.  Rules applied to the same fresh groups: *mixed* = rewards not all equal, *answer* = "
+            "1 <= S <= n-1, *positive* = the paper's original 1 <= #{r_i > 0} <= n-1.  Format-only = S in {0, n} "
+            "with unequal rewards.  The buffer is reconstructed for the run's own rule (FIFO, its capacity).\n\n"
+            + run_table(report, "ingress", rows) + ("\n" + "\n".join(mism) + "\n" if mism else ""))
+
+
 def render_report(report: dict) -> str:
     """The whole markdown report."""
     r = report
@@ -203,6 +233,7 @@ def render_report(report: dict) -> str:
             *_intervals("learning-value gain", "by_interval/value_gain")]) + _figure(r, "counterfactual"),
         "\n## 8. Entropy-collapse timing at a matched score\n\n" + _entropy(r) + _figure(r, "entropy_timing"),
         "\n## 9. Phase-wise replay mixture\n\n" + _per_run(r, "phases", _phases) + _figure(r, "phases"),
+        "\n## 10. Replay ingress under a multi-part reward\n\n" + _ingress(r) + _figure(r, "ingress"),
         "\n## Training curves and final metrics\n\n" + run_table(r, "training", [
             ("score points", "score/n", "int"), *_intervals("score", "score/by_interval"),
             ("final score", "score/last", "num"), ("entropy points", "entropy/n", "int"),

@@ -7,9 +7,9 @@ Output layout (default ``RUN_DIR/report`` for one run, ``./hdreplay-report`` for
     report.json    {"format": "hdreplay.report", "version": 1, "settings", "runs": {label: analysis},
                     "comparison": {"labels", "mismatches"}, "figures": {name: file}}
     figures/*.png  acceptance, replay_kl, scan, age, headroom_deciles, multiplicity, counterfactual,
-                   entropy_timing, phases (a figure is omitted when no run has its data)
+                   entropy_timing, phases, ingress (a figure is omitted when no run has its data)
 
-An analysis (one run) has the keys: info, problems, training, final_metrics, entropy_timing, acceptance,
+An analysis (one run) has the keys: info, problems, training, final_metrics, ingress, entropy_timing, acceptance,
 replay_kl, scan, age_gate, staleness, mixing, headroom_deciles, multiplicity, counterfactual, phases.  A section
 a run cannot provide is {"available": false, "reason": ...}.
 """
@@ -29,6 +29,7 @@ from hdreplay.atomic import atomic_write_text
 
 from .age import age_gate, mixing, phase_mixture, staleness
 from .gate import acceptance, col, replay_kl, scan
+from .ingress import ingress
 from .lifetime import counterfactual, headroom_deciles, multiplicity
 from .load import AnalysisInputError, RunData
 from .stats import check_settings, num, sanitize, setting, unavailable
@@ -51,9 +52,12 @@ class ReportSettings:
     score_key: str = setting("reward", "trainer-log key of the training score S")
     entropy_key: str = setting("entropy", "trainer-log key of the policy entropy H")
     entropy: EntropyThresholds = field(default_factory=EntropyThresholds)
+    answer_threshold: float | None = setting(None, "ingress analysis: a_i = 1[r_i >= threshold] marks a correct answer "
+                                                   "(unset: the run's answer_threshold, else 0.9 as in Geo3K)")
 
     def __post_init__(self) -> None:
-        check_settings(self, counts=("kl_window", "n_phases", "deciles"), flags={"n_phases": "--phases"})
+        check_settings(self, counts=("kl_window", "n_phases", "deciles"), flags={"n_phases": "--phases"},
+                       finite=("answer_threshold",) if self.answer_threshold is not None else ())
         b = self.phase_bounds
         if b is not None and (not b or any(y <= x for x, y in zip(b, b[1:]))):
             raise AnalysisInputError(f"phase bounds (--phase-bounds) must be a non-empty increasing list of steps, "
@@ -127,6 +131,8 @@ def analyze_run(run: RunData, settings: ReportSettings = ReportSettings()) -> di
     out: dict[str, Any] = {"info": info, "problems": list(run.problems),
                            "training": training(run.log, score_key=settings.score_key, entropy_key=settings.entropy_key),
                            "final_metrics": final_metrics(run.metrics)}
+    out["ingress"] = ingress(run.fresh, run.steps, run.groups, run.replay_config,
+                             threshold=settings.answer_threshold)
     out["entropy_timing"] = ({"available": True, **collapse_timing(
         log_series(run.log, settings.score_key), log_series(run.log, settings.entropy_key), settings.entropy)}
         if len(run.log) else unavailable("no trainer log"))

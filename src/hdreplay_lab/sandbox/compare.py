@@ -24,7 +24,9 @@ from hdreplay.config import ReplayConfig
 from hdreplay.errors import ReplayConfigError
 
 from ..options import arg
-from .methods import COMPARE_METHODS, METHODS, SEARCH_METHODS, STRATEGY_METHODS, Method, get_methods
+from .methods import (
+    COMPARE_METHODS, GEO_METHODS, METHODS, SEARCH_METHODS, STRATEGY_METHODS, Method, get_methods,
+)
 from .runner import RunSpec
 from .tasks import TASKS, Task, get_task
 
@@ -42,7 +44,8 @@ class CompareConfig:
     task: str = arg("add", f"sandbox task: one of {sorted(TASKS)}")
     methods: tuple[str, ...] | None = arg(
         None, f"comma-separated methods from {list(METHODS)} (unset: the paper's {','.join(COMPARE_METHODS)}; with "
-              f"--task search: {','.join(SEARCH_METHODS)}; the strategy comparison: {','.join(STRATEGY_METHODS)})")
+              f"--task search: {','.join(SEARCH_METHODS)}; with --task geo: {','.join(GEO_METHODS)}; the strategy "
+              f"comparison: {','.join(STRATEGY_METHODS)})")
     seeds: int = arg(3, "seeds per method (>= 1)")
     steps: int = arg(300, "optimizer steps per run (>= 1)")
     prompts_per_step: int = arg(16, "b: fresh groups per step (even, so that b/2 and 1.5b are whole groups)")
@@ -62,7 +65,10 @@ class CompareConfig:
     def __post_init__(self) -> None:
         task = get_task(self.task)  # names the valid tasks
         if self.methods is None:
-            self.methods = SEARCH_METHODS if task.is_multiturn else COMPARE_METHODS
+            self.methods = (SEARCH_METHODS if task.is_multiturn else
+                            GEO_METHODS if getattr(task, "is_multimodal", False) else COMPARE_METHODS)
+        if "ingress" not in self.replay and getattr(task, "default_ingress", None):
+            self.replay["ingress"] = task.default_ingress  # geo: answer-based, as the paper trains Geo3K
         self.methods = tuple(self.methods)
         if not self.methods:
             raise ValueError(f"--methods names no method; give one or more of {list(METHODS)}, comma-separated")

@@ -76,6 +76,11 @@ def evaluate(model, tok, task, *, n: int = 8, seed: int = 0, benchmarks: Sequenc
 
             torch.manual_seed(seed)
             comps = rollout(model, tok, probs, n=n, max_tool_calls=task.max_tool_calls)
+        elif getattr(task, "is_multimodal", False):  # tok is the VLM's processor
+            from .vlm import sample_vlm
+
+            comps = sample_vlm(model, tok, [p.prompt for p in probs], [p.image() for p in probs], n=n,
+                               max_new_tokens=task.completion_width(probs), seed=seed)
         else:
             width = max(len(p.answer) for p in probs) + 2
             comps = sample_completions(model, tok, [p.prompt for p in probs], n=n, max_new_tokens=width, seed=seed)

@@ -104,6 +104,8 @@ STRATEGY_METHODS = ("onpolicy_matched", "onpolicy_larger", "recency_matched", "h
 DEMO_METHODS = ("onpolicy_matched", "recency_matched", "headroom_drift")
 #: the paper's agentic-search set (Search-R1): no recency-larger, no ablations
 SEARCH_METHODS = ("onpolicy_matched", "onpolicy_larger", "recency_matched", "dapo", "headroom_drift")
+#: the paper's multimodal set (Geometry3K / MathVista / MathVision): on-policy b and 1.5b, DAPO, Headroom-Drift
+GEO_METHODS = ("onpolicy_matched", "onpolicy_larger", "dapo", "headroom_drift")
 
 
 def get_methods(names) -> list[Method]:

@@ -18,7 +18,8 @@ PAD, EOS, UNK = "<pad>", "<eos>", "<unk>"
 DEFAULT_CHARS = "0123456789+-*=?:;,. abcdefghijklmnopqrstuvwxyz()[]>"
 
 
-def build_tokenizer(chars: str = DEFAULT_CHARS):
+def build_tokenizer(chars: str = DEFAULT_CHARS, specials: tuple[str, ...] = ()):
+    """Character-level tokenizer; ``specials`` are extra single tokens (e.g. a VLM's image placeholders)."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -26,17 +27,27 @@ def build_tokenizer(chars: str = DEFAULT_CHARS):
     for c in chars:
         if c not in vocab:
             vocab[c] = len(vocab)
+    for s in specials:
+        vocab[s] = len(vocab)
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     tok.decoder = decoders.Fuse()
     return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token=PAD, eos_token=EOS, unk_token=UNK,
-                                   padding_side="left", truncation_side="left")
+                                   padding_side="left", truncation_side="left",
+                                   **({"additional_special_tokens": list(specials)} if specials else {}))
 
 
 def build_tiny_model(directory: str | os.PathLike, *, arch: str = "qwen2", chars: str = DEFAULT_CHARS,
                      hidden: int = 64, layers: int = 2, heads: int = 4, kv_heads: int = 2,
                      max_positions: int = 256, seed: int = 0) -> Path:
-    """Build a random-init tiny model + char tokenizer and save both under ``directory``."""
+    """Build a random-init tiny model + char tokenizer and save both under ``directory``.
+
+    ``arch`` qwen2 / gpt2 are causal LMs; qwen2vl / llava are vision-language models (see :mod:`.vlm`)."""
+    if arch in ("qwen2vl", "llava"):
+        from .vlm import build_tiny_vlm
+
+        return build_tiny_vlm(directory, arch=arch, chars=chars, hidden=hidden, layers=layers, heads=heads,
+                              kv_heads=kv_heads, seed=seed)
     from transformers import GPT2Config, GPT2LMHeadModel, Qwen2Config, Qwen2ForCausalLM
 
     directory = Path(directory)
@@ -55,7 +66,7 @@ def build_tiny_model(directory: str | os.PathLike, *, arch: str = "qwen2", chars
         with torch.no_grad():  # make positions matter at init, like a trained model
             model.transformer.wpe.weight.normal_(0.0, 0.5)
     else:
-        raise ValueError(f"unknown arch {arch!r}; valid: ['qwen2', 'gpt2']")
+        raise ValueError(f"unknown arch {arch!r}; valid: ['qwen2', 'gpt2', 'qwen2vl', 'llava']")
     model.generation_config.eos_token_id = 1
     model.generation_config.pad_token_id = 0
     with quiet_hf_progress():
@@ -80,10 +91,15 @@ def quiet_hf_progress():
 
 
 def load_model(path: str | os.PathLike, *, dtype=torch.float32):
-    """(model, tokenizer) from a directory made by :func:`build_tiny_model` or any local causal-LM checkpoint."""
+    """(model, tokenizer) from a directory made by :func:`build_tiny_model` or any local causal-LM checkpoint;
+    for a VLM checkpoint (a saved processor beside it) (model, processor), see :func:`.vlm.load_vlm`."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     path = Path(path)
+    from .vlm import is_vlm_dir, load_vlm
+
+    if is_vlm_dir(path):
+        return load_vlm(path, dtype=dtype)
     if not (path / "config.json").is_file():
         raise ValueError(f"{path}: no config.json; --model must be a local causal-LM checkpoint directory")
     cfg = AutoConfig.from_pretrained(path, local_files_only=True)

@@ -5,6 +5,7 @@ Run directory layout (what ``hdreplay report`` and the comparison summary read):
     train_log.jsonl   TRL's log entries, one per step (reward, entropy, loss, replay/* ...)
                       plus ``wall_s`` (seconds since training started) and ``step_s``
     replay/           steps.jsonl, groups.jsonl (replay methods only)
+    fresh_groups.jsonl  per step, the rewards of every fresh group (ingress analysis; see rewardlog.py)
     trl/runs/         TensorBoard event files written through TRL's report_to
     metrics.json      held-out Mean@n / Best@n per benchmark, macro and weighted averages,
                       mean step time and the run's costs: fresh responses generated (dynamic sampling's
@@ -60,6 +61,8 @@ def trainer_args(spec: RunSpec, method: Method, task: Task, run_dir: Path):
     b, n = method.fresh_groups(spec.prompts_per_step), spec.generations
     if getattr(task, "is_multiturn", False):
         width = 56 * task.max_tool_calls + 16
+    elif hasattr(task, "completion_width"):  # geo: "[" answer "]" EOS
+        width = task.completion_width(_train_problems(spec, method, task))
     else:
         width = max(len(p.answer) for p in _train_problems(spec, method, task)) + 2
     replay = {f"replay_{k.name}": spec.replay[k.name] for k in knobs() if k.name in spec.replay}
@@ -85,7 +88,10 @@ def build_trainer(spec: RunSpec, method: Method, task: Task, model_dir: Path, ru
 
     model, tok = load_model(model_dir)
     problems = _train_problems(spec, method, task)
-    ds = Dataset.from_dict({"prompt": [p.prompt for p in problems], "answer": [p.answer for p in problems]})
+    if getattr(task, "is_multimodal", False):  # conversational prompts + an image column, as TRL's VLM path reads
+        ds = task.dataset(problems)
+    else:
+        ds = Dataset.from_dict({"prompt": [p.prompt for p in problems], "answer": [p.answer for p in problems]})
     env_kwargs = {}
     if getattr(task, "is_multiturn", False):  # TRL's own environment mechanism drives the tool calls
         from .search import SearchEnv, install_chat_format
@@ -94,7 +100,10 @@ def build_trainer(spec: RunSpec, method: Method, task: Task, model_dir: Path, ru
         SearchEnv.latency_s = float(spec.extra.get("latency_s", 0.0))
         env_kwargs = {"environment_factory": SearchEnv}
         ds = ds.add_column("question", [p.question for p in problems])
-    trainer = HDRGRPOTrainer(model=model, reward_funcs=task.reward_func(), args=trainer_args(spec, method, task, run_dir),
+    from .rewardlog import FILE, GroupRewardLog
+
+    reward = GroupRewardLog(task.reward_func(), run_dir / FILE, spec.generations)  # for the ingress analysis
+    trainer = HDRGRPOTrainer(model=model, reward_funcs=reward, args=trainer_args(spec, method, task, run_dir),
                              train_dataset=ds, processing_class=tok, callbacks=list(callbacks), **env_kwargs)
     # the comparison shows one progress bar; the per-step log dicts go to train_log.jsonl and TensorBoard
     from transformers.trainer_callback import PrinterCallback
@@ -113,6 +122,7 @@ def run_one(spec: RunSpec, method: Method, task: Task, model_dir: Path, run_dir:
     from .evaluate import evaluate
 
     run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "fresh_groups.jsonl").unlink(missing_ok=True)  # a re-run starts its reward log afresh
     (run_dir / "run.json").write_text(json.dumps({**asdict(spec), "label": method.label, "model": str(model_dir),
                                                   "loss_type": method.loss_type}, indent=2))
     torch.manual_seed(spec.seed)

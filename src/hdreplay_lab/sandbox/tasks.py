@@ -13,6 +13,8 @@ Tasks
                   the answer must be followed by ``.``; 1.0 right+format, 0.9 right, 0.1 wrong+format,
                   0.0 wrong.  Use with answer-based ingress (threshold 0.9).
 ``search``        multi-turn agentic search with a local tool (see search.py)
+``geo``           visual geometry with a tiny VLM: labelled lengths read from a PIL-drawn image, the
+                  Geometry3K answer x format reward (see geo.py)
 """
 
 from __future__ import annotations
@@ -156,6 +158,15 @@ def _register_search() -> None:
 
 
 _register_search()
+
+
+def _register_geo() -> None:
+    from .geo import GeoTask
+
+    TASKS["geo"] = GeoTask()
+
+
+_register_geo()
 
 
 def get_task(name: str) -> Task:

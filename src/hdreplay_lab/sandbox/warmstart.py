@@ -50,7 +50,13 @@ class WarmStartConfig:
         return f"{task.name}-{self.arch}-h{self.hidden}l{self.layers}-s{self.seed}-" + hashlib.sha1(blob.encode()).hexdigest()[:10]
 
 
-def _batch(tok, task: Task, problems, rng: random.Random):
+def _batch(tok, task: Task, problems, rng: random.Random) -> dict:
+    """The model's keyword arguments for one teacher-forced step (``labels`` included)."""
+    if getattr(task, "is_multimodal", False):  # tok is the VLM's processor; the image goes with the prompt
+        from .vlm import sft_batch
+
+        return sft_batch(tok, [p.prompt for p in problems], [p.image() for p in problems],
+                         [task.target(p, rng) for p in problems])
     seqs, labels = [], []
     for p in problems:
         if task.is_multiturn:  # the ideal trajectory; loss on the assistant turns only (tool text masked)
@@ -70,7 +76,7 @@ def _batch(tok, task: Task, problems, rng: random.Random):
     att = torch.zeros((len(seqs), L), dtype=torch.long)
     for i, (s, y) in enumerate(zip(seqs, labels)):  # right padding: positions are the same as unpadded
         ids[i, :len(s)], lab[i, :len(y)], att[i, :len(s)] = torch.tensor(s), torch.tensor(y), 1
-    return ids, att, lab
+    return {"input_ids": ids, "attention_mask": att, "labels": lab}
 
 
 def warm_start(task: Task, cache_dir: str | os.PathLike, cfg: WarmStartConfig | None = None,
@@ -102,8 +108,7 @@ def warm_start(task: Task, cache_dir: str | os.PathLike, cfg: WarmStartConfig | 
         history, acc, step = [], 0.0, 0
         model.train()
         for step in range(1, cfg.max_steps + 1):
-            ids, att, lab = _batch(tok, task, rng.sample(train, cfg.batch), rng)
-            loss = model(input_ids=ids, attention_mask=att, labels=lab).loss
+            loss = model(**_batch(tok, task, rng.sample(train, cfg.batch), rng)).loss
             opt.zero_grad()
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip)

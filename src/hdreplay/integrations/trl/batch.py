@@ -32,6 +32,7 @@ from ...errors import ReplayInputError
 from ...padding import pad_groups
 from ...record import GroupRecord
 from ..common import trim_rows
+from . import mm
 
 #: per-row key -> (padding side, pad value; None = the tokenizer's pad id); side None = (B,) or (B, 1)
 ROW_KEYS: dict[str, tuple[str | None, Any]] = {
@@ -55,12 +56,13 @@ EXTRA_KEYS = {"ref_logprobs": "ref_per_token_logps", "is_ratio": "importance_sam
 
 def check_keys(batch: dict) -> None:
     """Raise naming any key of a TRL batch that replay does not know how to fill."""
-    unknown = sorted(k for k in batch if k not in ROW_KEYS and k not in SCALAR_KEYS)
+    mm.check_keys(batch)
+    unknown = sorted(k for k in batch if k not in ROW_KEYS and k not in SCALAR_KEYS and k not in mm.BATCH_KEYS)
     if unknown:
         raise RuntimeError(
             f"TRL returned batch key(s) {unknown} that HDRGRPOTrainer cannot fill for replayed rows. "
-            "hdreplay is tested with trl 1.16 text models; multimodal inputs and newer TRL versions are not "
-            "supported. Known keys: " + ", ".join(sorted(ROW_KEYS) + list(SCALAR_KEYS))
+            "hdreplay is tested with trl 1.16 (text and grid / one-row-per-image vision models); newer TRL versions "
+            "are not supported. Known keys: " + ", ".join(sorted(ROW_KEYS) + list(SCALAR_KEYS) + list(mm.BATCH_KEYS))
         )
 
 
@@ -129,13 +131,16 @@ def ingress_rows(out: dict, *, pad_token_id: int, masked_truncated: bool) -> dic
 
 
 def groups_from_rows(rows: dict[str, torch.Tensor], rewards: torch.Tensor, *, num_generations: int, step: int,
-                     id_prefix: str) -> tuple[list[GroupRecord], int, list[str]]:
+                     id_prefix: str, mm_rows: Sequence[dict] | None = None,
+                     mm_why: Sequence[str | None] | None = None) -> tuple[list[GroupRecord], int, list[str]]:
     """Build the GroupRecords of a *global* (all-rank) batch whose groups are consecutive blocks of rows.
 
     Args:
         rows: global per-row tensors: prompt_ids/prompt_mask (N, P) left-padded, completion_ids/
             completion_mask (N, C), loss_mask (N, C), gen_logps (N, C), advantages (N,), optional extras (N, C).
         rewards: (N,) total reward per row.
+        mm_rows, mm_why: per global row, its multimodal entries and why it cannot be stored (:func:`.mm.row_inputs`);
+            None for a text model.
     Returns:
         (groups, empty, problems): valid records; the number of groups skipped because no response has a
         loss token (T(g) empty, e.g. every response truncated under mask_truncated_completions); a message per
@@ -162,12 +167,16 @@ def groups_from_rows(rows: dict[str, torch.Tensor], rewards: torch.Tensor, *, nu
         if not bool(lm.any()):
             empty += 1
             continue
+        inputs, why = mm.group_inputs(mm_rows, mm_why, sl) if mm_rows is not None else ({}, None)
+        if why is not None:
+            problems.append(f"group {id_prefix}{k}: {why}")
+            continue
         try:
             groups.append(GroupRecord.from_padded(
                 group_id=f"{id_prefix}{k}", prompt_ids=prompt, completion_ids=cpu["completion_ids"][sl],
                 completion_mask=cpu["completion_mask"][sl], logprobs=cpu["gen_logps"][sl], loss_mask=lm,
                 advantages=cpu["advantages"][sl], rewards=rewards[sl], birth_step=step,
-                extras={e: cpu[e][sl] for e in extras},
+                extras={e: cpu[e][sl] for e in extras}, mm_inputs=inputs,
             ))
         except ReplayInputError as e:
             problems.append(str(e))
@@ -179,11 +188,13 @@ def replay_rows(groups: Sequence[GroupRecord], sl: slice, *, pad_token_id: int,
     """Rows ``sl`` of the accepted groups (responses in group order) as a TRL batch dict (CPU).
 
     Replay rows carry their stored generation log-probs as ``old_per_token_logps`` (the ratio
-    denominator), their stored advantages, their stored loss mask as ``tool_mask``, and every stored
-    extra under its TRL key (module table).  ``loss_weights`` (one per group, > 0; the selection's PER
-    importance weights) multiply the rows' advantages: TRL's clipped policy-gradient term
-    -min(r A, clip(r) A) is positively homogeneous in A, so this weights each row's policy term exactly
-    (a KL term, beta != 0, is not weighted).
+    denominator), their stored advantages, their stored loss mask as ``tool_mask``, every stored
+    extra under its TRL key (module table), and, for vision-language groups, ``hdr_mm``: a list with each
+    row's stored multimodal entries (the rows of a group share one dict), turned into TRL's keys per chunk
+    by :func:`.mm.batch_inputs`.  ``loss_weights`` (one per group, > 0; the selection's PER importance
+    weights) multiply the rows' advantages: TRL's clipped policy-gradient term -min(r A, clip(r) A) is
+    positively homogeneous in A, so this weights each row's policy term exactly (a KL term, beta != 0, is
+    not weighted).
     """
     pg = pad_groups(groups, pad_token_id=pad_token_id)
     rows = trim_rows(pg, sl)  # drop the column padding that only rows outside this slice needed
@@ -207,6 +218,8 @@ def replay_rows(groups: Sequence[GroupRecord], sl: slice, *, pad_token_id: int,
     for extra, key in EXTRA_KEYS.items():
         if extra in rows.extras:
             out[key] = rows.extras[extra]
+    if groups[0].mm_inputs:
+        out["hdr_mm"] = [groups[int(g)].mm_inputs for g in pg.row_group[sl].tolist()]
     return out
 
 

@@ -72,7 +72,7 @@ def trim(rows: dict) -> dict:
     for k, v in rows.items():
         if k.startswith("prompt"):
             out[k] = v[:, v.shape[1] - p:]
-        elif v.dim() == 2 and not (k == "importance_sampling_ratio" and v.shape[1] == 1):
+        elif isinstance(v, torch.Tensor) and v.dim() == 2 and not (k == "importance_sampling_ratio" and v.shape[1] == 1):
             out[k] = v[:, :c]
         else:
             out[k] = v

@@ -44,10 +44,20 @@ def _hook(module, args, kwargs):
     return args, kwargs
 
 
+def uses_mrope(model: torch.nn.Module) -> bool:
+    """True for multimodal rotary models (Qwen2-VL family): their forward derives 3-D positions from the
+    attention mask, image grids and token types itself, and generation-style 1-D positions would be wrong
+    for every image token and all text after an image (they must not get the hook)."""
+    base = getattr(model, "model", None)
+    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
+    return hasattr(base, "get_rope_index") or "mrope_section" in rope
+
+
 def install_position_ids(model: torch.nn.Module):
     """Register the generation-style position-id pre-hook on ``model``; returns the handle or None
-    when the model's forward takes no ``position_ids``."""
-    if not _accepts_position_ids(model):
+    when the model's forward takes no ``position_ids`` or uses multimodal rotary positions (:func:`uses_mrope`)."""
+    if not _accepts_position_ids(model) or uses_mrope(model):
         return None
     return model.register_forward_pre_hook(_hook, with_kwargs=True)
 

@@ -30,6 +30,8 @@ class Generation:
     """One generation batch of this rank, as ingress needs it at commit.
 
     rows:      :func:`.batch.ingress_rows` of the batch (B local rows, TRL's order).
+    mm_rows, mm_why: vision-language batches: each local row's multimodal entries and why it cannot be
+               stored (:func:`.mm.row_inputs`); None for text.
     rewards:   (N,) total reward of every row of the batch on all ranks (N = B * W), set by TRL's
                reward computation.
     gen_logps: (B, C) generation-time log-probs when TRL computed them (``old_per_token_logps``);
@@ -38,6 +40,8 @@ class Generation:
     """
 
     rows: dict[str, torch.Tensor] = field(default_factory=dict)
+    mm_rows: list | None = None
+    mm_why: list | None = None
     rewards: torch.Tensor | None = None
     gen_logps: torch.Tensor | None = None
     captured: torch.Tensor | None = None

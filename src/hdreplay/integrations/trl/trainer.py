@@ -31,7 +31,7 @@ import warnings
 from contextlib import contextmanager, nullcontext
 
 import torch
-from transformers import ProcessorMixin, TrainerCallback
+from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 from trl import GRPOTrainer
 from trl.models.utils import disable_gradient_checkpointing
@@ -40,9 +40,11 @@ from trl.trainer.utils import (
 )
 
 from ...controller import ReplayController
+from ...multimodal import schema_difference, schema_of
 from ...strategies.repo import RepoController
 from ...padding import pad_groups
-from ..common import STATE_DIR, restore
+from ..common import STATE_DIR, restore, split_by_schema
+from . import mm
 from .batch import check_keys, groups_from_rows, ingress_rows, replay_rows
 from .checkpoints import clear_pending, mark_pending, refuse_incomplete, resume_target, rotation_held
 from .config import as_replay_config
@@ -79,10 +81,10 @@ class HDRGRPOTrainer(GRPOTrainer):
     def __init__(self, *args, **kwargs):
         bound = _INIT.bind(None, *args, **kwargs)
         bound.arguments["args"] = as_replay_config(bound.arguments.get("args"), bound.arguments["model"])
+        mm.check_model(bound.arguments.get("processing_class"), bound.arguments["model"])
         super().__init__(*bound.args[1:], **bound.kwargs)
-        if isinstance(self.processing_class, ProcessorMixin) or getattr(self, "_is_vlm", False):
-            raise ValueError("HDRGRPOTrainer does not support multimodal models yet (per-image tensors are not "
-                             "stored with replayed groups); use a text-only model or replay_selector='none'")
+        self._is_vlm = mm.check_setup(self.processing_class, self.train_dataset, replay=self.args.replay_selector,
+                                      micro_step=self.args.replay_micro_step)
         a = self.args
         self.replay_plan = a.replay_plan()
         self.replay_config = a.to_replay_config()
@@ -113,7 +115,7 @@ class HDRGRPOTrainer(GRPOTrainer):
         if self.replay_active:
             unwrapped = self.accelerator.unwrap_model(self.model)
             self._position_hook = install_position_ids(unwrapped)
-            self._share_prompt = (can_share_prompt(unwrapped) and not self.is_fsdp_enabled
+            self._share_prompt = (can_share_prompt(unwrapped) and not self.is_fsdp_enabled and not self._is_vlm
                                   and not self.is_deepspeed_enabled and self._position_hook is not None)
             # first in line: user callbacks' on_step_end (step timers, loggers) see the step committed
             self.callback_handler.callbacks.insert(0, _CommitAfterUpdate(self))
@@ -121,8 +123,9 @@ class HDRGRPOTrainer(GRPOTrainer):
     def _check_supported(self, repo=None) -> None:
         a = self.args
         if repo is not None and (self.accelerator.num_processes > 1 or a.replay_micro_step != "chunk"
+                                 or getattr(self, "_is_vlm", False)
                                  or self.loss_type not in ROW_MEAN):
-            raise ValueError("replay_repo (RePO's separate off-policy loss term) runs on one process with "
+            raise ValueError("replay_repo (RePO's separate off-policy loss term) runs on one process, text only, with "
                              f"replay_micro_step='chunk' and a row-mean loss_type ({', '.join(ROW_MEAN)}); got "
                              f"{self.accelerator.num_processes} processes, {a.replay_micro_step!r}, {self.loss_type!r}")
         live = active_dropout(self.accelerator.unwrap_model(self.model))
@@ -179,6 +182,8 @@ class HDRGRPOTrainer(GRPOTrainer):
         gen = step.open_generation()
         out = super()._generate_and_score_completions(inputs)
         check_keys(out)
+        if self._is_vlm:
+            gen.mm_rows, gen.mm_why = mm.row_inputs(out)
         if gen.rewards is None:
             raise RuntimeError("HDRGRPOTrainer: rewards of this generation batch were not captured")
         B, C = out["completion_ids"].shape
@@ -190,13 +195,15 @@ class HDRGRPOTrainer(GRPOTrainer):
             gen.start_capture(B, C, self.accelerator.device)
         out["hdr_row"] = torch.arange(B, device=self.accelerator.device)
         if len(step.generations) == 1:
+            if self._is_vlm:
+                self._check_images(out, gen)
             self._select(step)
             if step.selection.groups:
                 out["num_items_in_batch"] = out["num_items_in_batch"] + step.replay_tokens
         return out
 
     def _select(self, step: ReplayStep) -> None:
-        if self.replay_padding_drift is None:
+        if self.replay_padding_drift is None and not self._is_vlm:  # a VLM is checked on a real row (_check_images)
             self._check_padding_invariance()
         if isinstance(self.replay, RepoController):  # prompt-conditioned: the batch's prompts first
             self.replay.observe_batch(step.current.rows["prompt_ids"], step.current.rows["prompt_mask"])
@@ -207,7 +214,7 @@ class HDRGRPOTrainer(GRPOTrainer):
         per = sum(g.num_responses for g in sel.groups) // W  # whole by the truncation unit
         rows = replay_rows(sel.groups, slice(r * per, (r + 1) * per), pad_token_id=self._tokenizer.pad_token_id,
                            loss_weights=sel.loss_weights)
-        rows = {k: v.to(dev) for k, v in rows.items()}
+        rows = mm.to_device(rows, dev)
         if "importance_sampling_ratio" in rows and self.vllm_importance_sampling_mode.startswith("sequence"):
             rows["importance_sampling_ratio"] = rows["importance_sampling_ratio"].amax(dim=1, keepdim=True)
         if "ref_per_token_logps" in rows and self._ref_syncs():
@@ -221,12 +228,14 @@ class HDRGRPOTrainer(GRPOTrainer):
     def _score_batch_size(self) -> int:
         return self.args.replay_score_batch_size or self.args.per_device_train_batch_size
 
-    def _logps(self, input_ids, attention_mask, logits_to_keep, model=None):
-        """Per-token log-probs through TRL's own forward (same temperature, autocast, fused head)."""
+    def _logps(self, input_ids, attention_mask, logits_to_keep, model=None, **mm_inputs):
+        """Per-token log-probs through TRL's own forward (same temperature, autocast, fused head); a VLM's rows
+        pass their TRL multimodal keys (:func:`.mm.batch_inputs`)."""
         model = self.model if model is None else model
         with torch.no_grad(), disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs):
             logps, _, _ = self._get_per_token_logps_and_entropies(
-                model, input_ids, attention_mask, logits_to_keep, batch_size=self._score_batch_size)
+                model, input_ids, attention_mask, logits_to_keep, batch_size=self._score_batch_size,
+                **mm.to_device(mm_inputs, input_ids.device))
         return logps
 
     def _group_logps(self, groups, share: bool) -> torch.Tensor:
@@ -241,7 +250,9 @@ class HDRGRPOTrainer(GRPOTrainer):
         pg = pad_groups(groups, pad_token_id=pad)
         ids = torch.cat([pg.prompt_ids, pg.completion_ids], 1).to(dev)
         mask = torch.cat([pg.prompt_mask, pg.completion_mask], 1).to(dev)
-        return self._logps(ids, mask, pg.completion_ids.shape[1]).float().cpu()
+        C = pg.completion_ids.shape[1]
+        images = mm.batch_inputs([groups[int(g)].mm_inputs for g in pg.row_group.tolist()], pg.prompt_mask, C)
+        return self._logps(ids, mask, C, **images).float().cpu()
 
     def _replay_scorer(self, groups):
         """Current-policy log-probs of ``groups``, the forwards sharded over ranks by group (same calls everywhere)."""
@@ -256,9 +267,29 @@ class HDRGRPOTrainer(GRPOTrainer):
         pg = pad_groups(groups, pad_token_id=self._tokenizer.pad_token_id)
         return pg.split_by_group(logps[:pg.num_rows].cpu())
 
-    def _check_padding_invariance(self) -> None:
-        err = padding_drift(lambda i, m, k: self._logps(i, m, k), vocab_size=self._vocab_size(),
-                            pad_token_id=self._tokenizer.pad_token_id, device=self.accelerator.device)
+    def _mm_schema(self):
+        """The buffer's multimodal schema (None for RePO's text-only per-prompt stores)."""
+        return None if isinstance(self.replay, RepoController) else self.replay.buffer.mm_schema
+
+    def _check_images(self, out: dict, gen) -> None:
+        """First step of a VLM run: the buffer (e.g. resumed) must hold images this processor produces, and
+        re-padding a real row (with its image) must not change its log-probs."""
+        have = self._mm_schema()
+        i = next((j for j, w in enumerate(gen.mm_why) if w is None), None)
+        ok = None if i is None else gen.mm_rows[i]
+        if have is not None and ok is not None and (why := schema_difference(schema_of(ok), have)) is not None:
+            raise ValueError(f"the replay buffer holds multimodal inputs this run's processor does not produce: {why}. "
+                             "It was filled under another processor or image setting (resumed from another run?); "
+                             "resume with the same processor, or start with an empty buffer")
+        if self.replay_padding_drift is None and ok is not None:
+            self.replay_padding_drift = mm.row_padding_drift(self._logps, out, i, ok,
+                                                             pad_token_id=self._tokenizer.pad_token_id)
+            self._check_padding_invariance(self.replay_padding_drift)
+
+    def _check_padding_invariance(self, err: float | None = None) -> None:
+        if err is None:
+            err = padding_drift(lambda i, m, k: self._logps(i, m, k), vocab_size=self._vocab_size(),
+                                pad_token_id=self._tokenizer.pad_token_id, device=self.accelerator.device)
         tol = PADDING_TOLERANCE["low" if (self.args.bf16 or self.args.fp16) else "fp32"]
         if not err <= tol:
             name = type(self.accelerator.unwrap_model(self.model)).__name__
@@ -288,7 +319,10 @@ class HDRGRPOTrainer(GRPOTrainer):
         idx = stale.nonzero().squeeze(1).to(rows["prompt_ids"].device)
         ids = torch.cat([rows["prompt_ids"][idx], rows["completion_ids"][idx]], 1)
         mask = torch.cat([rows["prompt_mask"][idx], rows["completion_mask"][idx]], 1)
-        ref = self._logps(ids, mask, rows["completion_ids"].shape[1], model=self.ref_model)
+        C = rows["completion_ids"].shape[1]
+        images = mm.batch_inputs([rows["hdr_mm"][int(j)] for j in idx], rows["prompt_mask"][idx].cpu(), C) \
+            if "hdr_mm" in rows else {}
+        ref = self._logps(ids, mask, C, model=self.ref_model, **images)
         rows["ref_per_token_logps"][idx] = (ref * loss_mask(rows)[idx]).to(rows["ref_per_token_logps"].dtype)
         step.ref_refreshed = int(stale.sum())
 
@@ -308,6 +342,10 @@ class HDRGRPOTrainer(GRPOTrainer):
             if first:
                 replay = replay_chunks(step.replay_part, spg=spg, max_rows=self.args.per_device_train_batch_size,
                                        num_items=out["num_items_in_batch"])
+                for chunk in (c for cs in replay for c in cs if "hdr_mm" in c):  # TRL's flat image layout per chunk
+                    images = mm.batch_inputs(chunk.pop("hdr_mm"), chunk["prompt_mask"].cpu(),
+                                             chunk["completion_ids"].shape[1])
+                    chunk.update(mm.to_device(images, chunk["prompt_mask"].device))
                 step.replay_part = None
             capture = gen if gen.needs_capture else None
             self._buffered_inputs = [MicroStep(f, r, capture) for f, r in zip(fresh, replay)]
@@ -365,8 +403,14 @@ class HDRGRPOTrainer(GRPOTrainer):
         groups, empty, problems, fresh = [], 0, [], 0
         for gi, gen in enumerate(step.generations):
             rows = self._gather_rows(gen.ingress_rows())
+            mm_rows, mm_why = self._gather_objects(gen.mm_rows), self._gather_objects(gen.mm_why)
             g, e, p = groups_from_rows(rows, gen.rewards, num_generations=n, step=step.index,
-                                       id_prefix=f"s{step.index}.{gi}g")
+                                       id_prefix=f"s{step.index}.{gi}g", mm_rows=mm_rows, mm_why=mm_why)
+            schema = self._mm_schema()
+            if schema is None and groups:
+                schema = schema_of(groups[0].mm_inputs)
+            g, unfit = split_by_schema(g, schema)
+            p += unfit
             groups += g
             empty += e
             problems += p
@@ -386,6 +430,14 @@ class HDRGRPOTrainer(GRPOTrainer):
             if v == v:  # TRL averages what is appended; skip NaN (e.g. no scan this step)
                 self._metrics["train"][k].append(v)
 
+    def _gather_objects(self, items: list | None) -> list | None:
+        """Per-row Python objects of every rank, rank-major like :meth:`_gather_rows` (None stays None)."""
+        if items is None or self.accelerator.num_processes == 1:
+            return items
+        from accelerate.utils import gather_object
+
+        return gather_object(list(items))
+
     def _gather_rows(self, rows: dict) -> dict:
         acc = self.accelerator
         if acc.num_processes == 1:
@@ -399,6 +451,11 @@ class HDRGRPOTrainer(GRPOTrainer):
         return out
 
     # ------------------------------------------------------------------ 5. checkpoints
+    def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
+        super()._load_from_checkpoint(resume_from_checkpoint, model)
+        if self._is_vlm and not (self.is_deepspeed_enabled or self.is_fsdp_enabled):
+            mm.reload_converted_weights(model if model is not None else self.model, resume_from_checkpoint)
+
     def _save_checkpoint(self, model, trial):
         if not self.replay_active:
             return super()._save_checkpoint(model, trial)

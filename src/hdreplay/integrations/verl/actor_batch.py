@@ -17,6 +17,7 @@ from verl import DataProto
 from ...record import GroupRecord
 from .dataproto import REPLAY_FLAG, pad_batch_tensors, replay_rows
 from .minibatches import actor_order, layout_metrics
+from .mm import images_seqlens
 
 
 def build_actor_batch(groups: Sequence[GroupRecord], fresh: DataProto, *, minibatch_rows: int, dp: int,
@@ -53,6 +54,8 @@ def build_actor_batch(groups: Sequence[GroupRecord], fresh: DataProto, *, miniba
     non_tensors = {k: v[order] for k, v in non_tensors.items()}
     meta = dict(fresh.meta_info)
     meta["global_token_num"] = tensors["attention_mask"].sum(dim=-1).tolist()
+    if "images_seqlens" in meta and "multi_modal_inputs" in non_tensors:  # the flops counter's image sizes
+        meta["images_seqlens"] = images_seqlens(non_tensors["multi_modal_inputs"])
     batch = DataProto.from_dict(tensors=tensors, non_tensors=non_tensors, meta_info=meta)
     info = {"order": order, "layout": layout, "lengths": lengths, "num_replay_rows": n_rep,
             "metrics": layout_metrics(layout, lengths, n_rep)}

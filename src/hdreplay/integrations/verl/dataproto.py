@@ -7,11 +7,14 @@ The batch ``RayPPOTrainer._update_actor`` receives holds B = groups x n rows (sh
     responses       (B, R)     response ids, right-padded (tool / observation tokens included)
     input_ids       (B, P+R)   prompts ; responses
     attention_mask  (B, P+R)   1 on real tokens (prompt suffix + response prefix)
-    position_ids    (B, P+R)   clip(cumsum(attention_mask) - 1, 0)  (text models)
+    position_ids    (B, P+R)   clip(cumsum(attention_mask) - 1, 0)  (text models); (B, K, P+R) for multimodal
+                               rotary VLMs (Qwen2-VL: K = 4), see :mod:`.mm`
     response_mask   (B, R)     1 where the policy generated the token (tool tokens 0): the loss mask
     old_log_probs   (B, R)     log-probs computed by verl before the update (= log pi_gen for replay)
     advantages      (B, R)     A_i * response_mask, one value per response for GRPO-style estimators
     uid             (B,)       non-tensor: one id per prompt, i.e. per GRPO group
+    multi_modal_inputs (B,)    non-tensor: the processor's dict per row (empty for text); stored once per
+                               group and given back to every replayed row (:mod:`.mm`)
 
 A group's rows need not be consecutive (``_balance_batch`` reorders rows).  Replay rows are
 rebuilt for *every* tensor key of the fresh batch (:data:`REPLAY_FILL`); a key this module does
@@ -30,13 +33,15 @@ from verl.utils.model import compute_position_id_with_mask
 from ...padding import PaddedGroups, pad_groups
 from ...errors import ReplayInputError
 from ...record import GroupRecord
+from . import mm
 
 #: fresh-batch key -> GroupRecord extras name, stored at ingress when the key is present
 STORED_EXTRAS = {"ref_log_prob": "ref_logprobs", "rollout_log_probs": "rollout_logprobs"}
 #: how replay rows fill each tensor key (documentation of :func:`replay_rows`)
 REPLAY_FILL = {
     "prompts": "stored prompt ids", "responses": "stored response ids", "input_ids": "prompts ; responses",
-    "attention_mask": "from stored lengths", "position_ids": "clip(cumsum(attention_mask) - 1, 0)",
+    "attention_mask": "from stored lengths",
+    "position_ids": "clip(cumsum(attention_mask) - 1, 0); multi-row: stored prompt positions + text continuation",
     "response_mask": "stored loss mask", "old_log_probs": "stored generation-time log-probs",
     "advantages": "stored A_i * response_mask", "returns": "stored A_i * response_mask (GRPO: returns = advantages)",
     "ref_log_prob": "stored reference log-probs", "rollout_log_probs": "stored rollout log-probs",
@@ -53,7 +58,7 @@ REPLAY_FLAG = "hdr_replay"
 
 
 def check_batch_keys(batch: DataProto) -> None:
-    """Raise naming every tensor key replay rows could not fill, and unsupported (multimodal) inputs."""
+    """Raise naming every tensor key replay rows could not fill, or position ids of an unknown shape."""
     unknown = sorted(k for k in batch.batch.keys() if k not in REPLAY_FILL)
     if unknown:
         raise RuntimeError(
@@ -67,12 +72,10 @@ def check_batch_keys(batch: DataProto) -> None:
     if "uid" not in batch.non_tensor_batch:
         raise RuntimeError("the actor batch has no non-tensor `uid`; GRPO groups are identified by uid")
     pos = batch.batch["position_ids"] if "position_ids" in batch.batch.keys() else None
-    if pos is not None and pos.dim() != 2:
-        raise RuntimeError(f"position_ids of shape {tuple(pos.shape)} (multimodal rope): hdreplay replays text "
-                           "models only")
-    mm = batch.non_tensor_batch.get("multi_modal_inputs")
-    if mm is not None and any(bool(x) for x in mm):
-        raise RuntimeError("the batch has non-empty multi_modal_inputs: hdreplay does not store images; text only")
+    width = batch.batch["input_ids"].shape[1]
+    if pos is not None and not (pos.dim() == 2 or pos.dim() == 3) or pos is not None and pos.shape[-1] != width:
+        raise RuntimeError(f"position_ids of shape {tuple(pos.shape)}: hdreplay replays (B, P+R) positions and "
+                           f"(B, K, P+R) multimodal rotary positions (P+R = {width})")
 
 
 def row_rewards(batch: DataProto) -> torch.Tensor:
@@ -125,7 +128,7 @@ def groups_from_batch(
     t = {k: v.detach().cpu() for k, v in batch.batch.items()}
     P = t["prompts"].shape[1]
     attn = t["attention_mask"].bool()
-    if "position_ids" in t:
+    if "position_ids" in t and not mm.is_multirow(t["position_ids"]):
         expect = compute_position_id_with_mask(t["attention_mask"].long())
         if not torch.equal(t["position_ids"].long()[attn], expect[attn]):
             raise RuntimeError("position_ids do not follow verl's clip(cumsum(attention_mask) - 1, 0) convention; "
@@ -133,6 +136,7 @@ def groups_from_batch(
     pmask, rmask = attn[:, :P], attn[:, P:]
     rewards, adv = row_rewards(batch), response_advantages(batch, estimator=estimator)
     uids = batch.non_tensor_batch["uid"]
+    mm_rows = batch.non_tensor_batch.get("multi_modal_inputs")
     rows_of: dict = {}
     for i, u in enumerate(uids.tolist()):
         rows_of.setdefault(u, []).append(i)
@@ -147,11 +151,15 @@ def groups_from_batch(
             if not torch.equal(t["prompts"][r][pmask[r]], prompt):
                 raise RuntimeError(f"rows {rows} share uid {u!r} but not one prompt; GRPO groups must share a prompt")
         extras = {name: t[key][idx] for key, name in STORED_EXTRAS.items() if key in t}
+        inputs, why = mm.capture(rows, mm_rows, t.get("position_ids"), attn, P)
+        if why is not None:
+            problems.append(f"uid {u!r}: {why}")
+            continue
         try:
             groups.append(GroupRecord.from_padded(
                 group_id=f"{step}:{u}", prompt_ids=prompt, completion_ids=t["responses"][idx],
                 completion_mask=rmask[idx], logprobs=t["old_log_probs"][idx], loss_mask=t["response_mask"][idx],
-                advantages=adv[idx], rewards=rewards[idx], birth_step=step, extras=extras,
+                advantages=adv[idx], rewards=rewards[idx], birth_step=step, extras=extras, mm_inputs=inputs,
             ))
         except ReplayInputError as e:
             problems.append(str(e))
@@ -159,13 +167,16 @@ def groups_from_batch(
 
 
 def _pad(x: torch.Tensor, width: int, side: str, value) -> torch.Tensor:
-    extra = width - x.shape[1]
+    axis = 2 if x.dim() == 3 else 1  # (B, K, W) multi-row position ids: pad the sequence axis
+    extra = width - x.shape[axis]
     if extra < 0:
-        raise ValueError(f"cannot pad width {x.shape[1]} down to {width}")
+        raise ValueError(f"cannot pad width {x.shape[axis]} down to {width}")
     if extra == 0:
         return x
-    pad = x.new_full((x.shape[0], extra, *x.shape[2:]), value)
-    return torch.cat([pad, x], dim=1) if side == "left" else torch.cat([x, pad], dim=1)
+    shape = list(x.shape)
+    shape[axis] = extra
+    pad = x.new_full(shape, value)
+    return torch.cat([pad, x], dim=axis) if side == "left" else torch.cat([x, pad], dim=axis)
 
 
 def pad_batch_tensors(tensors: dict[str, torch.Tensor], *, P: int, R: int, old_P: int,
@@ -179,7 +190,7 @@ def pad_batch_tensors(tensors: dict[str, torch.Tensor], *, P: int, R: int, old_P
         elif k in PROMPT_KEYS:
             out[k] = _pad(v, P, "left", val)
         elif k in SEQ_KEYS:
-            out[k] = torch.cat([_pad(v[:, :old_P], P, "left", val), _pad(v[:, old_P:], R, "right", val)], dim=1)
+            out[k] = torch.cat([_pad(v[..., :old_P], P, "left", val), _pad(v[..., old_P:], R, "right", val)], dim=-1)
         else:
             out[k] = _pad(v, R, "right", val)
     return out
@@ -194,10 +205,15 @@ def padded_rows(groups: Sequence[GroupRecord], *, pad_token_id: int) -> tuple[Pa
     pg = pad_groups(groups, pad_token_id=pad_token_id)
     attn = torch.cat([pg.prompt_mask, pg.completion_mask], dim=1)
     lmask = pg.loss_mask.long()
+    if groups and mm.POSITIONS in groups[0].mm_inputs:  # (Rr, K, P'+R') multimodal rotary positions
+        P, R = pg.prompt_ids.shape[1], pg.completion_ids.shape[1]
+        pos = torch.cat([mm.row_positions(g, P=P, R=R, like=attn) for g in groups])
+    else:
+        pos = compute_position_id_with_mask(attn)
     return pg, {
         "prompts": pg.prompt_ids, "responses": pg.completion_ids,
         "input_ids": torch.cat([pg.prompt_ids, pg.completion_ids], dim=1), "attention_mask": attn,
-        "position_ids": compute_position_id_with_mask(attn), "response_mask": lmask,
+        "position_ids": pos, "response_mask": lmask,
         "old_log_probs": pg.logprobs, "advantages": pg.advantages[:, None] * lmask,
     }
 
@@ -207,7 +223,8 @@ def replay_rows(groups: Sequence[GroupRecord], *, like: DataProto, P: int, R: in
     """Replay rows with exactly the keys of the fresh batch ``like``, at widths (P, R).
 
     Tensor keys are filled as :data:`REPLAY_FILL` says (dtype of ``like``); non-tensor keys get
-    ``uid`` = group id, empty ``multi_modal_inputs`` and None elsewhere, plus ``hdr_replay=True``.
+    ``uid`` = group id, ``multi_modal_inputs`` = the group's stored dict (one shared by its rows; empty for
+    text groups) and None elsewhere, plus ``hdr_replay=True``.
     Raises RuntimeError naming a key that cannot be filled (e.g. reference log-probs not stored).
     """
     pg, base = padded_rows(groups, pad_token_id=pad_token_id)
@@ -238,7 +255,7 @@ def replay_rows(groups: Sequence[GroupRecord], *, like: DataProto, P: int, R: in
         if k == "uid":
             non_tensors[k] = uid
         elif k == "multi_modal_inputs":
-            non_tensors[k] = np.array([{} for _ in range(rows)], dtype=object)
+            non_tensors[k] = mm.rows_object(groups, pg.row_group.tolist())
         else:
             non_tensors[k] = np.full(rows, None, dtype=object)
     non_tensors[REPLAY_FLAG] = np.ones(rows, dtype=bool)
@@ -257,4 +274,7 @@ def scoring_batch(groups: Sequence[GroupRecord], *, pad_token_id: int,
     meta = dict(meta_info or {})
     meta["global_token_num"] = t["attention_mask"].sum(dim=-1).tolist()
     uid = np.array([groups[int(g)].group_id for g in pg.row_group.tolist()], dtype=object)
-    return DataProto.from_dict(tensors={k: t[k] for k in keep}, non_tensors={"uid": uid}, meta_info=meta), pg
+    non_tensors = {"uid": uid}
+    if any(g.mm_inputs for g in groups):
+        non_tensors["multi_modal_inputs"] = mm.rows_object(groups, pg.row_group.tolist())
+    return DataProto.from_dict(tensors={k: t[k] for k in keep}, non_tensors=non_tensors, meta_info=meta), pg

@@ -9,7 +9,7 @@ P_i prompt and L_i response tokens; shape glossary of :mod:`hdreplay.record`):
     responses       (L_i,)       int64 response ids (tool / observation tokens included)
     input_ids       (P_i+L_i,)   prompts ; responses
     attention_mask  (P_i+L_i,)   ones
-    position_ids    (P_i+L_i,)   arange (text models)
+    position_ids    (P_i+L_i,)   arange (text models); (K, P_i+L_i) for multimodal rotary VLMs (Qwen2-VL: K = 4)
     response_mask   (L_i,)       1 where the policy generated the token: the loss mask
     loss_mask       (L_i,)       = response_mask (verl's agent loop writes both)
     old_log_probs   (L_i,)       log-probs of the trainer's policy before the update (pi_old)
@@ -17,12 +17,19 @@ P_i prompt and L_i response tokens; shape glossary of :mod:`hdreplay.record`):
     rm_scores       (L_i,)       the reward on the last response token
     ref_log_prob    (L_i,)       with a reference policy (KL loss)
     uid             str          non-tensor: one per prompt, i.e. per GRPO group
+    multi_modal_inputs dict      non-tensor: the processor's tensors for the row's prompt ({} for text); the n
+                                 rows of a uid hold copies -- stored once per group (:mod:`.mm`)
     ... plus fields the actor update does not read (:data:`NOT_READ`) and the dataset's non-tensor columns.
 
 Rows tagged ``is_padding`` (verl's own synthetic rows) are not trajectories and are skipped.  Replay rows
 are written as per-row dicts (``list_of_dict_to_tensordict``) holding exactly :func:`update_fields`;
 the actor batch's ``KVBatchMeta.fields`` is set to that list, so the workers fetch the same fields for
 fresh and replay rows (TransferQueue silently returns the *intersection* of the rows' fields).
+
+Vision-language rows: a group stores its prompt's ``multi_modal_inputs`` once and, for K-row positions, the
+prompt's ``(P, K)`` positions; responses must be text whose positions continue the prompt's (checked on every
+row, else the group is skipped with a reason).  Replay and scoring rows get the dict back (shared by the group's
+rows) and ``(K, P+L)`` positions rebuilt from that rule; padding rows get ``{}`` and K-row ``arange`` positions.
 """
 
 from __future__ import annotations
@@ -34,14 +41,17 @@ import torch
 
 from ...errors import ReplayInputError
 from ...record import GroupRecord
+from . import mm
 from .dataproto import STORED_EXTRAS, response_level
 
 #: fields the actor update reads, and how replay rows fill them
 REPLAY_FILL = {
     "prompts": "stored prompt ids", "responses": "stored response ids", "input_ids": "prompts ; responses",
-    "attention_mask": "ones", "position_ids": "arange(P + L)", "response_mask": "stored loss mask",
+    "attention_mask": "ones", "position_ids": "arange(P + L), or the stored prompt's K-row positions continued",
+    "response_mask": "stored loss mask",
     "loss_mask": "stored loss mask", "old_log_probs": "stored generation-time log-probs",
     "advantages": "stored A_i * loss mask", "ref_log_prob": "stored reference log-probs", "uid": "group id",
+    "multi_modal_inputs": "the group's stored processor inputs (one dict shared by its rows; {} for text)",
 }
 #: tensor fields of a v1 batch that the actor update never reads (not sent to the workers for the update);
 #: ``log_probs`` / ``entropy`` are the full-sequence outputs the log-prob passes leave in TransferQueue
@@ -72,7 +82,7 @@ def update_fields(data) -> list[str]:
     """Fields of the actor batch (fresh rows as read from TransferQueue): what replay rows must carry.
 
     Raises RuntimeError naming every tensor field replay rows could not fill (or that this module does
-    not know), a missing required field, and multimodal rows.
+    not know), a missing required field, and position ids of more than one row per token.
     """
     keys = set(data.keys())
     missing = [k for k in REQUIRED if k not in keys]
@@ -85,12 +95,10 @@ def update_fields(data) -> list[str]:
             f"the v1 actor batch has tensor field(s) {bad} that replayed rows cannot carry ({why}). Disable the "
             f"feature that produces them or run with hdr.selector=none. Fields replay fills: {sorted(REPLAY_FILL)}"
         )
-    if "multi_modal_inputs" in keys and any(bool(x) for x in _values(data, "multi_modal_inputs")):
-        raise RuntimeError("the batch has non-empty multi_modal_inputs: hdreplay does not store images; text only")
     pos = data.get("position_ids")
-    if pos.dim() != 2:  # nested (B, j) for text; (B, K, j) for mrope vision-language models
-        raise RuntimeError(f"position_ids with {pos.dim() - 1} dims per row (multimodal rope): hdreplay replays "
-                           "text models only")
+    if pos.dim() not in (2, 3):  # nested (B, j) for text; (B, K, j) for mrope vision-language models
+        raise RuntimeError(f"position_ids with {pos.dim() - 1} dims per row: hdreplay replays (L,) and (K, L) "
+                           "position ids only")
     return [k for k in REPLAY_FILL if k in keys]
 
 
@@ -113,6 +121,7 @@ class FreshGroups:
     rows:      indices (into the batch) of the real (non-padding) rows
     fields:    the update fields (see :func:`update_fields`)
     dtypes:    field -> dtype of the fresh rows (replay rows use the same)
+    position_rows: K for ``(K, L)`` multimodal rotary positions, None for ``(L,)``
     """
 
     groups: list[GroupRecord]
@@ -121,6 +130,7 @@ class FreshGroups:
     rows: list[int]
     fields: list[str]
     dtypes: dict[str, torch.dtype]
+    position_rows: int | None = None
 
 
 def fresh_groups(data, tags: Sequence[dict], *, step: int, group_size: int, estimator: str = "?") -> FreshGroups:
@@ -128,7 +138,8 @@ def fresh_groups(data, tags: Sequence[dict], *, step: int, group_size: int, esti
 
     Stores per group: the prompt (P,), the n responses concatenated, ``response_mask`` as the loss mask,
     ``old_log_probs`` as generation-time log-probs, response-level advantages, rewards = ``rm_scores`` summed,
-    and the :data:`~.dataproto.STORED_EXTRAS` present.  Group ids are ``"<step>:<uid>"``.
+    and the :data:`~.dataproto.STORED_EXTRAS` present, and a vision-language prompt's inputs
+    (:func:`.mm.capture_rows`).  Group ids are ``"<step>:<uid>"``.
     """
     fields = update_fields(data)
     rows = [i for i, t in enumerate(tags) if not is_padding(t)]
@@ -136,12 +147,14 @@ def fresh_groups(data, tags: Sequence[dict], *, step: int, group_size: int, esti
     prompts, responses = _rows(data["prompts"]), _rows(data["responses"])
     masks, lps, scores = _rows(data["response_mask"]), _rows(data["old_log_probs"]), _rows(data["rm_scores"])
     pos = _rows(data["position_ids"])
+    K = data["position_ids"].shape[1] if data["position_ids"].dim() == 3 else None
+    mm_rows = _values(data, "multi_modal_inputs") if "multi_modal_inputs" in data.keys() else None
     extras = {name: _rows(data[key]) for key, name in STORED_EXTRAS.items() if key in data.keys()}
     adv = response_level(data["advantages"].to_padded_tensor(0.0), data["response_mask"].to_padded_tensor(0),
                          estimator=estimator)
     rows_of: dict[str, list[int]] = {}
     for i in rows:
-        if not torch.equal(pos[i].long(), torch.arange(pos[i].numel())):
+        if K is None and not torch.equal(pos[i].long(), torch.arange(pos[i].numel())):
             raise RuntimeError(f"row {i} (uid {uids[i]!r}) has position_ids that are not arange(P + L); hdreplay "
                                "rebuilds them that way for replayed rows and cannot replay this batch")
         rows_of.setdefault(uids[i], []).append(i)
@@ -152,23 +165,36 @@ def fresh_groups(data, tags: Sequence[dict], *, step: int, group_size: int, esti
             continue
         if any(not torch.equal(prompts[i], prompts[idx[0]]) for i in idx[1:]):
             raise RuntimeError(f"rows {idx} share uid {u!r} but not one prompt; GRPO groups must share a prompt")
+        inputs, why = mm.capture_rows(idx, mm_rows, pos, {i: prompts[i].numel() for i in idx})
+        if why is not None:
+            problems.append(f"uid {u!r}: {why}")
+            continue
         try:
             groups.append(GroupRecord.from_responses(
                 group_id=f"{step}:{u}", prompt_ids=prompts[idx[0]], completion_ids=[responses[i] for i in idx],
                 logprobs=[lps[i] for i in idx], loss_masks=[masks[i] for i in idx], advantages=adv[idx],
                 rewards=torch.stack([scores[i].float().sum() for i in idx]), birth_step=step,
-                extras={name: [v[i] for i in idx] for name, v in extras.items()},
+                extras={name: [v[i] for i in idx] for name, v in extras.items()}, mm_inputs=inputs,
             ))
         except ReplayInputError as e:
             problems.append(str(e))
     dtypes = {k: data[k].dtype for k in fields if _is_tensor(data, k)}
-    return FreshGroups(groups, problems, len(rows_of), rows, fields, dtypes)
+    return FreshGroups(groups, problems, len(rows_of), rows, fields, dtypes, K)
 
 
-def _sequence(prompt: torch.Tensor, response: torch.Tensor, mask: torch.Tensor) -> dict[str, Any]:
+def _sequence(prompt: torch.Tensor, response: torch.Tensor, mask: torch.Tensor,
+              group: GroupRecord | None = None) -> dict[str, Any]:
+    """The token fields of one row; a vision-language ``group`` adds its ``multi_modal_inputs`` and, when it
+    stored K-row prompt positions, ``(K, P+L)`` positions continued over the response."""
     ids = torch.cat([prompt, response])
-    return {"prompts": prompt, "responses": response, "input_ids": ids, "attention_mask": torch.ones_like(ids),
-            "position_ids": torch.arange(ids.numel()), "response_mask": mask, "loss_mask": mask}
+    row = {"prompts": prompt, "responses": response, "input_ids": ids, "attention_mask": torch.ones_like(ids),
+           "position_ids": torch.arange(ids.numel()), "response_mask": mask, "loss_mask": mask,
+           "multi_modal_inputs": {}}
+    if group is not None and group.mm_inputs:
+        row["multi_modal_inputs"] = mm.processor_inputs(group)
+        if mm.POSITIONS in group.mm_inputs:
+            row["position_ids"] = mm.sequence_positions(group, response.numel())
+    return row
 
 
 def _tag(prompt_len: int, response_len: int, **extra) -> dict:
@@ -197,7 +223,7 @@ def replay_rows(groups: Sequence[GroupRecord], *, fields: Sequence[str], dtypes:
         ref = split(g.extras["ref_logprobs"]) if "ref_log_prob" in fields else None
         for j, (resp, lm, lp) in enumerate(zip(g.responses(), split(g.loss_mask), split(g.logprobs))):
             m = lm.long()
-            row = _sequence(g.prompt_ids.long(), resp.long(), m)
+            row = _sequence(g.prompt_ids.long(), resp.long(), m, g)
             row.update(old_log_probs=lp, advantages=g.advantages[j] * m.float(), uid=uid_of(g))
             if ref is not None:
                 row["ref_log_prob"] = ref[j]
@@ -206,27 +232,37 @@ def replay_rows(groups: Sequence[GroupRecord], *, fields: Sequence[str], dtypes:
     return out, tags
 
 
+def score_fields(groups: Sequence[GroupRecord]) -> list[str]:
+    """Fields the scoring pass sends: :data:`SCORE_FIELDS`, plus ``multi_modal_inputs`` for vision-language
+    groups (a buffer holds one multimodal schema, so the first group decides)."""
+    return [*SCORE_FIELDS, "multi_modal_inputs"] if groups and groups[0].mm_inputs else list(SCORE_FIELDS)
+
+
 def scoring_rows(groups: Sequence[GroupRecord]) -> tuple[list[dict], list[dict]]:
-    """Per-row field dicts (:data:`SCORE_FIELDS`) and tags for re-scoring the groups' stored tokens."""
+    """Per-row field dicts (:func:`score_fields`) and tags for re-scoring the groups' stored tokens."""
     out, tags = [], []
+    fields = score_fields(groups)
     for g in groups:
         for resp, lm in zip(g.responses(), g.split(g.loss_mask)):
-            row = _sequence(g.prompt_ids.long(), resp.long(), lm.long())
+            row = _sequence(g.prompt_ids.long(), resp.long(), lm.long(), g)
             row["uid"] = str(g.group_id)
-            out.append(row)
+            out.append({k: row[k] for k in fields})
             tags.append(_tag(g.prompt_ids.numel(), resp.numel()))
     return out, tags
 
 
 def padding_rows(count: int, *, fields: Sequence[str], dtypes: dict[str, torch.dtype], token_id: int,
-                 uid: str) -> tuple[list[dict], list[dict]]:
+                 uid: str, position_rows: int | None = None) -> tuple[list[dict], list[dict]]:
     """``count`` zero-loss rows (1 prompt + 1 response token, all masks 0) carrying exactly ``fields``.
 
     With ``response_mask = loss_mask = 0`` they add nothing to the loss or to the token count verl
-    normalizes by; tagged ``is_padding`` like verl's own synthetic rows.
+    normalizes by; tagged ``is_padding`` like verl's own synthetic rows.  ``position_rows`` = K gives them
+    ``(K, 2)`` positions (a batch's rows must agree on the position layout), and ``{}`` multimodal inputs.
     """
     tok = torch.tensor([int(token_id)])
     row = _sequence(tok, tok.clone(), torch.zeros(1, dtype=torch.long))
+    if position_rows is not None:
+        row["position_ids"] = torch.arange(2).repeat(position_rows, 1)
     row.update(old_log_probs=torch.zeros(1), advantages=torch.zeros(1), ref_log_prob=torch.zeros(1), uid=uid)
     row = _cast(row, fields, dtypes)
     return [dict(row) for _ in range(count)], [_tag(1, 1, is_padding=True) for _ in range(count)]

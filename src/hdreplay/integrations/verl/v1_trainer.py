@@ -50,7 +50,9 @@ from ...record import GroupRecord
 from .checkpoints import ReplayCheckpoints
 from .minibatches import actor_order, layout_metrics, padding_needed
 from .settings import validate_verl_config
-from .v1_rows import SCORE_FIELDS, fresh_groups, padding_rows, replay_rows, scoring_rows
+from ..common import split_by_schema
+from .mm import POSITIONS
+from .v1_rows import fresh_groups, padding_rows, replay_rows, score_fields, scoring_rows
 
 #: TransferQueue partition of the rows being re-scored (empty between calls)
 SCORE_PARTITION = "hdr_score"
@@ -108,15 +110,18 @@ class HDRTrainerMixin(ReplayCheckpoints):
         """
         cfg = self.config.actor_rollout_ref
         fields, tags = scoring_rows(groups)
+        names = score_fields(groups)
+        K = groups[0].mm_inputs[POSITIONS].shape[1] if POSITIONS in groups[0].mm_inputs else None
         micro = 1 if cfg.actor.use_dynamic_bsz else int(cfg.rollout.get("log_prob_micro_batch_size_per_gpu") or 1)
         n_pad = padding_needed(len(fields), minibatch_rows=self._actor_dp() * micro)
-        pad, pad_tags = padding_rows(n_pad, fields=SCORE_FIELDS, dtypes={}, token_id=self._token_id, uid="hdrpad")
+        pad, pad_tags = padding_rows(n_pad, fields=names, dtypes={}, token_id=self._token_id, uid="hdrpad",
+                                     position_rows=K)
         self._score_calls += 1
         tag = f"hdrs{self._update_step()}c{self._score_calls}n"
         keys = [f"{tag}{i}_0_0" for i in range(len(fields) + n_pad)]
         _put(keys, SCORE_PARTITION, fields + pad, tags + pad_tags)
         try:
-            meta = KVBatchMeta(partition_id=SCORE_PARTITION, keys=keys, tags=tags + pad_tags, fields=list(SCORE_FIELDS))
+            meta = KVBatchMeta(partition_id=SCORE_PARTITION, keys=keys, tags=tags + pad_tags, fields=names)
             meta.extra_info.update({"calculate_entropy": False, "compute_loss": False,
                                     "temperature": cfg.rollout.temperature})
             self.actor_rollout_wg.compute_log_prob(meta)
@@ -137,7 +142,7 @@ class HDRTrainerMixin(ReplayCheckpoints):
         rep, rep_tags = replay_rows(groups, fields=fresh.fields, dtypes=fresh.dtypes)
         n_pad = padding_needed(len(rep) + len(fresh.rows), minibatch_rows=minibatch_rows)
         pad, pad_tags = padding_rows(n_pad, fields=fresh.fields, dtypes=fresh.dtypes, token_id=self._token_id,
-                                     uid=f"hdrpad{step}")
+                                     uid=f"hdrpad{step}", position_rows=fresh.position_rows)
         rep_keys = [f"hdrr{step}n{i}_0_0" for i in range(len(rep))]
         pad_keys = [f"hdrp{step}n{i}_0_0" for i in range(n_pad)]
         _put(rep_keys + pad_keys, batch.partition_id, rep + pad, rep_tags + pad_tags)
@@ -162,8 +167,11 @@ class HDRTrainerMixin(ReplayCheckpoints):
         m = int(cfg.actor.ppo_mini_batch_size) * n
         data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id)
         fresh = fresh_groups(data, batch.tags, step=step, group_size=n, estimator=str(self.config.algorithm.adv_estimator))
+        # vision-language runs: a text-only prompt (or another image layout) is skipped, not fatal
+        admitted, unfit = split_by_schema(fresh.groups, self.replay.buffer.mm_schema)
+        fresh.problems.extend(unfit)
         sel = self.replay.select(step=step, scorer=self._replay_scorer)
-        self.replay.stage(fresh.groups, step=step)
+        self.replay.stage(admitted, step=step)
         actor, info = self._write_actor_batch(batch, fresh, sel.groups, step=step, minibatch_rows=m, dp=dp)
         try:
             super()._update_actor(actor, metrics)
