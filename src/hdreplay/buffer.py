@@ -182,6 +182,18 @@ class ReplayBuffer:
         m = min(check_int("limit", limit, hi=MAX_STEP), self._size)
         return np.arange(self._next_id - 1, self._next_id - 1 - m, -1, dtype=np.int64)
 
+    def group_means(self, field: str, *, absolute: bool = True) -> np.ndarray:
+        """(size,) float64, oldest first: per live group the mean over its responses of ``field`` ("rewards" or
+        "advantages"), of absolute values when ``absolute`` (read from the flat storage, no copies of groups)."""
+        field = check_str("field", field, ("rewards", "advantages"))
+        out = []
+        for b in self._blocks:
+            v = getattr(b, field).double().numpy()
+            v = np.abs(v) if absolute else v
+            n = np.diff(b.resp_off)
+            out.append(np.add.reduceat(v, b.resp_off[:-1]) / n if b.count else np.zeros(0))
+        return np.concatenate(out) if out else np.zeros(0)
+
     # ------------------------------------------------------------------ mutation
     def validate(self, records: Sequence[GroupRecord]) -> None:
         """Raise if ``records`` cannot be appended; the buffer is not modified."""
@@ -279,6 +291,16 @@ class ReplayBuffer:
             self._blocks[0] = self._blocks[0].tail(lo - self._blocks[0].first_id)
             self._block_first[0] = lo
         return out
+
+    def evict_older_than(self, max_age: int, *, step: int) -> list[dict[str, Any]]:
+        """Evict the oldest groups while their age ``step - birth_step`` is >= ``max_age`` (a prefix in insertion
+        order; groups are appended in birth order).  Returns their lifetime records."""
+        max_age = check_int("max_age", max_age, hi=MAX_STEP)
+        step = check_step("step", step)
+        births = self._slots["birth_step"][self._slot(self.insertion_ids())]
+        old = step - births >= max_age
+        k = int(np.argmin(old)) if not old.all() else self._size
+        return self._evict(k, step)
 
     def refresh(self, ids, values, *, step: int) -> None:
         """Set the cached Headroom of ``ids`` (distinct, live) to ``values`` (runtime Headroom at ``step``)."""

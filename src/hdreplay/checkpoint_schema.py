@@ -20,7 +20,7 @@ Resuming under a different configuration (the decision this module encodes):
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any, Mapping
 
 import numpy as np
@@ -29,13 +29,15 @@ import torch
 from .adaptive import TauState
 from .errors import CheckpointError, ReplayConfigError
 from .multimodal import Schema, schema_from_json
+from .sampling import rng_from_state
 from .storage import PAYLOAD_DTYPES, Block
 from .validate import MAX_COUNT, MAX_STEP, is_int, is_real
 
 #: configuration fields whose change at resume is refused / reported with a warning
 CONFIG_REFUSED = ("capacity", "headroom_weighting")
 CONFIG_WARNED = ("selector", "k_rep", "tau", "drift_norm", "ingress", "answer_threshold", "truncate_multiple",
-                 "max_scan", "acceptance_ema", "adaptive_tau", "group_size")
+                 "max_scan", "acceptance_ema", "adaptive_tau", "group_size", "seed", "priority_alpha", "age_decay",
+                 "is_beta", "max_age")
 BUFFER_META_KEYS = ("capacity", "group_size", "next_id", "size", "group_ids", "birth_steps", "extras_keys")
 _TORCH = {np.int64: torch.int64, np.float64: torch.float64}
 
@@ -58,6 +60,7 @@ class ControllerState:
     tau_state: TauState | None
     starved_steps: int
     changes: list[str]  # "name: saved -> configured" for every warned configuration change
+    rng_state: dict | None = None  # the random orders' generator (None: saved before it existed)
 
 
 def _int(x: Any, lo: int, hi: int) -> bool:
@@ -168,13 +171,19 @@ def parse_controller_state(tensors: Any, meta: Any, *, config: Any, where: str =
     starved = meta.get("starved_steps", 0)
     if not _int(starved, 0, MAX_STEP - 1):
         raise bad(f"starved_steps {starved!r} is not an int >= 0")
-    buf = parse_buffer_state(tensors, meta["buffer"], capacity=config.capacity, group_size=config.group_size,
+    buf = parse_buffer_state(tensors, meta["buffer"], capacity=config.unit_capacity,
+                             group_size=1 if config.unit == "rollout" else config.group_size,
                              slot_fields=_slot_fields(), where=f"{where} (buffer)")
     if buf.size and (last is None or max(buf.block.birth_steps) > last or buf.slots["refresh_step"].max() > last):
         raise bad(f"stored groups were born or refreshed after last_step {last!r}")
     tau_state = _tau_state(meta.get("tau_state"), config, bad)
-    changes = [f"{k}: {saved.get(k)!r} -> {now[k]!r}" for k in CONFIG_WARNED if saved.get(k) != now[k]]
-    return ControllerState(buf, float(rate), last, tau_state, starved, changes)
+    rng = meta.get("sampler_state")
+    if rng is not None:
+        rng_from_state(rng, where=f"{where}: sampler_state")  # raises CheckpointError if malformed
+    defaults = {f.name: f.default for f in fields(type(config))}  # settings added after a checkpoint was written
+    changes = [f"{k}: {saved.get(k, defaults[k])!r} -> {now[k]!r}" for k in CONFIG_WARNED
+               if saved.get(k, defaults[k]) != now[k]]
+    return ControllerState(buf, float(rate), last, tau_state, starved, changes, rng)
 
 
 def _tau_state(d: Any, config: Any, bad) -> TauState | None:

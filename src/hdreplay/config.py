@@ -80,8 +80,10 @@ class ReplayConfig:
     selector: str = knob(
         "headroom_drift",
         "replay rule: headroom_drift (the paper: cached-Headroom order + Drift gate), headroom_only (no gate), "
-        "drift_only (recency order + gate), recency (latest K groups, the paper's 'GRPO + replay'), none "
-        "(on-policy)", choices=tuple(SELECTORS))
+        "drift_only (recency order + gate), recency (latest K groups, the paper's 'GRPO + replay'), uniform (K groups "
+        "uniformly at random), freshper (K groups in proportion to ((mean|r| + eps) exp(-age/age_decay))^alpha), "
+        "adv_priority (k_rep x n single rollouts in proportion to |A|^alpha), none (on-policy)",
+        choices=tuple(SELECTORS))
     k_rep: int = knob(64, "replay budget K_rep: groups replayed per step (>= 0)")
     tau: float = knob(1e-3, "Drift threshold: a scanned group is replayed iff Drift <= tau (>= 0; paper: 1e-3 "
                             "single-turn reasoning, 1e-2 agentic search, l2 norm)")
@@ -91,8 +93,8 @@ class ReplayConfig:
     headroom_weighting: str = knob("sign", "sign (paper) or advantage (|A_i|-weighted Headroom)",
                                    choices=HEADROOM_WEIGHTINGS)
     ingress: Union[str, Callable] = knob(
-        "mixed", "ingress rule: mixed (rewards not all equal) or answer (1 <= #{r_i >= answer_threshold} <= n-1); "
-                 "from Python also a callable GroupRecord -> bool", flat=str, choices=INGRESS_RULES)
+        "mixed", "ingress rule: mixed (rewards not all equal), answer (1 <= #{r_i >= answer_threshold} <= n-1) or "
+                 "all (every group); from Python also a callable GroupRecord -> bool", flat=str, choices=INGRESS_RULES)
     answer_threshold: float | None = knob(
         None, "a_i = 1[r_i >= answer_threshold] for ingress=answer (paper: 0.9 for rewards 0/0.1/0.9/1.0)",
         flat=float)
@@ -119,6 +121,18 @@ class ReplayConfig:
         None, "move tau within bounds (loosen when replay starves, tighten when replay KL rises); tau is the start. "
               "An AdaptiveTau, or its fields as a dict / JSON object, e.g. {\"tau_min\": 1e-4, \"tau_max\": 0.1}",
         flat="json")
+    seed: int = knob(0, "seed of the random orders (uniform, freshper, adv_priority); their generator state is "
+                        "checkpointed, so a resumed run draws what the uninterrupted one draws")
+    priority_alpha: float = knob(0.6, "freshper / adv_priority: units are drawn in proportion to priority^alpha "
+                                      "(>= 0; 0 = uniform; FreshPER's priority_exponent 0.6)")
+    age_decay: float | None = knob(
+        None, "freshper / adv_priority: multiply the priority by exp(-age / age_decay), age in steps (> 0; FreshPER's "
+              "tau_age; unset = no decay, i.e. plain PER)", flat=float)
+    is_beta: float = knob(0.0, "freshper / adv_priority: PER importance weights (N P(i))^-beta / max on the replayed "
+                               "rows' loss, in [0, 1] (0 = off; FreshPER / PER: 0.4)")
+    max_age: int | None = knob(
+        None, "no unit older than max_age steps is replayed, and units reaching that age are evicted at commit "
+              "(>= 1; unset = FIFO capacity only; adv_priority's tau_max)", flat=int)
 
     def __post_init__(self) -> None:
         if not isinstance(self.selector, str) or self.selector not in SELECTORS:
@@ -162,6 +176,25 @@ class ReplayConfig:
         for name in ("diagnose_ungated", "counterfactual"):
             if not isinstance(getattr(self, name), bool):
                 raise _err(name, f"must be True or False, got {getattr(self, name)!r}")
+        if not _is_int(self.seed) or not 0 <= self.seed < 2**63:
+            raise _err("seed", f"must be an int in [0, 2**63), got {self.seed!r}")
+        if not _is_real(self.priority_alpha) or not math.isfinite(self.priority_alpha) or self.priority_alpha < 0:
+            raise _err("priority_alpha", f"must be a finite number >= 0, got {self.priority_alpha!r}")
+        if self.age_decay is not None and (not _is_real(self.age_decay) or not math.isfinite(self.age_decay)
+                                           or self.age_decay <= 0):
+            raise _err("age_decay", f"must be unset or a finite number > 0 (steps), got {self.age_decay!r}")
+        if not _is_real(self.is_beta) or not 0 <= self.is_beta <= 1:
+            raise _err("is_beta", f"must be a number in [0, 1], got {self.is_beta!r}")
+        if self.max_age is not None and (not _is_int(self.max_age) or not 1 <= self.max_age <= MAX_CAPACITY):
+            raise _err("max_age", f"must be unset or an int in [1, {MAX_CAPACITY}] (steps), got {self.max_age!r}")
+        spec = SELECTORS[self.selector]
+        if (self.age_decay is not None or self.is_beta > 0) and spec.order != "proportional":
+            name = "age_decay" if self.age_decay is not None else "is_beta"
+            raise _err(name, f"applies to the proportional selectors (freshper, adv_priority), not "
+                             f"selector={self.selector!r}; leave it unset")
+        if spec.unit == "rollout" and self.group_size is None:
+            raise _err("group_size", f"selector {self.selector!r} stores single rollouts and counts k_rep and capacity "
+                                     "in groups' worth of rows (x group_size); set group_size")
         if self.adaptive_tau is not None:
             if not isinstance(self.adaptive_tau, AdaptiveTau):
                 raise _err("adaptive_tau", f"must be unset or an AdaptiveTau, got {self.adaptive_tau!r}")
@@ -170,9 +203,36 @@ class ReplayConfig:
                 raise _err("tau", f"tau={self.tau:g} must lie within adaptive_tau's bounds [{lo:g}, {hi:g}]")
 
     @property
+    def unit(self) -> str:
+        """What the buffer stores: "group" or "rollout" (single responses; ``adv_priority``)."""
+        return SELECTORS[self.selector].unit
+
+    @property
+    def rows_per_unit(self) -> int:
+        """Budgets are in groups: a rollout-unit buffer holds ``capacity * group_size`` rollouts and replays
+        ``k_rep * group_size`` of them, the rows ``k_rep`` groups would give."""
+        return self.group_size if self.unit == "rollout" else 1
+
+    @property
+    def unit_budget(self) -> int:
+        """Units replayed per step at most (k_rep groups, or k_rep x group_size rollouts)."""
+        return self.k_rep * self.rows_per_unit
+
+    @property
+    def unit_capacity(self) -> int:
+        return self.capacity * self.rows_per_unit
+
+    @property
+    def unit_multiple(self) -> int:
+        """The accepted list is cut to a multiple of this many units (``truncate_multiple`` groups' worth)."""
+        return self.truncate_multiple * self.rows_per_unit
+
+    @property
     def scan_budget(self) -> int:
         """Groups that may be re-scored per step (``max_scan``, or its automatic value)."""
-        return self.max_scan if self.max_scan is not None else min(self.capacity, 8 * self.k_rep)
+        if self.max_scan is not None:
+            return self.max_scan * self.rows_per_unit
+        return min(self.unit_capacity, 8 * self.unit_budget)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-able view (a callable ingress rule is shown by its name)."""

@@ -24,11 +24,12 @@ from __future__ import annotations
 import copy
 import os
 import warnings
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 import torch
 
+from . import sampling
 from .adaptive import TauState, update_tau
 from .buffer import ReplayBuffer
 from .checkpoint import read_checkpoint_dir, write_checkpoint_dir
@@ -43,7 +44,7 @@ from .ingress import make_ingress_rule
 from .record import GroupRecord
 from .scores import reference_headroom
 from .selection import Scorer, Selection, empty_selection, select_replay
-from .validate import MAX_COUNT, check_bool, check_int, check_path, check_sequence, check_step
+from .validate import MAX_COUNT, check_bool, check_int, check_path, check_sequence, check_step, is_int, is_real
 
 #: consecutive starved steps (budget unfilled, gate pass rate < STARVED_RATE) before a ReplayStarvedWarning
 STARVED_STEPS = 5
@@ -70,7 +71,7 @@ class ReplayController:
             raise ReplayConfigError(f"diagnostics_dir: must be a path or None, got {type(diagnostics_dir).__name__}",
                                     field="diagnostics_dir")
         self.config = config
-        self.buffer = ReplayBuffer(config.capacity, group_size=config.group_size)
+        self.buffer = ReplayBuffer(config.unit_capacity, group_size=buffer_group_size(config))
         self.ingress_rule = make_ingress_rule(config.ingress, answer_threshold=config.answer_threshold)
         self.acceptance_rate = 1.0
         self.tau_state = TauState(tau=float(config.tau)) if config.adaptive_tau is not None else None
@@ -83,6 +84,8 @@ class ReplayController:
         self._staged_ref: list[float] = []
         self._candidates = 0
         self._starved_steps = 0
+        #: the random orders' generator state as of the last commit (a selection draws from a copy)
+        self.rng_state = sampling.rng_state(sampling.new_rng(config.seed))
 
     # ------------------------------------------------------------------ protocol
     def _check_step(self, step: int, what: str) -> int:
@@ -108,8 +111,8 @@ class ReplayController:
             raise ReplayInputError(f"select: scorer must be a callable or None, got {type(scorer).__name__}")
         if self._selection is not None:
             raise ReplayProtocolError(f"select(step={step}) called twice; one selection per step")
-        sel = select_replay(self.buffer, self.config, scorer, step=step,
-                            acceptance_rate=self.acceptance_rate, tau=self.tau)
+        sel = select_replay(self.buffer, self.config, scorer, step=step, acceptance_rate=self.acceptance_rate,
+                            tau=self.tau, rng=sampling.rng_from_state(self.rng_state))
         self._open_step, self._selection = step, sel
         return copy.copy(sel)
 
@@ -135,9 +138,18 @@ class ReplayController:
                     f"group {g.group_id!r} has birth_step {g.birth_step} but is staged at step {step}; "
                     "stage fresh groups at the step they were generated"
                 )
-        self.buffer.validate([*self._staged, *groups])
+        if self.config.unit == "group":
+            self.buffer.validate([*self._staged, *groups])
+        else:
+            bad = [g.group_id for g in groups if g.num_responses != self.config.group_size]
+            if bad:
+                raise ReplayInputError(f"group {bad[0]!r} does not have group_size={self.config.group_size} "
+                                       "responses; rollouts are stored from whole groups")
         admitted = [self._admit(g) for g in groups]
         chosen = [g.clone() for g, ok in zip(groups, admitted) if ok]
+        if self.config.unit == "rollout":
+            chosen = [r for g in chosen for r in split_rollouts(g)]
+            self.buffer.validate([*self._staged, *chosen])
         ref = reference_headroom(chosen, weighting=self.config.headroom_weighting).tolist() if chosen else []
         self._open_step = step
         self._staged.extend(chosen)
@@ -154,12 +166,17 @@ class ReplayController:
                                    "return a bool")
         return bool(out)
 
-    def commit(self, *, num_fresh_groups: int | None = None) -> dict[str, float]:
+    def commit(self, *, num_fresh_groups: int | None = None, counters: Mapping[str, Any] | None = None
+               ) -> dict[str, float]:
         """Close the open step after the policy update.
 
         Args:
             num_fresh_groups: fresh groups in this step's actor batch (default: groups staged),
                 so that |A_t| = fresh + replayed for the exposure weights W.
+            counters: what the integration measured beyond the selection, written into the step record:
+                ``generated_rows`` (fresh responses generated), ``rescored_rows`` / ``rescored_tokens``
+                (added to the selection's own), ``strategy`` (a name) and ``strategy_counters``
+                (name -> number).
         Returns:
             flat ``replay/*`` metrics of the step.
         """
@@ -167,6 +184,7 @@ class ReplayController:
             raise ReplayProtocolError("commit() without an open step; call select()/stage() first")
         fresh = self._candidates if num_fresh_groups is None else check_int(
             "commit: num_fresh_groups", num_fresh_groups, hi=MAX_COUNT)
+        extra = _check_counters(counters)
         step = self._open_step
         sel = self._selection or empty_selection(step, "none", len(self.buffer), self.tau)
         actor = fresh + len(sel.accepted)
@@ -180,14 +198,22 @@ class ReplayController:
         if len(sel.accepted):
             self.buffer.record_use(sel.accepted, weight=1.0 / actor)
         first_new = self.buffer.next_insertion_id
-        evicted = self.buffer.append(self._staged, ref_headroom=self._staged_ref, step=step)
+        evicted = [] if self.config.max_age is None else self.buffer.evict_older_than(self.config.max_age, step=step)
+        evicted += self.buffer.append(self._staged, ref_headroom=self._staged_ref, step=step)
+        if sel.rng_state is not None:
+            self.rng_state = sel.rng_state
         if self._staged and actor:
             # the fresh use at birth counts toward W_T(g) (paper Appendix A.4)
             self.buffer.add_exposure(np.arange(first_new, self.buffer.next_insertion_id), 1.0 / actor)
         rec = step_record(sel, k_rep=self.config.k_rep, tau=sel.tau,
                           ingress_candidates=self._candidates, ingress_admitted=len(self._staged),
                           evicted=len(evicted), num_fresh_groups=fresh, accepted_ages=np.asarray(ages),
-                          buffer_size_after=len(self.buffer))
+                          buffer_size_after=len(self.buffer),
+                          replayed_rows=sum(g.num_responses for g in sel.groups))
+        rec.rescored_rows += extra.pop("rescored_rows", 0)
+        rec.rescored_tokens += extra.pop("rescored_tokens", 0)
+        for k, v in extra.items():
+            setattr(rec, k, v)
         if self.tau_state is not None:
             self.tau_state = update_tau(self.tau_state, rec, self.config.adaptive_tau)
             rec.tau_next, rec.tau_action = self.tau_state.tau, self.tau_state.last_action
@@ -245,6 +271,7 @@ class ReplayController:
             "last_step": self.last_step,
             "tau_state": None if self.tau_state is None else self.tau_state.to_dict(),
             "starved_steps": self._starved_steps,
+            "sampler_state": self.rng_state,
             "config": self.config.to_dict(),
         }
         return tensors, meta
@@ -274,6 +301,7 @@ class ReplayController:
         self.last_step = state.last_step
         self.tau_state = state.tau_state
         self._starved_steps = state.starved_steps
+        self.rng_state = state.rng_state or sampling.rng_state(sampling.new_rng(self.config.seed))
         self.last_record = None
 
     def save(self, directory: str | os.PathLike, *, allow_open_step: bool = False) -> None:
@@ -318,3 +346,52 @@ class ReplayController:
             except ReplayInputError:
                 raise CheckpointError(f"{directory}: last_step {last!r} is not a step") from None
         return last
+
+
+def buffer_group_size(config: ReplayConfig) -> int | None:
+    """Responses per stored unit: 1 for a rollout-unit selector, else ``config.group_size``."""
+    return 1 if config.unit == "rollout" else config.group_size
+
+
+def split_rollouts(group: GroupRecord, *, keep_zero_advantage: bool = False) -> list[GroupRecord]:
+    """A group as single-response records (ids ``"<group_id>/<i>"``), each keeping its response's stored advantage
+    (computed in its birth group); responses with no loss token are left out, and unless ``keep_zero_advantage``
+    (RePO stores every response) so are those with A_i = 0 (no gradient, no priority)."""
+    out = []
+    toks, lps, masks = group.responses(), group.split(group.logprobs), group.split(group.loss_mask)
+    extras = {k: group.split(v) for k, v in group.extras.items()}
+    for i in range(group.num_responses):
+        if (float(group.advantages[i]) == 0.0 and not keep_zero_advantage) or not bool(masks[i].any()):
+            continue
+        out.append(GroupRecord.from_responses(
+            group_id=f"{group.group_id}/{i}", prompt_ids=group.prompt_ids, completion_ids=[toks[i]],
+            logprobs=[lps[i]], loss_masks=[masks[i]], advantages=group.advantages[i:i + 1],
+            rewards=group.rewards[i:i + 1], birth_step=group.birth_step,
+            extras={k: [v[i]] for k, v in extras.items()}))
+    return out
+
+
+#: what ``commit(counters=...)`` accepts
+COUNTER_KEYS = ("generated_rows", "rescored_rows", "rescored_tokens", "strategy", "strategy_counters")
+
+
+def _check_counters(counters: Mapping[str, Any] | None) -> dict[str, Any]:
+    if counters is None:
+        return {}
+    if not isinstance(counters, Mapping) or set(counters) - set(COUNTER_KEYS):
+        raise ReplayInputError(f"commit: counters must be a mapping with keys from {list(COUNTER_KEYS)}, got "
+                               f"{counters!r:.100}")
+    out = dict(counters)
+    for k in ("generated_rows", "rescored_rows", "rescored_tokens"):
+        if k in out and not (is_int(out[k]) and out[k] >= 0):
+            raise ReplayInputError(f"commit: counters[{k!r}] must be an int >= 0, got {out[k]!r}")
+        if k in out:
+            out[k] = int(out[k])
+    if "strategy" in out and not isinstance(out["strategy"], str):
+        raise ReplayInputError(f"commit: counters['strategy'] must be a name, got {out['strategy']!r}")
+    sc = out.get("strategy_counters")
+    if sc is not None:
+        if not isinstance(sc, Mapping) or not all(isinstance(k, str) and is_real(v) for k, v in sc.items()):
+            raise ReplayInputError(f"commit: counters['strategy_counters'] must map names to numbers, got {sc!r:.100}")
+        out["strategy_counters"] = {k: float(v) for k, v in sc.items()}
+    return out

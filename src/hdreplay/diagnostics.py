@@ -95,6 +95,16 @@ class StepRecord:
     #: adaptive tau (``ReplayConfig.adaptive_tau``): the tau of the next step and the action taken
     tau_next: float | None = None
     tau_action: str | None = None
+    #: cost of the step, comparable across replay strategies (rows = responses): rows and completion tokens of
+    #: stored data forwarded under the current policy to select (re-scoring, entropy picks), rows replayed, and --
+    #: when the integration reports it -- fresh responses generated (discarded and re-evaluation ones included)
+    rescored_rows: int = 0
+    rescored_tokens: int = 0
+    replayed_rows: int = 0
+    generated_rows: int | None = None
+    #: the named strategy driving the step (``hdreplay.strategies``) and its own counters (name -> number)
+    strategy: str | None = None
+    strategy_counters: dict[str, float] | None = None
 
     def to_json(self) -> dict[str, Any]:
         """The JSON-able dict written to ``steps.jsonl`` (optional sections left out when unset)."""
@@ -107,7 +117,8 @@ class StepRecord:
 
 #: fields present only when their feature is on (counterfactual, adaptive tau)
 OPTIONAL_STEP_FIELDS = ("cf_size", "cf_drift_selected", "cf_drift_recency", "cf_headroom_selected",
-                        "cf_headroom_recency", "tau_next", "tau_action")
+                        "cf_headroom_recency", "tau_next", "tau_action", "generated_rows", "strategy",
+                        "strategy_counters")
 STEP_FIELDS = tuple(f.name for f in fields(StepRecord))
 
 
@@ -122,6 +133,7 @@ def step_record(
     num_fresh_groups: int,
     accepted_ages: np.ndarray,
     buffer_size_after: int,
+    replayed_rows: int = 0,
 ) -> StepRecord:
     """The per-step record of a committed selection."""
     gate_ok = sel.scanned_pass
@@ -166,6 +178,9 @@ def step_record(
         scan_pass=[bool(x) for x in gate_ok],
         scan_cached_headroom=[_f(x) for x in sel.scanned_cached],
         scan_headroom=[_f(x) for x in sel.scanned_headroom],
+        rescored_rows=sel.rescored_rows,
+        rescored_tokens=sel.rescored_tokens,
+        replayed_rows=replayed_rows,
         **_counterfactual_fields(sel, gate_ok),
     )
 
@@ -188,6 +203,7 @@ def _counterfactual_fields(sel: Selection, gate_ok: np.ndarray) -> dict[str, Any
 METRIC_KEYS = (
     "buffer_size", "ingress_admitted", "scanned", "accepted", "accept_rate", "budget_fill",
     "drift_accepted", "drift_rejected", "replay_kl", "mean_age", "evicted", "scorer_calls", "tau", "scan_capped",
+    "rescored_rows", "rescored_tokens", "replayed_rows",
 )
 
 
@@ -203,6 +219,11 @@ def metrics_from_record(rec: "StepRecord | Mapping[str, Any]", prefix: str = "re
         if v is not None and not isinstance(v, (int, float, np.integer, np.floating)):
             raise ReplayInputError(f"record[{k!r}]: must be a number or None, got {v!r}")
         out[f"{prefix}{k}"] = float("nan") if v is None else float(v)
+    for k in ("generated_rows",):
+        if get(k) is not None:
+            out[f"{prefix}{k}"] = float(get(k))
+    for k, v in (get("strategy_counters") or {}).items():
+        out[f"{prefix}{k}"] = float(v)
     return out
 
 

@@ -7,6 +7,7 @@ A rule is any callable ``(group: GroupRecord) -> bool``.  Two are built in:
 * :class:`AnswerBased` (multi-reward, paper Appendix C): a_i = 1[r_i >= threshold];
   admit iff 1 <= S(g) = sum_i a_i <= n - 1, so format-only reward variance
   (e.g. 0.0 vs 0.1) does not consume replay capacity.
+* :class:`Everything` ("all"): every group, zero-variance ones included.
 """
 
 from __future__ import annotations
@@ -27,7 +28,16 @@ def _rewards(group: GroupRecord) -> torch.Tensor:
     if not isinstance(group, GroupRecord):
         raise ReplayInputError(f"group: must be a GroupRecord, got {type(group).__name__}")
     return group.rewards
-INGRESS_RULES = ("mixed", "answer")
+INGRESS_RULES = ("mixed", "answer", "all")
+
+
+@dataclass(frozen=True)
+class Everything:
+    """Admit every group (a FIFO of all trajectories, as uniform FIFO replay's source pushes them)."""
+
+    def __call__(self, group: GroupRecord) -> bool:
+        _rewards(group)
+        return True
 
 
 @dataclass(frozen=True)
@@ -70,6 +80,8 @@ def make_ingress_rule(rule: Union[str, IngressRule], *, answer_threshold: float 
                                 f"{type(rule).__name__}", field="ingress")
     if rule == "mixed":
         return MixedOutcome()
+    if rule == "all":
+        return Everything()
     if rule == "answer":
         if answer_threshold is None:
             raise ReplayConfigError(

@@ -6,17 +6,24 @@ cache refresh and counters after the update.
 
 Every selector is an (order, gate) pair:
 
-=================  =====================  =====  ===========================================
-name               order                  gate   meaning
-=================  =====================  =====  ===========================================
-headroom_drift     cached Headroom, desc  yes    the paper's method
-headroom_only      cached Headroom, desc  no     PER-style priority, no compatibility gate
-drift_only         newest first           yes    recency order + Drift gate
-recency            newest first           no     "GRPO + replay": latest K groups
-none               -                      -      on-policy, nothing replayed
-=================  =====================  =====  ===========================================
+=================  ======================================  =====  ====================================
+name               order                                   gate   meaning
+=================  ======================================  =====  ====================================
+headroom_drift     cached Headroom, desc                   yes    the paper's method
+headroom_only      cached Headroom, desc                   no     PER-style priority, no gate
+drift_only         newest first                            yes    recency order + Drift gate
+recency            newest first                            no     "GRPO + replay": latest K groups
+uniform            uniform random, without replacement     no     uniform sampling from a FIFO
+freshper           proportional to p^alpha, p = (mean|r| + no     FreshPER: PER priority x exp(-age /
+                   eps) x exp(-age / age_decay)                   age_decay), PER importance weights
+adv_priority       rollouts proportional to |A|^alpha      no     rollout-level |A|-prioritised replay
+none               -                                       -      on-policy, nothing replayed
+=================  ======================================  =====  ====================================
 
-Ties in cached Headroom go to the older group (smaller insertion id).
+Ties in cached Headroom go to the older group (smaller insertion id).  The random orders draw from the
+controller's seeded generator (:mod:`hdreplay.sampling`), whose state is checkpointed with the buffer;
+``adv_priority`` stores single rollouts (``unit="rollout"``, see :mod:`hdreplay.controller`).  With
+``max_age`` set, no group older than ``max_age`` steps is ever selected, whatever the order.
 
 The scan (paper Appendix A.5, Proposition 3): walk the order, re-score each group
 under the current policy through the caller's ``scorer``, accept iff Drift <= tau,
@@ -37,6 +44,7 @@ from typing import TYPE_CHECKING, Callable, Sequence
 import numpy as np
 import torch
 
+from . import sampling
 from .errors import ReplayInputError
 from .record import GroupRecord
 from .scores import check_scorer_output, score_groups
@@ -57,12 +65,18 @@ MIN_ACCEPTANCE_RATE = 0.05
 @dataclass(frozen=True)
 class SelectorSpec:
     name: str
-    order: str | None  # "headroom" | "recency" | None
+    order: str | None  # "headroom" | "recency" | "uniform" | "proportional" | None
     gate: bool
     refresh: bool  # re-score selected groups even without a gate
+    priority: str | None = None  # proportional orders: "reward" (mean |r| + eps) or "advantage" (mean |A|)
+    unit: str = "group"  # "group" | "rollout" (single responses, see the controller)
 
     def needs_scoring(self, diagnose_ungated: bool) -> bool:
         return self.order is not None and (self.gate or self.refresh or diagnose_ungated)
+
+    @property
+    def random(self) -> bool:
+        return self.order in ("uniform", "proportional")
 
 
 SELECTORS: dict[str, SelectorSpec] = {
@@ -72,9 +86,15 @@ SELECTORS: dict[str, SelectorSpec] = {
         SelectorSpec("headroom_only", "headroom", gate=False, refresh=True),
         SelectorSpec("drift_only", "recency", gate=True, refresh=True),
         SelectorSpec("recency", "recency", gate=False, refresh=False),
+        SelectorSpec("uniform", "uniform", gate=False, refresh=False),
+        SelectorSpec("freshper", "proportional", gate=False, refresh=False, priority="reward"),
+        SelectorSpec("adv_priority", "proportional", gate=False, refresh=False, priority="advantage",
+                     unit="rollout"),
         SelectorSpec("none", None, gate=False, refresh=False),
     )
 }
+#: FreshPER's epsilon added to the |reward| priority (``priority_functions.reward_fresh_priority``)
+PRIORITY_EPS = 1e-6
 
 
 @dataclass
@@ -117,6 +137,16 @@ class Selection:
     scanned_group_ids: list = field(default_factory=list)
     #: the scan stopped at the scan budget (``ReplayConfig.scan_budget``) with the replay budget unfilled
     scan_capped: bool = False
+    #: (m',) per accepted unit, the loss weight its rows get (PER importance weights, ``is_beta`` > 0); None = 1
+    loss_weights: np.ndarray | None = None
+    #: the random orders' generator state after this selection (the controller keeps it at commit)
+    rng_state: dict | None = None
+    #: units the selection could draw from (all live units, or those within ``max_age``)
+    eligible: int = 0
+    #: rows and completion tokens of stored units forwarded under the current policy (scan, discarded tail of the
+    #: last chunk, counterfactual): the selection's forward cost
+    rescored_rows: int = 0
+    rescored_tokens: int = 0
 
 
 def empty_selection(step: int, name: str, size: int, tau: float) -> Selection:
@@ -143,6 +173,42 @@ def chunk_size(remaining: int, acceptance_rate: float, config: "ReplayConfig") -
     return int(min(config.max_scan_chunk, max(1, math.ceil(remaining / rate))))
 
 
+def _eligible(buffer: "ReplayBuffer", config: "ReplayConfig", step: int) -> np.ndarray:
+    """(size,) bool, oldest first: within ``max_age`` steps of ``step`` (all True when max_age is unset)."""
+    ids = buffer.insertion_ids()
+    if config.max_age is None:
+        return np.ones(len(ids), dtype=bool)
+    return step - buffer.slot_values("birth_step", ids) <= config.max_age
+
+
+def priorities(buffer: "ReplayBuffer", config: "ReplayConfig", step: int) -> np.ndarray:
+    """(size,) oldest first: the base priority of every live unit ("reward": mean |r_i| + eps, "advantage":
+    mean |A_i|) times exp(-age / age_decay) when ``age_decay`` is set (FreshPER's freshness factor)."""
+    spec = SELECTORS[config.selector]
+    base = buffer.group_means("rewards" if spec.priority == "reward" else "advantages")
+    if spec.priority == "reward":
+        base = base + PRIORITY_EPS
+    if config.age_decay is not None:
+        ages = step - buffer.slot_values("birth_step", buffer.insertion_ids())
+        base = base * np.exp(-ages / config.age_decay)
+    return base
+
+
+def _random_order(buffer: "ReplayBuffer", config: "ReplayConfig", rng: np.random.Generator, step: int, k: int,
+                  ok: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+    """(ids drawn in order, their loss weights or None) of a random order over the eligible units ``ok``."""
+    spec, ids = SELECTORS[config.selector], buffer.insertion_ids()
+    pos = np.flatnonzero(ok)
+    if spec.order == "uniform":
+        return ids[pos[sampling.uniform_order(rng, len(pos), k)]], None
+    w = priorities(buffer, config, step)[pos] ** config.priority_alpha
+    drawn = sampling.proportional_order(rng, w, k)
+    weights = None
+    if config.is_beta > 0 and len(drawn):
+        weights = sampling.importance_weights(w / w.sum(), drawn, config.is_beta)
+    return ids[pos[drawn]], weights
+
+
 def select_replay(
     buffer: "ReplayBuffer",
     config: "ReplayConfig",
@@ -151,6 +217,7 @@ def select_replay(
     step: int,
     acceptance_rate: float = 1.0,
     tau: float | None = None,
+    rng: np.random.Generator | None = None,
 ) -> Selection:
     """Choose this step's replay groups from the pre-existing buffer (does not modify it).
 
@@ -161,6 +228,8 @@ def select_replay(
         step: the step selecting (an int in [0, 2**53)).
         acceptance_rate: running gate pass rate in [0, 1] that sizes the scan chunks.
         tau: overrides ``config.tau`` (used by the adaptive-tau controller); finite, >= 0.
+        rng: the generator of the random orders (uniform, freshper, adv_priority); required by them.  It is
+            advanced; its state afterwards is returned in ``Selection.rng_state``.
     Returns:
         a :class:`Selection` with read-only arrays; its ``groups`` are copies of the stored groups.
     """
@@ -177,15 +246,32 @@ def select_replay(
     acceptance_rate = check_real("acceptance_rate", acceptance_rate, lo=0.0, hi=1.0)
     tau = config.tau if tau is None else check_real("tau", tau, lo=0.0)
     spec = SELECTORS[config.selector]
-    K, size = config.k_rep, len(buffer)
+    if spec.random and not isinstance(rng, np.random.Generator):
+        raise ReplayInputError(f"rng: selector {spec.name!r} draws at random; pass a numpy Generator")
+    K, size, u = config.unit_budget, len(buffer), config.unit_multiple
     if spec.order is None or K == 0 or size == 0:
         return empty_selection(step, spec.name, size, tau)
-    order_fn = buffer.order_by_cached_headroom if spec.order == "headroom" else buffer.order_by_recency
+    ok = _eligible(buffer, config, step)
+    weights = None
+    if spec.random:
+        drawn, weights = _random_order(buffer, config, rng, step, K, ok)
+        order_fn = lambda limit: drawn[:limit]  # noqa: E731
+    else:
+        full = buffer.order_by_cached_headroom if spec.order == "headroom" else buffer.order_by_recency
+        if config.max_age is None:
+            order_fn = full
+        else:  # the whole order, then the eligible part of it (ages are checked on every id)
+            live = set(buffer.insertion_ids()[ok].tolist())
+            allowed = np.asarray([i for i in full(size).tolist() if i in live], dtype=np.int64)
+            order_fn = lambda limit: allowed[:limit]  # noqa: E731
+    eligible = int(ok.sum())
 
     if not spec.needs_scoring(config.diagnose_ungated):
-        kept, cut = _truncate(order_fn(K), config.truncate_multiple)
+        kept, cut = _truncate(order_fn(K), u)
         sel = empty_selection(step, spec.name, size, tau)
         sel.accepted, sel.truncated, sel.groups = kept, cut, buffer.get(kept.tolist())
+        sel.loss_weights = None if weights is None else weights[:len(kept)]
+        sel.rng_state, sel.eligible = _state(rng, spec), eligible
         return _frozen(sel)
 
     if scorer is None:
@@ -195,9 +281,11 @@ def select_replay(
     cols: dict[str, list] = {k: [] for k in ("drift", "headroom", "kl", "pass", "tokens")}
     accepted: list[int] = []
     accepted_groups: list[GroupRecord] = []
-    limit = min(size, max(K, config.scan_budget))  # an ungated order always takes its K groups
+    limit = min(eligible, max(K, config.scan_budget))  # an ungated order always takes its K groups
+    if spec.random:
+        limit = len(drawn)
     prefix = order_fn(min(limit, max(K, chunk_size(K, acceptance_rate, config))))
-    pos, calls, unused, chunks = 0, 0, 0, []
+    pos, calls, unused, chunks, cost = 0, 0, 0, [], [0, 0]
     while len(accepted) < K and pos < limit:
         want = chunk_size(K - len(accepted), acceptance_rate, config) if spec.gate else K - len(accepted)
         want = min(want, limit - pos)
@@ -208,6 +296,8 @@ def select_replay(
         groups = buffer.get(ids.tolist())
         lps = check_scorer_output(groups, scorer(groups))
         calls += 1
+        cost[0] += sum(g.num_responses for g in groups)
+        cost[1] += sum(g.num_tokens for g in groups)
         chunks.append(len(ids))
         sc = score_groups(groups, lps, drift_norm=config.drift_norm, headroom_weighting=config.headroom_weighting)
         d, h, kl, ntok = (sc.drift.tolist(), sc.headroom.tolist(), sc.replay_kl.tolist(),
@@ -227,7 +317,7 @@ def select_replay(
                 accepted.append(gid)
                 accepted_groups.append(groups[j])
     acc = np.asarray(accepted, dtype=np.int64)
-    kept, cut = _truncate(acc, config.truncate_multiple)
+    kept, cut = _truncate(acc, u)
     sc_ids = np.asarray(scanned, dtype=np.int64)
     sel = Selection(
         step=step,
@@ -250,7 +340,12 @@ def select_replay(
         buffer_size=size,
         tau=tau,
         scanned_group_ids=buffer.group_ids(sc_ids),
-        scan_capped=len(accepted) < K and pos >= limit and limit < size,
+        scan_capped=len(accepted) < K and pos >= limit and limit < eligible,
+        loss_weights=None if weights is None else weights[:len(kept)],
+        rng_state=_state(rng, spec),
+        eligible=eligible,
+        rescored_rows=cost[0],
+        rescored_tokens=cost[1],
     )
     if config.counterfactual and len(kept) and spec.name != "recency":
         _counterfactual(sel, buffer, config, scorer, cols)
@@ -269,6 +364,8 @@ def _counterfactual(sel: Selection, buffer: "ReplayBuffer", config: "ReplayConfi
     extra = {}
     if missing:
         groups = buffer.get(missing)
+        sel.rescored_rows += sum(g.num_responses for g in groups)
+        sel.rescored_tokens += sum(g.num_tokens for g in groups)
         sc = score_groups(groups, check_scorer_output(groups, scorer(groups)), drift_norm=config.drift_norm,
                           headroom_weighting=config.headroom_weighting)
         extra = {g: (d, h) for g, d, h in zip(missing, sc.drift.tolist(), sc.headroom.tolist())}
@@ -276,6 +373,10 @@ def _counterfactual(sel: Selection, buffer: "ReplayBuffer", config: "ReplayConfi
     sel.cf_ids = rec
     sel.cf_drift = np.asarray([val(g)[0] for g in rec.tolist()])
     sel.cf_headroom = np.asarray([val(g)[1] for g in rec.tolist()])
+
+
+def _state(rng: np.random.Generator | None, spec: SelectorSpec) -> dict | None:
+    return sampling.rng_state(rng) if spec.random else None
 
 
 def _truncate(ids: np.ndarray, u: int) -> tuple[np.ndarray, np.ndarray]:

@@ -9,7 +9,7 @@ import pytest
 from hdreplay import AdaptiveTau, ReplayConfig
 from hdreplay.config import adaptive_tau_from
 from hdreplay_lab.cli import CalibrateArgs, CompareArgs, DemoArgs, main, parse
-from hdreplay_lab.sandbox.methods import DEMO_METHODS, METHODS
+from hdreplay_lab.sandbox.methods import COMPARE_METHODS, DEMO_METHODS, METHODS
 
 
 def refused(argv, capsys, needle):
@@ -72,7 +72,7 @@ def test_subcommands_and_their_defaults():
     assert (demo.config.seeds, demo.config.steps, str(demo.out)) == (1, 150, "hdreplay_runs/demo")
     cmp_ = parse(["compare", "--seeds", "2", "--no-progress", "--methods", "dapo,headroom_drift"])
     assert type(cmp_) is CompareArgs and cmp_.config.methods == ("dapo", "headroom_drift") and not cmp_.progress
-    assert parse(["compare"]).config.methods == tuple(METHODS)
+    assert parse(["compare"]).config.methods == COMPARE_METHODS
     assert parse(["compare", "--task", "search"]).config.methods == (
         "onpolicy_matched", "onpolicy_larger", "recency_matched", "dapo", "headroom_drift")
     cal = parse(["calibrate", "run", "--taus", "1e-3,1e-1", "--no-adaptive", "--replay.selector", "drift_only"])
@@ -86,8 +86,11 @@ KNOB_VALUES = {
     "selector": "drift_only", "k_rep": 3, "tau": 0.05, "capacity": 40, "drift_norm": "l1",
     "headroom_weighting": "advantage", "ingress": "answer", "answer_threshold": 0.5, "truncate_multiple": 2,
     "scan_chunk": 7, "max_scan_chunk": 99, "max_scan": 11, "acceptance_ema": 0.25, "diagnose_ungated": True,
-    "counterfactual": True, "adaptive_tau": {"tau_min": 0.01, "tau_max": 0.2},
+    "counterfactual": True, "adaptive_tau": {"tau_min": 0.01, "tau_max": 0.2}, "seed": 5, "max_age": 3,
+    "priority_alpha": 0.7, "age_decay": 3.5, "is_beta": 0.3,
 }
+#: knobs that apply to the proportional selectors only: checked on freshper (the user's value overrides the method's)
+PROPORTIONAL_KNOBS = ("priority_alpha", "age_decay", "is_beta")
 
 
 def knob_argv(name, value):
@@ -111,8 +114,8 @@ def test_every_replay_knob_reaches_the_runs_trainer_config(tmp_path):
             method = value
         else:  # answer-based ingress on the task whose rewards need it (its threshold is the task's 0.9)
             task = ["--task", "multi_reward"] if name == "ingress" else []
-            cmd = parse(["compare", *base, *task, "--methods", "headroom_drift", *knob_argv(name, value)])
-            method = "headroom_drift"
+            method = "freshper" if name in PROPORTIONAL_KNOBS else "headroom_drift"
+            cmd = parse(["compare", *base, *task, "--methods", method, *knob_argv(name, value)])
         cfg = cmd.config
         args = trainer_args(cfg.spec(method, 0), METHODS[method], get_task(cfg.task), tmp_path / "run")
         want = AdaptiveTau(**value) if name == "adaptive_tau" else value

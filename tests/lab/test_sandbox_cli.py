@@ -40,7 +40,7 @@ def test_compare_writes_every_output(tiny_model, tmp_path):
     summary = json.loads((out / "summary.json").read_text())
     assert set(summary["methods"]) == {"onpolicy_matched", "headroom_drift"}
     for name, m in summary["methods"].items():
-        assert m["seeds"] == 2 and m["fresh_responses"] == 3 * 4 * 4
+        assert m["seeds"] == 2 and m["fresh_responses"]["mean"] == 3 * 4 * 4
         assert 0 <= m["macro_mean_at_n"]["mean"] <= m["macro_best_at_n"]["mean"] <= 1
         assert m["macro_mean_at_n"]["std"] is not None and m["mean_step_s"]["mean"] > 0
         for s in (0, 1):
@@ -53,7 +53,7 @@ def test_compare_writes_every_output(tiny_model, tmp_path):
     steps = [json.loads(x) for x in open(out / "runs" / "headroom_drift" / "seed0" / "replay" / "steps.jsonl")]
     assert [s["step"] for s in steps] == [0, 1, 2]
     md = (out / "summary.md").read_text()
-    assert "Headroom-Drift (b+r)" in md and "Fresh responses" in md and "±" in md
+    assert "Headroom-Drift (b+r)" in md and "Fresh responses" in md and "±" in md and "Rows re-scored to select" in md
     pngs = sorted(p.name for p in (out / "plots").glob("*.png"))
     assert pngs == ["heldout_mean.png", "train_score_steps.png", "train_score_wallclock.png"]
     assert all((out / "plots" / n).stat().st_size > 1000 for n in pngs)
@@ -164,7 +164,7 @@ def test_compare_search_reports_the_step_time_table(tmp_path):
     rows_per_step = {"onpolicy_larger": 6 * 4, "headroom_drift": 4 * 4}  # 1.5b and b fresh groups, n = 4
     md = (out / "summary.md").read_text()
     for name, m in summary["methods"].items():
-        assert m["env_latency_ms"] == 1.0 and m["fresh_responses"] == 3 * rows_per_step[name]
+        assert m["env_latency_ms"] == 1.0 and m["fresh_responses"]["mean"] == 3 * rows_per_step[name]
         # the environment's own count of tool calls = TRL's count of tool calls that reached it, step by step
         logs = [json.loads(x) for x in open(out / "runs" / name / "seed0" / "train_log.jsonl")]
         trl_calls = sum(e["tools/call_frequency"] * rows_per_step[name] * (1 - e["tools/failure_frequency"])
@@ -174,3 +174,27 @@ def test_compare_search_reports_the_step_time_table(tmp_path):
         step_row = next(r for r in rows if r[0] == m["label"] and len(r) == 6)  # the step-time table
         assert step_row[2] == f"{m['env_calls_per_step']['mean']:.1f}"
     assert "environment latency 1 ms" in md
+
+
+def test_compare_runs_the_peer_strategies_and_reports_their_costs(tiny_model, tmp_path):
+    from hdreplay_lab.sandbox.methods import STRATEGY_METHODS
+
+    helptext = cli("compare", "--help").stdout
+    assert all(name in helptext for name in STRATEGY_METHODS)
+    out = tmp_path / "strategies"
+    p = cli("compare", "--methods", "uniform_fifo,adv_priority,dapo_dynamic", "--seeds", "1", "--model", tiny_model,
+            "--out", out, *TINY)
+    assert p.returncode == 0, p.stderr[-4000:]
+    ms = json.loads((out / "summary.json").read_text())["methods"]
+    logs = {k: [json.loads(x) for x in open(out / "runs" / k / "seed0" / "train_log.jsonl")] for k in ms}
+    # b = 4 groups of n = 4 per step, 3 steps; uniform FIFO (ingress all) replays r = 2 groups from step 1 on
+    assert ms["uniform_fifo"]["fresh_responses"]["mean"] == 48
+    assert ms["uniform_fifo"]["replayed_groups"]["mean"] == 2 * 2
+    assert ms["uniform_fifo"]["rescored_rows"]["mean"] == 0
+    # dynamic sampling: every generation round counted (the untrained tiny model's groups are often all-zero)
+    gen = sum(r["dynamic/generated_rows"] for r in logs["dapo_dynamic"])
+    assert ms["dapo_dynamic"]["fresh_responses"]["mean"] == gen >= 48
+    assert gen == 16 * sum(r["dynamic/rounds"] for r in logs["dapo_dynamic"])
+    replayed = sum(r.get("replay/replayed_rows") or 0 for r in logs["adv_priority"])
+    assert ms["adv_priority"]["replayed_groups"]["mean"] == replayed / 4
+    assert "Groups replayed" in (out / "summary.md").read_text()

@@ -15,10 +15,11 @@ from hdreplay.integrations.trl.config import REPLAY_FIELDS  # noqa: E402
 BASE = dict(output_dir="/tmp/hdr_cfg", use_cpu=True, bf16=False, report_to="none", per_device_train_batch_size=8,
             num_generations=4)
 #: a non-default value for every core knob (the test fails if ReplayConfig gains a knob not listed here)
-VALUES = dict(selector="drift_only", k_rep=6, tau=0.02, capacity=20, drift_norm="l1", headroom_weighting="advantage",
+VALUES = dict(selector="freshper", k_rep=6, tau=0.02, capacity=20, drift_norm="l1", headroom_weighting="advantage",
               ingress="answer", answer_threshold=0.9, truncate_multiple=3, scan_chunk=5, max_scan_chunk=50,
               acceptance_ema=0.25, diagnose_ungated=True, counterfactual=True, max_scan=30,
-              adaptive_tau='{"tau_min": 0.001, "tau_max": 0.1, "patience": 2}')
+              adaptive_tau='{"tau_min": 0.001, "tau_max": 0.1, "patience": 2}', seed=5, max_age=3,
+              priority_alpha=0.7, age_decay=3.5, is_beta=0.3)  # the last three need a proportional selector
 
 
 def test_every_replay_knob_is_a_field_with_the_core_help():

@@ -155,20 +155,27 @@ def test_every_replay_knob_is_settable_from_the_verl_config():
                          "hdr.answer_threshold=0.9", "hdr.truncate_multiple=3", "hdr.scan_chunk=5",
                          "hdr.max_scan_chunk=50", "hdr.max_scan=30", "hdr.acceptance_ema=0.25", "hdr.diagnose_ungated=true",
                          "hdr.counterfactual=true", "hdr.adaptive_tau.enabled=true", "hdr.adaptive_tau.tau_min=0.001",
-                         "hdr.adaptive_tau.patience=2",
+                         "hdr.adaptive_tau.patience=2", "hdr.seed=5", "hdr.max_age=3", "hdr.priority_alpha=0.7",
                          "hdr.diagnostics_dir=null", "hdr.resume_without_state=true")
     s = validate_verl_config(cfg)
     rc = s.replay_config
     want = dict(selector="drift_only", k_rep=6, tau=0.02, capacity=20, drift_norm="l1",
                 headroom_weighting="advantage", ingress="answer", answer_threshold=0.9, truncate_multiple=6,
                 scan_chunk=5, max_scan_chunk=50, max_scan=30, acceptance_ema=0.25, group_size=4, diagnose_ungated=True,
-                counterfactual=True)
+                counterfactual=True, seed=5, max_age=3, priority_alpha=0.7, age_decay=None, is_beta=0.0)
     for f in dataclasses.fields(ReplayConfig):
         if f.name == "adaptive_tau":
             assert (rc.adaptive_tau.tau_min, rc.adaptive_tau.tau_max, rc.adaptive_tau.patience) == (1e-3, 0.1, 2)
         else:
             assert getattr(rc, f.name) == want[f.name], f.name  # every field is covered by `want`
     assert s.resume_without_state is True and s.diagnostics_dir is None
+
+
+def test_rollout_units_and_per_weights_are_refused_by_the_verl_recipe():
+    with pytest.raises(ReplayConfigError, match=r"hdr\.selector"):
+        validate_verl_config(compose_config("hdr.selector=adv_priority"))
+    with pytest.raises(ReplayConfigError, match=r"hdr\.is_beta"):
+        validate_verl_config(compose_config("hdr.selector=freshper", "hdr.is_beta=0.4"))
 
 
 def test_all_problems_are_reported_together():

@@ -24,7 +24,9 @@ from hdreplay.config import ReplayConfig
 from hdreplay.errors import ReplayConfigError
 
 from ..options import arg
-from .methods import COMPARE_METHODS, GEO_METHODS, METHODS, SEARCH_METHODS, Method, get_methods
+from .methods import (
+    COMPARE_METHODS, GEO_METHODS, METHODS, SEARCH_METHODS, STRATEGY_METHODS, Method, get_methods,
+)
 from .runner import RunSpec
 from .tasks import TASKS, Task, get_task
 
@@ -41,8 +43,9 @@ class CompareConfig:
 
     task: str = arg("add", f"sandbox task: one of {sorted(TASKS)}")
     methods: tuple[str, ...] | None = arg(
-        None, f"comma-separated methods from {list(METHODS)} (unset: all of them; with --task search: "
-              f"{','.join(SEARCH_METHODS)}; with --task geo: {','.join(GEO_METHODS)})")
+        None, f"comma-separated methods from {list(METHODS)} (unset: the paper's {','.join(COMPARE_METHODS)}; with "
+              f"--task search: {','.join(SEARCH_METHODS)}; with --task geo: {','.join(GEO_METHODS)}; the strategy "
+              f"comparison: {','.join(STRATEGY_METHODS)})")
     seeds: int = arg(3, "seeds per method (>= 1)")
     steps: int = arg(300, "optimizer steps per run (>= 1)")
     prompts_per_step: int = arg(16, "b: fresh groups per step (even, so that b/2 and 1.5b are whole groups)")
@@ -51,6 +54,8 @@ class CompareConfig:
     eval_n: int = arg(8, "samples per held-out prompt (Mean@n / Best@n)")
     model: str | None = arg(None, "local causal-LM checkpoint instead of the warm-started tiny model")
     latency_ms: float | None = arg(None, "search task: environment latency per tool call in ms (unset: the task's 5)")
+    train_pool: int | None = arg(None, "distinct training problems, cycled over epochs by every method (unset: twice "
+                                       "the prompts a run visits, so no prompt repeats; RePO needs repeats)")
     #: replay settings shared by the methods (ReplayConfig knob -> value); each method sets its own selector, and
     #: k_rep = r sets the replay budget of the b + r methods (b + 2r ones get 2r); unset: r = b/2, tau = 1e-2,
     #: capacity = 4b, the rest ReplayConfig's defaults
@@ -74,6 +79,9 @@ class CompareConfig:
         if isinstance(self.generations, bool) or not isinstance(self.generations, int) or self.generations < 2:
             raise ValueError(f"--generations must be >= 2 (a group needs several responses), got {self.generations!r}")
         _finite("lr", self.lr, above=0.0)
+        if self.train_pool is not None and (isinstance(self.train_pool, bool) or not isinstance(self.train_pool, int)
+                                            or self.train_pool < 1):
+            raise ValueError(f"--train-pool must be unset or an integer >= 1, got {self.train_pool!r}")
         if self.latency_ms is None:
             self.latency_ms = float(getattr(task, "default_latency_ms", 0.0))
         _finite("latency-ms", self.latency_ms, at_least=0.0)
@@ -97,7 +105,8 @@ class CompareConfig:
         r = self.replay.get("k_rep")
         if method.replay_mult and r is not None:
             k_rep = round(2 * method.replay_mult * r) if isinstance(r, int) and not isinstance(r, bool) else r
-        values = {"tau": SANDBOX_TAU, "capacity": 4 * b, **self.replay, "selector": method.selector, "k_rep": k_rep}
+        values = {"tau": SANDBOX_TAU, "capacity": 4 * b, **dict(method.replay), **self.replay,
+                  "selector": method.selector, "k_rep": k_rep, "group_size": self.generations}
         try:
             cfg = ReplayConfig.from_flat(values, label=lambda n: f"--replay.{n}")
         except ReplayConfigError as e:
@@ -108,7 +117,8 @@ class CompareConfig:
         return RunSpec(task=self.task, method=method, seed=seed, steps=self.steps,
                        prompts_per_step=self.prompts_per_step, generations=self.generations, lr=self.lr,
                        eval_n=self.eval_n, replay=self.replay_config(METHODS[method]),
-                       extra={**self.extra, "latency_s": self.latency_ms / 1000.0})
+                       extra={**self.extra, "latency_s": self.latency_ms / 1000.0,
+                              **({"train_pool": self.train_pool} if self.train_pool is not None else {})})
 
 
 def _finite(name: str, v, *, above: float | None = None, at_least: float | None = None) -> None:
@@ -247,7 +257,8 @@ def summarize(out: Path, cfg: CompareConfig, methods: list[Method], task: Task) 
         for k in ("macro_mean_at_n", "macro_best_at_n", "weighted_mean_at_n", "weighted_best_at_n",
                   "mean_step_s", "train_wall_s", "final_train_reward", "env_calls_per_step"):
             entry[k] = _stats(r[k] for r in runs)
-        entry["fresh_responses"] = runs[0]["fresh_responses"]
+        for k in ("fresh_responses", "rescored_rows", "replayed_rows", "replayed_groups"):
+            entry[k] = _stats(r.get(k) for r in runs)  # runs written before these costs existed: n/a
         entry["env_latency_ms"] = runs[0].get("env_latency_ms", 0.0)
         res["methods"][m.name] = entry
     return res
@@ -256,6 +267,13 @@ def summarize(out: Path, cfg: CompareConfig, methods: list[Method], task: Task) 
 def _cell(best: dict, mean: dict) -> str:
     f = lambda s: "n/a" if s["mean"] is None else (f"{s['mean']:.3f}" + (f"±{s['std']:.3f}" if s["n"] > 1 else ""))  # noqa: E731
     return f"{f(best)} / {f(mean)}"
+
+
+def _count(s: dict) -> str:
+    """A per-run count, seed mean (and its spread when seeds differ, e.g. dynamic sampling's generations)."""
+    if s["mean"] is None:
+        return "n/a"
+    return f"{s['mean']:,.0f}" + (f" ± {s['std']:,.0f}" if s["n"] > 1 and s["std"] else "")
 
 
 def render_markdown(summary: dict) -> str:
@@ -271,10 +289,16 @@ def render_markdown(summary: dict) -> str:
             for b, size in summary["benchmarks"].items()]
     rows += [["Macro Avg", *cells(lambda e: _cell(e["macro_best_at_n"], e["macro_mean_at_n"]))],
              ["Weighted Avg", *cells(lambda e: _cell(e["weighted_best_at_n"], e["weighted_mean_at_n"]))],
-             ["Fresh responses", *cells(lambda e: f"{e['fresh_responses']:,}")],
+             ["Fresh responses generated", *cells(lambda e: _count(e["fresh_responses"]))],
+             ["Rows re-scored to select", *cells(lambda e: _count(e["rescored_rows"]))],
+             ["Groups replayed", *cells(lambda e: _count(e["replayed_groups"]))],
+             ["Train wall-clock (s)", *cells(lambda e: f(e["train_wall_s"]))],
              ["Step time (s)", *cells(lambda e: f(e["mean_step_s"]))]]
     lines = [f"# hdreplay compare: task `{summary['task']}`", "", f"Each cell: Best@{n} / Mean@{n} on the held-out "
-             "benchmark" + (f", mean ± standard deviation over {seeds} seeds." if seeds > 1 else f", {seeds} seed."),
+             "benchmark" + (f", mean ± standard deviation over {seeds} seeds." if seeds > 1 else f", {seeds} seed.") +
+             " Costs are per run (seed mean): fresh responses generated (dynamic sampling's discarded ones "
+             "included), stored responses forwarded under the current policy to select replay, groups replayed "
+             "(single-rollout replay: rows / n), training wall-clock.",
              "", table(["Metric", *(ms[k]["label"] for k in names)], rows)]
     if summary.get("multiturn"):
         fastest = sorted(names, key=lambda k: ms[k]["mean_step_s"]["mean"] or 0)
@@ -282,7 +306,7 @@ def render_markdown(summary: dict) -> str:
                   "call), fastest first, like the paper's step-time table:", "", table(
                       ["Method", "Step time (s)", "Tool calls / step", "Fresh responses", "Macro Mean@n", "Macro Best@n"],
                       [[e["label"], f(e["mean_step_s"]), f"{e['env_calls_per_step']['mean']:.1f}",
-                        f"{e['fresh_responses']:,}", f(e["macro_mean_at_n"]), f(e["macro_best_at_n"])]
+                        _count(e["fresh_responses"]), f(e["macro_mean_at_n"]), f(e["macro_best_at_n"])]
                        for e in (ms[k] for k in fastest)])]
     return "\n".join([*lines, _ordering_note(summary, seeds)]) + "\n"
 

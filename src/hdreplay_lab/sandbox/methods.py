@@ -13,11 +13,21 @@ dapo               DAPO-style: TRL's dapo loss + clip-higher   b         -      
 headroom_only      Headroom order, no Drift gate               b         r          grpo
 drift_only         recency order + Drift gate                  b         r          grpo
 headroom_drift     Headroom-Drift Replay (the paper)           b         r          grpo
+uniform_fifo       uniform sampling from a FIFO of all groups  b         r          grpo
+freshper           FreshPER: |r| priority x exp(-age/2) PER    b         r          grpo
+adv_priority       rollouts by |A|, evicted after 4 steps      b         r rows     grpo
+dapo_dynamic       DAPO + dynamic sampling (drop all-equal)    b kept    -          dapo
+repo_recency       RePO: newest 8 stored responses per prompt  b         8/prompt   grpo+off
+repo_reward        RePO: 8 highest-reward stored responses     b         8/prompt   grpo+off
+repo_variance      RePO: 8 stored responses of max variance    b         8/prompt   grpo+off
 =================  ==========================================  ========  =========  ========
 
 The DAPO baseline is TRL's ``loss_type="dapo"`` (token-level normalisation) with clip-higher
-(epsilon_high = 0.28); TRL has no dynamic sampling, so DAPO's resampling of all-equal groups is
-not reproduced.
+(epsilon_high = 0.28); ``dapo`` alone has no dynamic sampling, ``dapo_dynamic`` adds it
+(``replay_dynamic_sampling``: over-generate and drop groups whose rewards are all equal until the batch
+holds b mixed groups; the extra fresh responses are counted).  The peer strategies are compositions of
+the same machinery (selector, ingress rule, priority knobs, max age); docs/strategies.md has their sources,
+rules as implemented and deviations.  ExGRPO and BAPO are not in this registry yet (see there).
 """
 
 from __future__ import annotations
@@ -34,6 +44,12 @@ class Method:
     replay_mult: float = 0.0  # replay groups per step, in units of b
     loss_type: str = "grpo"
     epsilon_high: float | None = None
+    #: the strategy's own replay knobs (ReplayConfig name -> value); --replay.<knob> given by the user overrides
+    replay: tuple[tuple[str, object], ...] = ()
+    #: DAPO's dynamic sampling (HDRGRPOConfig.replay_dynamic_sampling)
+    dynamic_sampling: bool = False
+    #: RePO's per-prompt replay (HDRGRPOConfig.replay_repo: RepoOptions fields)
+    repo: tuple[tuple[str, object], ...] = ()
 
     def fresh_groups(self, b: int) -> int:
         return _whole(self.fresh_mult * b, f"{self.name} needs {self.fresh_mult} x b fresh groups")
@@ -59,9 +75,32 @@ METHODS: dict[str, Method] = {
         Method("headroom_only", "Headroom only (b+r)", selector="headroom_only", replay_mult=0.5),
         Method("drift_only", "Drift only (b+r)", selector="drift_only", replay_mult=0.5),
         Method("headroom_drift", "Headroom-Drift (b+r)", selector="headroom_drift", replay_mult=0.5),
+        # peers (docs/strategies.md): uniform FIFO replay of every group (arXiv 2604.08706)
+        Method("uniform_fifo", "Uniform FIFO (b+r)", selector="uniform", replay_mult=0.5,
+               replay=(("ingress", "all"),)),
+        # FreshPER (arXiv 2604.16918): (mean|r| + eps) x exp(-age / tau_age), ^0.6, PER weights beta 0.4;
+        # tau_age rescaled to the buffer's 4-step horizon (paper: 500 steps)
+        Method("freshper", "FreshPER (b+r)", selector="freshper", replay_mult=0.5,
+               replay=(("priority_alpha", 0.6), ("age_decay", 2.0), ("is_beta", 0.4))),
+        # rollout-level |A|-prioritised replay, age eviction (arXiv 2606.04560): r x n single rollouts
+        Method("adv_priority", "|A|-priority rollouts (b+r)", selector="adv_priority", replay_mult=0.5,
+               replay=(("priority_alpha", 1.0), ("max_age", 4))),
+        # DAPO with dynamic sampling (arXiv 2503.14476): b mixed groups per step, over-generated
+        Method("dapo_dynamic", "DAPO + dynamic sampling (b)", loss_type="dapo", epsilon_high=0.28,
+               dynamic_sampling=True),
+        # RePO (arXiv 2506.09340), released run: 8 replays per prompt once 16 are cached, separate loss term;
+        # replays only prompts seen twice before, so compare with --train-pool (prompts cycled over epochs)
+        *(Method(f"repo_{name}", f"RePO {name} (b+8/prompt)", repo=(("retrieval", rule),))
+          for name, rule in (("recency", "recent"), ("reward", "highest"), ("variance", "max_variance"))),
     )
 }
-COMPARE_METHODS = tuple(METHODS)
+#: the paper's role-aligned set (the default of ``hdreplay compare``)
+PAPER_METHODS = ("onpolicy_matched", "onpolicy_larger", "recency_matched", "recency_larger", "dapo",
+                 "headroom_only", "drift_only", "headroom_drift")
+COMPARE_METHODS = PAPER_METHODS
+#: the strategy comparison (docs/results/strategies): the paper's method, its role-aligned baselines, the peers
+STRATEGY_METHODS = ("onpolicy_matched", "onpolicy_larger", "recency_matched", "headroom_drift", "uniform_fifo",
+                    "freshper", "adv_priority", "dapo_dynamic", "repo_recency", "repo_reward", "repo_variance")
 DEMO_METHODS = ("onpolicy_matched", "recency_matched", "headroom_drift")
 #: the paper's agentic-search set (Search-R1): no recency-larger, no ablations
 SEARCH_METHODS = ("onpolicy_matched", "onpolicy_larger", "recency_matched", "dapo", "headroom_drift")

@@ -8,7 +8,9 @@ Run directory layout (what ``hdreplay report`` and the comparison summary read):
     fresh_groups.jsonl  per step, the rewards of every fresh group (ingress analysis; see rewardlog.py)
     trl/runs/         TensorBoard event files written through TRL's report_to
     metrics.json      held-out Mean@n / Best@n per benchmark, macro and weighted averages,
-                      fresh responses, mean step time
+                      mean step time and the run's costs: fresh responses generated (dynamic sampling's
+                      discarded ones included), rows re-scored under the current policy to select, rows and
+                      groups replayed (sums over the steps of train_log.jsonl)
 """
 
 from __future__ import annotations
@@ -42,6 +44,11 @@ class RunSpec:
 
 
 def _train_problems(spec: RunSpec, method: Method, task: Task):
+    """Twice the prompts the run visits (no prompt repeats), or ``extra["train_pool"]`` distinct problems that TRL's
+    sampler cycles through in epochs (RePO replays only prompts it has seen twice before)."""
+    pool = spec.extra.get("train_pool")
+    if pool is not None:
+        return task.train_problems(pool, seed=spec.seed)
     return task.train_problems(max(spec.steps * method.fresh_groups(spec.prompts_per_step) * 2, 256), seed=spec.seed)
 
 
@@ -67,6 +74,7 @@ def trainer_args(spec: RunSpec, method: Method, task: Task, run_dir: Path):
         warmup_steps=0, loss_type=method.loss_type, epsilon_high=method.epsilon_high, beta=0.0, seed=spec.seed,
         disable_tqdm=True, disable_dropout=True, dataloader_num_workers=0,
         **{"replay_diagnose_ungated": False, **replay}, replay_diagnostics_dir=str(run_dir / "replay"),
+        replay_dynamic_sampling=method.dynamic_sampling, replay_repo=dict(method.repo) if method.repo else None,
         max_tool_calling_iterations=getattr(task, "max_tool_calls", None),
     )
 
@@ -134,7 +142,7 @@ def run_one(spec: RunSpec, method: Method, task: Task, model_dir: Path, run_dir:
         "method": method.name,
         "seed": spec.seed,
         "steps": spec.steps,
-        "fresh_responses": spec.steps * b * spec.generations,
+        **costs(run_dir / "train_log.jsonl", planned=spec.steps * b * spec.generations, n=spec.generations),
         "mean_step_s": sum(times) / len(times),
         "train_wall_s": wall,
         "final_train_reward": _last(run_dir / "train_log.jsonl", "reward"),
@@ -143,6 +151,24 @@ def run_one(spec: RunSpec, method: Method, task: Task, model_dir: Path, run_dir:
     }
     (run_dir / "metrics.json").write_text(json.dumps(metrics, indent=2))
     return metrics
+
+
+def costs(path: Path, *, planned: int, n: int) -> dict:
+    """A run's costs summed over its steps in train_log.jsonl: ``fresh_responses`` (generated; the planned
+    steps x b x n unless dynamic sampling logged more), ``rescored_rows`` (stored responses forwarded under the
+    current policy to select), ``replayed_rows`` and ``replayed_groups`` (replayed rows / n: groups' worth, also
+    for single-rollout replay)."""
+    gen = rescored = replayed = 0.0
+    dynamic = False
+    for line in open(path):
+        rec = json.loads(line)
+        if "dynamic/generated_rows" in rec:
+            dynamic = True
+            gen += rec["dynamic/generated_rows"]
+        rescored += rec.get("replay/rescored_rows") or 0.0
+        replayed += rec.get("replay/replayed_rows") or 0.0
+    return {"fresh_responses": int(round(gen)) if dynamic else planned, "rescored_rows": int(round(rescored)),
+            "replayed_rows": int(round(replayed)), "replayed_groups": replayed / n}
 
 
 def _env_calls() -> int:

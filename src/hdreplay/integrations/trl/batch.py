@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
+import numpy as np
 import torch
 
 from ...errors import ReplayInputError
@@ -182,24 +183,34 @@ def groups_from_rows(rows: dict[str, torch.Tensor], rewards: torch.Tensor, *, nu
     return groups, empty, problems
 
 
-def replay_rows(groups: Sequence[GroupRecord], sl: slice, *, pad_token_id: int) -> dict[str, torch.Tensor]:
+def replay_rows(groups: Sequence[GroupRecord], sl: slice, *, pad_token_id: int,
+                loss_weights: Sequence[float] | None = None) -> dict[str, torch.Tensor]:
     """Rows ``sl`` of the accepted groups (responses in group order) as a TRL batch dict (CPU).
 
     Replay rows carry their stored generation log-probs as ``old_per_token_logps`` (the ratio
     denominator), their stored advantages, their stored loss mask as ``tool_mask``, every stored
     extra under its TRL key (module table), and, for vision-language groups, ``hdr_mm``: a list with each
     row's stored multimodal entries (the rows of a group share one dict), turned into TRL's keys per chunk
-    by :func:`.mm.batch_inputs`.
+    by :func:`.mm.batch_inputs`.  ``loss_weights`` (one per group, > 0; the selection's PER importance
+    weights) multiply the rows' advantages: TRL's clipped policy-gradient term -min(r A, clip(r) A) is
+    positively homogeneous in A, so this weights each row's policy term exactly (a KL term, beta != 0, is
+    not weighted).
     """
     pg = pad_groups(groups, pad_token_id=pad_token_id)
     rows = trim_rows(pg, sl)  # drop the column padding that only rows outside this slice needed
     n = rows.completion_ids.shape[0]
+    adv = pg.advantages
+    if loss_weights is not None:
+        w = torch.tensor(np.asarray(loss_weights, dtype=np.float64))
+        if w.shape != (len(groups),) or not bool((w > 0).all()):
+            raise ReplayInputError(f"loss_weights: one weight > 0 per group ({len(groups)}), got {w.tolist()!r:.80}")
+        adv = adv * torch.repeat_interleave(w, torch.tensor([g.num_responses for g in groups])).to(adv.dtype)
     out = {
         "prompt_ids": rows.prompt_ids,
         "prompt_mask": rows.prompt_mask,
         "completion_ids": rows.completion_ids,
         "completion_mask": rows.completion_mask,
-        "advantages": pg.advantages[sl],
+        "advantages": adv[sl],
         "old_per_token_logps": rows.logprobs,
         "tool_mask": rows.loss_mask,
         "hdr_row": torch.full((n,), -1, dtype=torch.int64),

@@ -10,6 +10,7 @@ refusals and warnings) is :func:`.plan.plan_replay`, checked when the config is 
 
 from __future__ import annotations
 
+import json
 import warnings
 from dataclasses import dataclass, field, fields, make_dataclass
 from typing import Any, Literal, Optional
@@ -39,6 +40,19 @@ _TRL_KNOBS = (
          "plain TRL's micro-batch); grow = one forward/backward over fresh + replay rows (activation memory grows "
          "by (fresh + replay rows) / fresh rows; needed with DeepSpeed, which counts backward calls)",
          MICRO_STEP_MODES),
+    Knob("repo", "json", None, True,
+         "RePO's per-prompt replay instead of a selector (replay_selector='none'): a dict / JSON object of "
+         "hdreplay.strategies.repo.RepoOptions fields, e.g. {\"retrieval\": \"recent\"} (retrieval recent | highest | "
+         "max_variance, num_replays 8, min_cache 16, max_cache 16, off_coef 1.0); one process, micro_step chunk, "
+         "a row-mean loss_type", None),
+    Knob("dynamic_sampling", bool, False, False,
+         "DAPO's dynamic sampling: drop groups whose rewards are all equal and generate further prompt batches "
+         "until the batch holds only mixed groups (at most dynamic_sampling_max_batches rounds); one process, "
+         "replay_selector='none'", None),
+    Knob("dynamic_sampling_max_batches", int, 10, False,
+         "generation rounds per batch at most with replay_dynamic_sampling (verl's max_num_gen_batches; >= 1); at "
+         "the limit the batch is completed with zero-variance groups (zero advantage) and the shortfall logged",
+         None),
 )
 
 
@@ -84,10 +98,50 @@ class HDRGRPOConfig(_ReplayFields, GRPOConfig):
         if self.replay_micro_step not in MICRO_STEP_MODES:
             raise ReplayConfigError(f"HDRGRPOConfig: replay_micro_step must be one of {list(MICRO_STEP_MODES)}, got "
                                     f"{self.replay_micro_step!r}", field="replay_micro_step")
+        if not isinstance(self.replay_dynamic_sampling, bool):
+            raise ReplayConfigError("HDRGRPOConfig: replay_dynamic_sampling must be True or False, got "
+                                    f"{self.replay_dynamic_sampling!r}", field="replay_dynamic_sampling")
+        mb = self.replay_dynamic_sampling_max_batches
+        if isinstance(mb, bool) or not isinstance(mb, int) or mb < 1:
+            raise ReplayConfigError(f"HDRGRPOConfig: replay_dynamic_sampling_max_batches must be an int >= 1, got "
+                                    f"{mb!r}", field="replay_dynamic_sampling_max_batches")
+        self.repo_options()
+        if self.replay_repo is not None and self.replay_selector != "none":
+            raise ReplayConfigError(f"HDRGRPOConfig: replay_repo replaces the selector; set replay_selector='none' "
+                                    f"(got {self.replay_selector!r})", field="replay_repo")
+        if self.replay_dynamic_sampling and (self.replay_selector != "none" or self.replay_repo is not None):
+            raise ReplayConfigError(
+                f"HDRGRPOConfig: replay_dynamic_sampling=True with replay_selector={self.replay_selector!r}: dynamic "
+                "sampling is implemented for on-policy training only; set replay_selector='none' or "
+                "replay_dynamic_sampling=False", field="replay_dynamic_sampling")
         self.to_replay_config()  # validates every core replay_* field, naming it as the user spells it
         plan = self.replay_plan()
         if emit:
             plan.warn()
+
+    def repo_options(self):
+        """``replay_repo`` as :class:`~hdreplay.strategies.repo.RepoOptions` (None when unset)."""
+        from ...strategies.repo import RepoOptions
+
+        v = self.replay_repo
+        if v is None:
+            return None
+        if isinstance(v, str):
+            try:
+                v = json.loads(v)
+            except json.JSONDecodeError as e:
+                raise ReplayConfigError(f"HDRGRPOConfig: replay_repo is not valid JSON ({e})", field="replay_repo")
+        if not isinstance(v, dict):
+            raise ReplayConfigError(f"HDRGRPOConfig: replay_repo must be a dict of RepoOptions fields, got {v!r}",
+                                    field="replay_repo")
+        unknown = sorted(set(v) - set(RepoOptions.__dataclass_fields__))
+        if unknown:
+            raise ReplayConfigError(f"HDRGRPOConfig: replay_repo has unknown key(s) {unknown}; valid: "
+                                    f"{sorted(RepoOptions.__dataclass_fields__)}", field="replay_repo")
+        try:
+            return RepoOptions(**v)
+        except ReplayConfigError as e:
+            raise ReplayConfigError(f"HDRGRPOConfig: replay_repo.{e.field}: {e}", field="replay_repo") from None
 
     @property
     def world(self) -> int:

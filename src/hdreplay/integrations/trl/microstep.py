@@ -57,6 +57,13 @@ def chunk_scales(loss_type: str, parts: list[dict]) -> list[float]:
     return [r / sum(rows) for r in rows]
 
 
+def separate_term_scales(parts: list[dict], coef: float) -> list[float]:
+    """Weights giving TRL's row-mean loss on the fresh part (parts[0]) plus ``coef`` x the row mean over the replay
+    chunks (RePO: ``loss = on_loss + off_policy_loss_coef * off_loss``, each term aggregated on its own rows)."""
+    rows = [p["prompt_ids"].shape[0] for p in parts[1:]]
+    return [1.0, *(coef * r / sum(rows) for r in rows)]
+
+
 def trim(rows: dict) -> dict:
     """Drop the column padding no row of ``rows`` needs (prompt left-padded, completion right-padded)."""
     p = int(rows["prompt_mask"].sum(1).max())

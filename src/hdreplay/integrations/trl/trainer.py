@@ -41,16 +41,21 @@ from trl.trainer.utils import (
 
 from ...controller import ReplayController
 from ...multimodal import schema_difference, schema_of
+from ...strategies.repo import RepoController
 from ...padding import pad_groups
 from ..common import STATE_DIR, restore, split_by_schema
 from . import mm
 from .batch import check_keys, groups_from_rows, ingress_rows, replay_rows
 from .checkpoints import clear_pending, mark_pending, refuse_incomplete, resume_target, rotation_held
 from .config import as_replay_config
+from .dynamic import DynamicSampler
 from .plan import ReplaySettingWarning
 from .positions import active_dropout, install_position_ids, padding_drift
 from .rescore import can_share_prompt, share_pays, shared_prompt_logps
-from .microstep import GLOBAL_TOKENS, LOCAL_TOKENS, ROW_MEAN, MicroStep, chunk_scales, loss_mask, merged, replay_chunks
+from .microstep import (
+    GLOBAL_TOKENS, LOCAL_TOKENS, ROW_MEAN, MicroStep, chunk_scales, loss_mask, merged, replay_chunks,
+    separate_term_scales,
+)
 from .step import ReplayStep
 
 #: max |d logp| tolerated between paddings of one sequence (fp32 / low-precision autocast)
@@ -83,16 +88,25 @@ class HDRGRPOTrainer(GRPOTrainer):
         a = self.args
         self.replay_plan = a.replay_plan()
         self.replay_config = a.to_replay_config()
-        self.replay_active = self.replay_config.selector != "none"
+        repo = a.repo_options()
+        self.replay_active = self.replay_config.selector != "none" or repo is not None
         if self.replay_active:
-            self._check_supported()
+            self._check_supported(repo)
         diag = a.replay_diagnostics_dir
         if diag is None:
             diag = os.path.join(a.output_dir, "replay")
-        self.replay = ReplayController(
+        self.replay = RepoController(repo) if repo is not None else ReplayController(
             self.replay_config,
             diagnostics_dir=diag if (diag and self.accelerator.is_main_process and self.replay_active) else None,
         )
+        self._dynamic = None  # DAPO's dynamic sampling (replay_dynamic_sampling)
+        if a.replay_dynamic_sampling:
+            if self.accelerator.num_processes > 1:
+                raise ValueError("replay_dynamic_sampling=True runs on one process only (the group filter needs "
+                                 "every rank's rewards); launch one process or turn it off")
+            self._dynamic = DynamicSampler(self.train_dataset, n=a.num_generations, seed=a.seed,
+                                           max_batches=a.replay_dynamic_sampling_max_batches,
+                                           pad_token_id=self._tokenizer.pad_token_id)
         self._replay_step: ReplayStep | None = None  # the open step (one optimizer update)
         self._capture: tuple | None = None  # (generation, part) while one fresh part's loss forward runs
         self._step_offset: int | None = None  # replay step = global_step + offset (0 unless train() is called again)
@@ -106,8 +120,14 @@ class HDRGRPOTrainer(GRPOTrainer):
             # first in line: user callbacks' on_step_end (step timers, loggers) see the step committed
             self.callback_handler.callbacks.insert(0, _CommitAfterUpdate(self))
 
-    def _check_supported(self) -> None:
+    def _check_supported(self, repo=None) -> None:
         a = self.args
+        if repo is not None and (self.accelerator.num_processes > 1 or a.replay_micro_step != "chunk"
+                                 or getattr(self, "_is_vlm", False)
+                                 or self.loss_type not in ROW_MEAN):
+            raise ValueError("replay_repo (RePO's separate off-policy loss term) runs on one process, text only, with "
+                             f"replay_micro_step='chunk' and a row-mean loss_type ({', '.join(ROW_MEAN)}); got "
+                             f"{self.accelerator.num_processes} processes, {a.replay_micro_step!r}, {self.loss_type!r}")
         live = active_dropout(self.accelerator.unwrap_model(self.model))
         if live:
             raise ValueError(
@@ -136,12 +156,21 @@ class HDRGRPOTrainer(GRPOTrainer):
     # ------------------------------------------------------------------ 1. generation and selection
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
         rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
-        if self._replay_step is not None and self.model.training:
+        if (self._replay_step is not None or self._dynamic is not None) and self.model.training:
             w = self.reward_weights.to(rewards_per_func.device)
-            self._replay_step.current.rewards = (rewards_per_func * w.unsqueeze(0)).nansum(dim=1)  # global (N,)
+            total = (rewards_per_func * w.unsqueeze(0)).nansum(dim=1)  # global (N,)
+            if self._dynamic is not None:
+                self._dynamic.rewards = total
+            else:
+                self._replay_step.current.rewards = total
         return rewards_per_func
 
     def _generate_and_score_completions(self, inputs):
+        if self._dynamic is not None and self.model.training:
+            out = self._dynamic.generate(inputs, super()._generate_and_score_completions)
+            for k, v in self._dynamic.last.items():
+                self._metrics["train"][k].append(v)
+            return out
         if not (self.replay_active and self.model.training):
             return super()._generate_and_score_completions(inputs)
         if self._replay_step is None:
@@ -176,12 +205,15 @@ class HDRGRPOTrainer(GRPOTrainer):
     def _select(self, step: ReplayStep) -> None:
         if self.replay_padding_drift is None and not self._is_vlm:  # a VLM is checked on a real row (_check_images)
             self._check_padding_invariance()
+        if isinstance(self.replay, RepoController):  # prompt-conditioned: the batch's prompts first
+            self.replay.observe_batch(step.current.rows["prompt_ids"], step.current.rows["prompt_mask"])
         sel = step.selection = self.replay.select(step=step.index, scorer=self._replay_scorer)
         if not sel.groups:
             return
         W, r, dev = self.accelerator.num_processes, self.accelerator.process_index, self.accelerator.device
         per = sum(g.num_responses for g in sel.groups) // W  # whole by the truncation unit
-        rows = replay_rows(sel.groups, slice(r * per, (r + 1) * per), pad_token_id=self._tokenizer.pad_token_id)
+        rows = replay_rows(sel.groups, slice(r * per, (r + 1) * per), pad_token_id=self._tokenizer.pad_token_id,
+                           loss_weights=sel.loss_weights)
         rows = mm.to_device(rows, dev)
         if "importance_sampling_ratio" in rows and self.vllm_importance_sampling_mode.startswith("sequence"):
             rows["importance_sampling_ratio"] = rows["importance_sampling_ratio"].amax(dim=1, keepdim=True)
@@ -235,10 +267,14 @@ class HDRGRPOTrainer(GRPOTrainer):
         pg = pad_groups(groups, pad_token_id=self._tokenizer.pad_token_id)
         return pg.split_by_group(logps[:pg.num_rows].cpu())
 
+    def _mm_schema(self):
+        """The buffer's multimodal schema (None for RePO's text-only per-prompt stores)."""
+        return None if isinstance(self.replay, RepoController) else self.replay.buffer.mm_schema
+
     def _check_images(self, out: dict, gen) -> None:
         """First step of a VLM run: the buffer (e.g. resumed) must hold images this processor produces, and
         re-padding a real row (with its image) must not change its log-probs."""
-        have = self.replay.buffer.mm_schema
+        have = self._mm_schema()
         i = next((j for j, w in enumerate(gen.mm_why) if w is None), None)
         ok = None if i is None else gen.mm_rows[i]
         if have is not None and ok is not None and (why := schema_difference(schema_of(ok), have)) is not None:
@@ -324,7 +360,10 @@ class HDRGRPOTrainer(GRPOTrainer):
         else:
             parts = [inputs.fresh, *inputs.replay]
         done = None
-        for i, (part, w) in enumerate(zip(parts, chunk_scales(self.loss_type, parts))):
+        scales = chunk_scales(self.loss_type, parts)
+        if isinstance(self.replay, RepoController):  # RePO: on-policy term + off_coef x off-policy term
+            scales = separate_term_scales(parts, self.replay.options.off_coef)
+        for i, (part, w) in enumerate(zip(parts, scales)):
             last = i == len(parts) - 1
             with (nullcontext() if last else self.accelerator.no_sync(model)), \
                     self._capturing(inputs.generation if i == 0 else None, part):
@@ -367,7 +406,7 @@ class HDRGRPOTrainer(GRPOTrainer):
             mm_rows, mm_why = self._gather_objects(gen.mm_rows), self._gather_objects(gen.mm_why)
             g, e, p = groups_from_rows(rows, gen.rewards, num_generations=n, step=step.index,
                                        id_prefix=f"s{step.index}.{gi}g", mm_rows=mm_rows, mm_why=mm_why)
-            schema = self.replay.buffer.mm_schema
+            schema = self._mm_schema()
             if schema is None and groups:
                 schema = schema_of(groups[0].mm_inputs)
             g, unfit = split_by_schema(g, schema)

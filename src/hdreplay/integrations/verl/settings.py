@@ -98,6 +98,12 @@ class HDRSettings:
             values["truncate_multiple"] = math.lcm(user_u, unit)
         values["group_size"] = n
         rc = ReplayConfig.from_flat(values, label=lambda k: f"hdr.{k}", where="hdr")
+        if rc.unit != "group" or rc.is_beta > 0:  # the recipe trains whole stored groups with unit row weights
+            raise ReplayConfigError(
+                f"hdr.{'selector' if rc.unit != 'group' else 'is_beta'}: the verl recipe does not support "
+                f"{'single-rollout replay (selector adv_priority)' if rc.unit != 'group' else 'PER loss weights'} "
+                "yet; use the TRL integration, or another selector / hdr.is_beta=0",
+                field="selector" if rc.unit != "group" else "is_beta")
         diag = recipe["diagnostics_dir"]
         return cls(replay_config=rc, unit=unit, diagnostics_dir=str(diag) if diag else None,
                    resume_without_state=bool(recipe["resume_without_state"]), v1=v1)

@@ -1,0 +1,218 @@
+"""The peer replay strategies through the real ``trainer.train()`` path: DAPO's dynamic sampling (never trains on a
+zero-variance group, fills the batch, counts the extra generations), FreshPER's importance weights reaching the
+loss, and rollout-level |A| replay (stored advantages, nothing past max_age)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("trl")
+pytestmark = pytest.mark.trl
+
+from hdreplay import ReplayConfigError  # noqa: E402
+from hdreplay.integrations.trl import HDRGRPOTrainer  # noqa: E402
+from hdreplay.selection import priorities  # noqa: E402
+from trl_fixtures import RecordingTrainer, make_args, prompts, reward_digit, tiny_model  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("models")
+
+
+def reward_half_constant(completions, prompts, **kw):
+    """Prompts of even length: always 1 (a zero-variance group); odd length: the digit reward (mixed)."""
+    return [1.0 if len(p) % 2 == 0 else reward_digit([c])[0] for c, p in zip(completions, prompts)]
+
+
+def _texts(tok, rec):
+    """(prompt, completion) text of every row a loss call trained on."""
+    out = []
+    for i in range(rec["prompt_ids"].shape[0]):
+        p = rec["prompt_ids"][i][rec["prompt_mask"][i].bool()]
+        c = rec["completion_ids"][i][rec["completion_mask"][i].bool()]
+        out.append((tok.decode(p, skip_special_tokens=True), tok.decode(c, skip_special_tokens=True)))
+    return out
+
+
+class PromptRecordingTrainer(RecordingTrainer):
+    def _compute_loss(self, model, inputs):
+        loss = super()._compute_loss(model, inputs)
+        self.records[-1]["prompt_ids"] = inputs["prompt_ids"].cpu()
+        self.records[-1]["prompt_mask"] = inputs["prompt_mask"].cpu()
+        self.records[-1]["completion_mask"] = inputs["completion_mask"].cpu()
+        return loss
+
+
+class RepoRecordingTrainer(PromptRecordingTrainer):
+    def _commit_step(self):  # RePO keeps per-prompt stores, not the buffer the parent hashes
+        HDRGRPOTrainer._commit_step(self)
+
+
+def test_dynamic_sampling_trains_only_mixed_groups_fills_the_batch_and_counts_generations(model_dir, tmp_path):
+    model, tok = tiny_model(model_dir)
+    args = make_args(tmp_path, replay_selector="none", replay_dynamic_sampling=True, gradient_accumulation_steps=1,
+                     per_device_train_batch_size=16, num_generations=4, max_steps=4, seed=3)
+    tr = PromptRecordingTrainer(model=model, reward_funcs=reward_half_constant, args=args, train_dataset=prompts(),
+                                processing_class=tok)
+    tr.train()
+    assert len(tr.records) == 4  # one micro-step per update (GA 1, spg 1)
+    logs = [x for x in tr.state.log_history if "dynamic/rounds" in x]
+    assert len(logs) == 4
+    for rec, log in zip(tr.records, logs):
+        rows = _texts(tok, rec)
+        assert len(rows) == 16  # the batch is full: B = 4 groups of 4
+        by_prompt: dict[str, list[float]] = {}
+        for p, c in rows:
+            by_prompt.setdefault(p, []).append(reward_half_constant([c], [p])[0])
+        # rewards recomputed from the trained text: no zero-variance group (every even-length prompt is one)
+        assert all(len(p) % 2 == 1 for p in by_prompt), sorted(by_prompt)
+        assert all(max(r) > min(r) for r in by_prompt.values())
+        assert log["dynamic/filled_zero_var"] == 0
+        assert 1 <= log["dynamic/rounds"] <= 10
+        assert log["dynamic/generated_rows"] == log["dynamic/rounds"] * 16
+        assert log["dynamic/dropped_groups"] == log["dynamic/rounds"] * 4 - 4
+    assert max(x["dynamic/rounds"] for x in logs) > 1  # half the prompts are constant: extra rounds were needed
+
+
+def test_dynamic_sampling_at_the_round_limit_completes_the_batch_with_zero_advantage_groups(model_dir, tmp_path):
+    model, tok = tiny_model(model_dir)
+    args = make_args(tmp_path, replay_selector="none", replay_dynamic_sampling=True, gradient_accumulation_steps=1,
+                     replay_dynamic_sampling_max_batches=2, max_steps=2)
+    tr = RecordingTrainer(model=model, reward_funcs=lambda completions, **kw: [1.0] * len(completions), args=args,
+                          train_dataset=prompts(), processing_class=tok)
+    tr.train()
+    logs = [x for x in tr.state.log_history if "dynamic/rounds" in x]
+    assert [x["dynamic/rounds"] for x in logs] == [2, 2]
+    assert [x["dynamic/filled_zero_var"] for x in logs] == [2, 2]  # B = 8 rows / 4 = 2 groups, none mixed
+    assert all(r["advantages"].abs().max() == 0 and r["completion_ids"].shape[0] == 8 for r in tr.records)
+
+
+def test_dynamic_sampling_and_repo_settings_are_validated(tmp_path):
+    with pytest.raises(ReplayConfigError) as e:
+        make_args(tmp_path, replay_selector="recency", replay_dynamic_sampling=True)
+    assert e.value.field == "replay_dynamic_sampling"
+    with pytest.raises(ReplayConfigError) as e:
+        make_args(tmp_path, replay_selector="none", replay_dynamic_sampling_max_batches=0)
+    assert e.value.field == "replay_dynamic_sampling_max_batches"
+    for bad in ({"retrieval": "recent"}, {"retrieval": "random"}, {"min_cache": 9, "max_cache": 8}, {"k": 3}):
+        with pytest.raises(ReplayConfigError) as e:  # RePO replaces the selector; its options are validated
+            make_args(tmp_path, replay_selector="recency" if bad == {"retrieval": "recent"} else "none",
+                      replay_repo=bad)
+        assert e.value.field == "replay_repo"
+
+
+class WeightRecordingTrainer(RecordingTrainer):
+    """Records, before each selection, the FreshPER weights computed independently from the buffer."""
+
+    def _select(self, step):
+        buf, cfg = self.replay.buffer, self.replay.config
+        expect = None
+        if len(buf):
+            p = priorities(buf, cfg, step.index) ** cfg.priority_alpha
+            w = (len(p) * p / p.sum()) ** -cfg.is_beta  # PER: normalised by the largest weight over the buffer
+            expect = dict(zip(buf.insertion_ids().tolist(), w / w.max()))
+        super()._select(step)
+        sel = step.selection
+        self.selections[-1]["weights"] = None if sel.loss_weights is None else np.asarray(sel.loss_weights)
+        self.selections[-1]["expect"] = None if expect is None else np.asarray([expect[i] for i in sel.accepted])
+        self.selections[-1]["stored_adv"] = [g.advantages.clone() for g in sel.groups]
+
+
+def test_freshper_importance_weights_scale_the_replayed_rows_in_the_loss(model_dir, tmp_path):
+    model, tok = tiny_model(model_dir)
+    args = make_args(tmp_path, replay_selector="freshper", replay_priority_alpha=0.6, replay_age_decay=1.0,
+                     replay_is_beta=0.4, replay_ingress="all", max_steps=5, replay_k_rep=2)
+    tr = WeightRecordingTrainer(model=model, reward_funcs=reward_digit, args=args, train_dataset=prompts(),
+                                processing_class=tok)
+    tr.train()
+    checked, unequal = 0, False
+    for sel in tr.selections:
+        if not sel["groups"]:
+            continue
+        w, expect = sel["weights"], sel["expect"]
+        # PER: w_i = (N P(i))^-beta / max_j w_j
+        assert np.allclose(w, expect, rtol=1e-6) and w.max() <= 1 + 1e-12
+        unequal |= bool(w.min() < 0.999)
+        want = torch.cat([a * float(x) for a, x in zip(sel["stored_adv"], w)])
+        got = torch.cat([r["advantages"][r["is_replay"]] for r in tr.records if r["global_step"] == sel["step"]])
+        assert torch.allclose(got.sort().values, want.float().sort().values, atol=1e-6)
+        checked += 1
+    assert checked >= 3 and unequal  # weights below 1 did reach the loss
+
+
+def test_adv_priority_replays_single_rollouts_with_their_stored_advantage_within_max_age(model_dir, tmp_path):
+    model, tok = tiny_model(model_dir)
+    args = make_args(tmp_path, replay_selector="adv_priority", replay_priority_alpha=1.0, replay_max_age=1,
+                     max_steps=5, replay_k_rep=2)
+    tr = WeightRecordingTrainer(model=model, reward_funcs=reward_digit, args=args, train_dataset=prompts(),
+                                processing_class=tok)
+    tr.train()
+    replayed = 0
+    for sel in tr.selections:
+        assert all(sel["step"] - b <= 1 for b in sel["births"])  # never past max_age
+        assert all(len(lens) == 1 for lens in sel["lengths"])  # single rollouts
+        want = torch.cat(sel["stored_adv"]) if sel["stored_adv"] else torch.zeros(0)
+        assert bool((want != 0).all())  # zero-advantage rollouts are never stored
+        got = torch.cat([r["advantages"][r["is_replay"]] for r in tr.records if r["global_step"] == sel["step"]])
+        assert torch.allclose(got.sort().values, want.float().sort().values)
+        replayed += len(sel["groups"])
+    assert replayed > 0
+
+
+def _repo_args(out, coef, **over):
+    repo = {"retrieval": "recent", "num_replays": 3, "min_cache": 4, "max_cache": 8, "off_coef": coef}
+    return make_args(out, replay_selector="none", replay_repo=repo, gradient_accumulation_steps=1,
+                     per_device_train_batch_size=8, num_generations=4, max_steps=6, seed=1, loss_type="grpo", **over)
+
+
+def test_repo_replays_newest_stored_responses_of_the_batch_prompts_with_split_advantages(model_dir, tmp_path):
+    model, tok = tiny_model(model_dir)
+    tr = RepoRecordingTrainer(model=model, reward_funcs=reward_digit, args=_repo_args(tmp_path, 1.0),
+                                train_dataset=prompts(4), processing_class=tok)
+    tr.train()
+    seen: dict[str, list[tuple[int, str]]] = {}  # prompt -> (step, completion) of every fresh row, in order
+    replayed_steps = 0
+    for rec in tr.records:  # one loss call per part: the fresh part first, then the replay chunks
+        step, rows = rec["global_step"], _texts(tok, rec)
+        # fresh rows in generation order (TRL shuffles them into micro-batches; hdr_row is the generation index)
+        fresh = [r for _, r in sorted((int(h), r) for r, h in zip(rows, rec["hdr_row"].tolist()) if h >= 0)]
+        replay = [(r, float(a)) for r, rep, a in zip(rows, rec["is_replay"].tolist(), rec["advantages"].tolist())
+                  if rep]
+        by_prompt: dict[str, list] = {}
+        for (p, c), a in replay:
+            by_prompt.setdefault(p, []).append((c, a))
+        batch_prompts = {p for p, _ in fresh} or set(by_prompt)
+        for p, got in by_prompt.items():
+            assert p in batch_prompts or not fresh  # only prompts of the current batch
+            past = [c for s, c in seen.get(p, []) if s < step]  # never a response born this step
+            assert len(past) >= 4 and [c for c, _ in got] == past[-3:]  # min_cache 4, the newest k = 3
+            r = torch.tensor([reward_digit([c])[0] for c, _ in got])
+            want = (r - r.mean()) / (r.std() + 1e-4)  # split normalisation over the replayed rows only
+            assert torch.allclose(torch.tensor([a for _, a in got]), want, atol=1e-5)
+            replayed_steps += 1
+        for p, c in fresh:
+            seen.setdefault(p, []).append((step, c))
+    assert replayed_steps >= 3
+
+
+def test_repo_off_policy_term_has_its_own_coefficient(model_dir, tmp_path):
+    """off_coef = 0 trains as plain GRPO (the replay rows' term vanishes); off_coef = 1 does not."""
+    def history(args):
+        model, tok = tiny_model(model_dir)
+        tr = RepoRecordingTrainer(model=model, reward_funcs=reward_digit, args=args, train_dataset=prompts(4),
+                              processing_class=tok)
+        tr.train()
+        return [(x["loss"], x["grad_norm"], x["reward"]) for x in tr.state.log_history if "grad_norm" in x], tr
+
+    plain, _ = history(make_args(tmp_path / "p", replay_selector="none", gradient_accumulation_steps=1,
+                                 per_device_train_batch_size=8, num_generations=4, max_steps=6, seed=1,
+                                 loss_type="grpo"))
+    zero, tz = history(_repo_args(tmp_path / "z", 0.0))
+    one, _ = history(_repo_args(tmp_path / "o", 1.0))
+    assert any(r["is_replay"].any() for r in tz.records)  # replay rows were there, weighted 0
+    # equal up to float32 summation order (the fresh part is back-propagated on its own before the replay chunk)
+    assert np.allclose(zero, plain, rtol=1e-5, atol=1e-7)
+    assert not np.allclose(one, plain, rtol=1e-3, atol=1e-4)
