@@ -231,3 +231,25 @@ def spread(total: int, parts: int) -> list[int]:
 
 def take_rows(batch: dict, sl: slice) -> dict:
     return {k: (v if k in SCALAR_KEYS else v[sl]) for k, v in batch.items()}
+
+
+def gather_objects(accelerator, items: list | None) -> list | None:
+    """Per-row Python objects of every rank, rank-major like :func:`gather_rows` (None stays None)."""
+    if items is None or accelerator.num_processes == 1:
+        return items
+    from accelerate.utils import gather_object
+
+    return gather_object(list(items))
+
+
+def gather_rows(accelerator, rows: dict, *, pad_token_id: int) -> dict:
+    """``rows`` of every rank, rank-major; (N, L) tensors padded to the longest L first (prompts on the left)."""
+    if accelerator.num_processes == 1:
+        return rows
+    out = {}
+    for k, v in rows.items():
+        if v.dim() == 2:
+            v = accelerator.pad_across_processes(v, dim=1, pad_index=pad_token_id if k.endswith("ids") else 0,
+                                                 pad_first=k.startswith("prompt"))
+        out[k] = accelerator.gather(v)
+    return out

@@ -82,6 +82,12 @@ class ReplayPlan:
     def replay_rows_per_process(self) -> int:
         return self.k_rep * self.n // self.world
 
+    @property
+    def grow_factor(self) -> float:
+        """(fresh + replay rows) / fresh rows of one micro-step under ``replay_micro_step="grow"``."""
+        fresh = self.per_device * self.spg
+        return (fresh + self.replay_rows_per_process) / fresh
+
     def warn(self) -> None:
         for text in self.notes:
             warnings.warn(text, ReplaySettingWarning, stacklevel=3)

@@ -45,21 +45,17 @@ from ...strategies.repo import RepoController
 from ...padding import pad_groups
 from ..common import STATE_DIR, restore, split_by_schema
 from . import mm
-from .batch import check_keys, groups_from_rows, ingress_rows, replay_rows
+from .batch import check_keys, gather_objects, gather_rows, groups_from_rows, ingress_rows, replay_rows
+from .checks import check_padding_drift, check_supported
 from .checkpoints import clear_pending, mark_pending, refuse_incomplete, resume_target, rotation_held
 from .config import as_replay_config
 from .dynamic import DynamicSampler
-from .plan import ReplaySettingWarning
-from .positions import active_dropout, install_position_ids, padding_drift
+from .positions import install_position_ids, padding_drift
+from .reference import refresh_reference
 from .rescore import can_share_prompt, share_pays, shared_prompt_logps
-from .microstep import (
-    GLOBAL_TOKENS, LOCAL_TOKENS, ROW_MEAN, MicroStep, chunk_scales, loss_mask, merged, replay_chunks,
-    separate_term_scales,
-)
+from .microstep import MicroStep, chunk_scales, merged, replay_chunks, separate_term_scales
 from .step import ReplayStep
 
-#: max |d logp| tolerated between paddings of one sequence (fp32 / low-precision autocast)
-PADDING_TOLERANCE = {"fp32": 1e-4, "low": 3e-2}
 _INIT = inspect.signature(GRPOTrainer.__init__)
 
 
@@ -91,7 +87,9 @@ class HDRGRPOTrainer(GRPOTrainer):
         repo = a.repo_options()
         self.replay_active = self.replay_config.selector != "none" or repo is not None
         if self.replay_active:
-            self._check_supported(repo)
+            check_supported(a, self.replay_plan, self.accelerator.unwrap_model(self.model), loss_type=self.loss_type,
+                            processes=self.accelerator.num_processes, vlm=self._is_vlm, repo=repo is not None,
+                            deepspeed=self.is_deepspeed_enabled)
         diag = a.replay_diagnostics_dir
         if diag is None:
             diag = os.path.join(a.output_dir, "replay")
@@ -119,39 +117,6 @@ class HDRGRPOTrainer(GRPOTrainer):
                                   and not self.is_deepspeed_enabled and self._position_hook is not None)
             # first in line: user callbacks' on_step_end (step timers, loggers) see the step committed
             self.callback_handler.callbacks.insert(0, _CommitAfterUpdate(self))
-
-    def _check_supported(self, repo=None) -> None:
-        a = self.args
-        if repo is not None and (self.accelerator.num_processes > 1 or a.replay_micro_step != "chunk"
-                                 or getattr(self, "_is_vlm", False)
-                                 or self.loss_type not in ROW_MEAN):
-            raise ValueError("replay_repo (RePO's separate off-policy loss term) runs on one process, text only, with "
-                             f"replay_micro_step='chunk' and a row-mean loss_type ({', '.join(ROW_MEAN)}); got "
-                             f"{self.accelerator.num_processes} processes, {a.replay_micro_step!r}, {self.loss_type!r}")
-        live = active_dropout(self.accelerator.unwrap_model(self.model))
-        if live:
-            raise ValueError(
-                f"the model has active dropout ({', '.join(live[:3])}{', ...' if len(live) > 3 else ''}): "
-                "training-mode log-probs are then random, so stored generation log-probs and the Drift gate "
-                "measure dropout noise instead of policy change. Set disable_dropout=True in HDRGRPOConfig.")
-        if self.loss_type not in ROW_MEAN + LOCAL_TOKENS + GLOBAL_TOKENS:
-            raise ValueError(f"HDRGRPOTrainer: loss_type={self.loss_type!r} is not one hdreplay knows how to split "
-                             "into chunks; use one of " + ", ".join(ROW_MEAN + LOCAL_TOKENS + GLOBAL_TOKENS))
-        if self.is_deepspeed_enabled and a.replay_micro_step == "chunk":
-            raise ValueError("HDRGRPOTrainer: replay_micro_step='chunk' runs extra backward passes inside a micro-step, "
-                             "which DeepSpeed counts as micro-steps of its own. Set replay_micro_step='grow' (replay "
-                             "rows join the micro-batch: activation memory grows by (fresh + replay rows) / fresh rows, "
-                             f"{self._grow_factor():.2f}x with these settings).")
-        if a.replay_micro_step == "grow":
-            warnings.warn(f"replay_micro_step='grow': replay rows join the micro-batch, so a forward holds up to "
-                          f"{self._grow_factor():.2f}x per_device_train_batch_size={a.per_device_train_batch_size} "
-                          "rows and activation memory grows by that factor; 'chunk' (the default) keeps it at "
-                          "per_device_train_batch_size rows.", ReplaySettingWarning, stacklevel=3)
-
-    def _grow_factor(self) -> float:
-        p = self.replay_plan
-        fresh = p.per_device * p.spg
-        return (fresh + p.replay_rows_per_process) / fresh
 
     # ------------------------------------------------------------------ 1. generation and selection
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
@@ -288,20 +253,12 @@ class HDRGRPOTrainer(GRPOTrainer):
 
     def _check_padding_invariance(self, err: float | None = None) -> None:
         if err is None:
-            err = padding_drift(lambda i, m, k: self._logps(i, m, k), vocab_size=self._vocab_size(),
+            cfg = self.accelerator.unwrap_model(self.model).config
+            err = padding_drift(lambda i, m, k: self._logps(i, m, k),
+                                vocab_size=int(getattr(cfg.get_text_config(), "vocab_size", 2)),
                                 pad_token_id=self._tokenizer.pad_token_id, device=self.accelerator.device)
-        tol = PADDING_TOLERANCE["low" if (self.args.bf16 or self.args.fp16) else "fp32"]
-        if not err <= tol:
-            name = type(self.accelerator.unwrap_model(self.model)).__name__
-            raise ValueError(
-                f"{name}: the same sequence re-padded changes its log-probs by up to {err:.2e} (> {tol:g}), even with "
-                "generation-style position ids; replayed groups could not be re-scored consistently. Use a model "
-                "whose forward accepts position_ids (rotary or absolute), or replay_selector='none'.")
-        self.replay_padding_drift = err
-
-    def _vocab_size(self) -> int:
-        cfg = self.accelerator.unwrap_model(self.model).config
-        return int(getattr(cfg.get_text_config(), "vocab_size", 2))
+        self.replay_padding_drift = check_padding_drift(err, low_precision=self.args.bf16 or self.args.fp16,
+                                                        model=self.accelerator.unwrap_model(self.model))
 
     # ------------------------------------------------------------------ reference model syncs (beta != 0)
     def _ref_syncs(self) -> int | None:
@@ -309,22 +266,9 @@ class HDRGRPOTrainer(GRPOTrainer):
         return a.ref_model_sync_steps if (a.sync_ref_model and self.beta != 0.0 and self.ref_model is not None) else None
 
     def _refresh_reference(self, step: ReplayStep, rows: dict, sl: slice) -> None:
-        """Recompute the reference log-probs of replay rows whose group was born before the latest sync of the
-        reference model (TRL's SyncRefModelCallback mixes the policy in every ``ref_model_sync_steps`` steps)."""
-        k = self._ref_syncs()
         births = torch.tensor([g.birth_step for g in step.selection.groups for _ in range(g.num_responses)])[sl]
-        stale = (step.index // k) > (births // k)
-        if not bool(stale.any()):
-            return
-        idx = stale.nonzero().squeeze(1).to(rows["prompt_ids"].device)
-        ids = torch.cat([rows["prompt_ids"][idx], rows["completion_ids"][idx]], 1)
-        mask = torch.cat([rows["prompt_mask"][idx], rows["completion_mask"][idx]], 1)
-        C = rows["completion_ids"].shape[1]
-        images = mm.batch_inputs([rows["hdr_mm"][int(j)] for j in idx], rows["prompt_mask"][idx].cpu(), C) \
-            if "hdr_mm" in rows else {}
-        ref = self._logps(ids, mask, C, model=self.ref_model, **images)
-        rows["ref_per_token_logps"][idx] = (ref * loss_mask(rows)[idx]).to(rows["ref_per_token_logps"].dtype)
-        step.ref_refreshed = int(stale.sum())
+        step.ref_refreshed = refresh_reference(rows, births, step=step.index, sync_every=self._ref_syncs(),
+                                               ref_logps=lambda *a, **k: self._logps(*a, model=self.ref_model, **k))
 
     # ------------------------------------------------------------------ 2. micro-steps
     def _prepare_inputs(self, generation_batch):
@@ -402,8 +346,8 @@ class HDRGRPOTrainer(GRPOTrainer):
         n = self.args.num_generations
         groups, empty, problems, fresh = [], 0, [], 0
         for gi, gen in enumerate(step.generations):
-            rows = self._gather_rows(gen.ingress_rows())
-            mm_rows, mm_why = self._gather_objects(gen.mm_rows), self._gather_objects(gen.mm_why)
+            rows = gather_rows(self.accelerator, gen.ingress_rows(), pad_token_id=self._tokenizer.pad_token_id)
+            mm_rows, mm_why = gather_objects(self.accelerator, gen.mm_rows), gather_objects(self.accelerator, gen.mm_why)
             g, e, p = groups_from_rows(rows, gen.rewards, num_generations=n, step=step.index,
                                        id_prefix=f"s{step.index}.{gi}g", mm_rows=mm_rows, mm_why=mm_why)
             schema = self._mm_schema()
@@ -429,26 +373,6 @@ class HDRGRPOTrainer(GRPOTrainer):
         for k, v in metrics.items():
             if v == v:  # TRL averages what is appended; skip NaN (e.g. no scan this step)
                 self._metrics["train"][k].append(v)
-
-    def _gather_objects(self, items: list | None) -> list | None:
-        """Per-row Python objects of every rank, rank-major like :meth:`_gather_rows` (None stays None)."""
-        if items is None or self.accelerator.num_processes == 1:
-            return items
-        from accelerate.utils import gather_object
-
-        return gather_object(list(items))
-
-    def _gather_rows(self, rows: dict) -> dict:
-        acc = self.accelerator
-        if acc.num_processes == 1:
-            return rows
-        out = {}
-        for k, v in rows.items():
-            if v.dim() == 2:
-                v = acc.pad_across_processes(v, dim=1, pad_index=self._tokenizer.pad_token_id if k.endswith("ids") else 0,
-                                             pad_first=k.startswith("prompt"))
-            out[k] = acc.gather(v)
-        return out
 
     # ------------------------------------------------------------------ 5. checkpoints
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
