@@ -13,6 +13,7 @@ import argparse
 import math
 import sys
 import warnings
+from dataclasses import fields
 from pathlib import Path
 
 from hdreplay.selection import SELECTORS
@@ -23,29 +24,50 @@ DELEGATED = {
 }
 
 
+#: demo defaults: one seed of the three methods that show what the gate does, under 10 minutes on 2 cores
+DEMO_DEFAULTS = {"seeds": 1, "steps": 120, "eval_every": 20}
+
+
 def _compare_args(p: argparse.ArgumentParser, *, demo: bool) -> None:
+    from .sandbox.compare import CompareConfig
     from .sandbox.methods import COMPARE_METHODS, DEMO_METHODS, METHODS, SEARCH_METHODS
     from .sandbox.tasks import TASKS
 
-    p.add_argument("--task", default="add", help=f"one of {sorted(TASKS)}")
+    d = {f.name: f.default for f in fields(CompareConfig)}
+    if demo:
+        d.update(DEMO_DEFAULTS)
+    p.add_argument("--task", default=d["task"], help=f"one of {sorted(TASKS)} (default: %(default)s)")
     p.add_argument("--methods", default=None,
                    help=f"comma-separated, from {list(METHODS)} (default: {','.join(DEMO_METHODS if demo else COMPARE_METHODS)}"
                         f"; with --task search: {','.join(SEARCH_METHODS)})")
-    p.add_argument("--seeds", type=int, default=1 if demo else 3)
-    p.add_argument("--steps", type=int, default=150 if demo else 300, help="optimizer steps per run")
-    p.add_argument("--prompts-per-step", type=int, default=16, help="b: fresh groups per step (even)")
-    p.add_argument("--generations", type=int, default=8, help="n: responses per group")
-    p.add_argument("--lr", type=float, default=1e-4)
-    p.add_argument("--tau", type=float, default=1e-2, help="Drift threshold of the gated methods")
+    p.add_argument("--seeds", type=int, default=d["seeds"], help="seeds per method (default: %(default)s)")
+    p.add_argument("--steps", type=int, default=d["steps"], help="optimizer steps per run (default: %(default)s)")
+    p.add_argument("--prompts-per-step", type=int, default=d["prompts_per_step"], help="b: fresh groups per step (even)")
+    p.add_argument("--generations", type=int, default=d["generations"], help="n: responses per group")
+    p.add_argument("--lr", type=float, default=d["lr"])
+    p.add_argument("--tau", type=float, default=d["tau"], help="Drift threshold of the gated methods")
     p.add_argument("--capacity", type=int, default=None,
-                   help="replay buffer capacity in groups (default 4 x prompts-per-step: a few steps of fresh "
-                        "groups, as the paper's 512 groups at b=128..256)")
-    p.add_argument("--eval-n", type=int, default=8, help="samples per held-out prompt (Mean@n / Best@n)")
+                   help="replay buffer capacity in groups (default: a few steps of admitted groups, 2 x "
+                        "prompts-per-step on the mix task, 4 x elsewhere)")
+    p.add_argument("--eval-n", type=int, default=d["eval_n"], help="samples per held-out prompt (Mean@n / Best@n)")
     p.add_argument("--ingress", default="mixed", choices=["mixed", "answer"])
     p.add_argument("--answer-threshold", type=float, default=None)
     p.add_argument("--model", default=None, help="local causal-LM checkpoint instead of the warm-started tiny model")
     p.add_argument("--latency-ms", type=float, default=None,
                    help="search task: environment latency per tool call (default 5 ms)")
+    p.add_argument("--rollout-ms-per-token", type=float, default=d["rollout_ms_per_token"],
+                   help="modelled rollout cost slept per generated token while training (default: %(default)s)")
+    p.add_argument("--modelled-ms-per-token", type=float, default=d["modelled_ms_per_token"],
+                   help="per-token cost of the summary's modelled wall-clock column (default: %(default)s)")
+    p.add_argument("--eval-every", type=int, default=d["eval_every"],
+                   help="held-out curve every k steps, 0 = off (default: %(default)s)")
+    p.add_argument("--curve-prompts", type=int, default=d["curve_prompts"],
+                   help="held-out prompts per benchmark for the curve (default: %(default)s)")
+    p.add_argument("--curve-n", type=int, default=d["curve_n"], help="samples per prompt for the curve")
+    p.add_argument("--target", type=float, default=None,
+                   help="accuracy for the cost-to-reach columns (default: on-policy b's final curve value)")
+    p.add_argument("--workers", type=int, default=None,
+                   help="runs in parallel, one process and one torch thread each (default: 2 on >= 2 cores)")
     p.add_argument("--out", default="hdreplay_runs/demo" if demo else "hdreplay_runs/compare")
     p.add_argument("--overwrite", action="store_true", help="replace an output directory holding a different run")
     p.add_argument("--no-progress", action="store_true")
@@ -63,8 +85,13 @@ def _run_compare(args, *, demo: bool) -> int:
                             seeds=args.seeds, steps=args.steps, prompts_per_step=args.prompts_per_step,
                             generations=args.generations, lr=args.lr, tau=args.tau, capacity=args.capacity,
                             eval_n=args.eval_n, ingress=args.ingress, answer_threshold=args.answer_threshold,
-                            model=args.model, latency_ms=args.latency_ms)
-        summary = run_compare(cfg, Path(args.out), overwrite=args.overwrite, progress=not args.no_progress)
+                            model=args.model, latency_ms=args.latency_ms,
+                            rollout_ms_per_token=args.rollout_ms_per_token,
+                            modelled_ms_per_token=args.modelled_ms_per_token, eval_every=args.eval_every,
+                            curve_prompts=args.curve_prompts, curve_n=args.curve_n, target=args.target,
+                            workers=args.workers)
+        summary = run_compare(cfg, Path(args.out), overwrite=args.overwrite, progress=not args.no_progress,
+                              demo=demo)
     except (ValueError, FileExistsError) as e:
         print(f"hdreplay {'demo' if demo else 'compare'}: {e}", file=sys.stderr)
         return 2
@@ -77,8 +104,8 @@ def _run_compare(args, *, demo: bool) -> int:
     print(f"runs:    {out / 'runs'} (train_log.jsonl, replay/ diagnostics, metrics.json; "
           f"`hdreplay report {out / 'runs' / 'headroom_drift' / 'seed0'}` for the replay analytics)")
     if demo:
-        print("\nOne seed shows the method running end to end on CPU, not which method wins; use "
-              "`hdreplay compare` (3 seeds by default) for a comparison with seed spread.")
+        print("\nOne seed shows what the gate does, not which method wins; `hdreplay compare` runs the paired, "
+              "several-seed comparison with bootstrap intervals.")
     return 0
 
 
@@ -107,7 +134,7 @@ def _calibrate(args) -> int:
         return 2
     task = get_task(cfg.task)
     out = Path(args.out)
-    model_dir = Path(args.model) if args.model else warm_start(task, out / "warmstart")
+    model_dir = Path(args.model) if args.model else warm_start(task)  # the shared cache
 
     def train_fn(label, tau, adaptive, run_dir):
         spec = cfg.spec("headroom_drift", 0)
@@ -146,7 +173,7 @@ def _parser() -> tuple[argparse.ArgumentParser, set[str]]:
     # no abbreviations: "--summ" must not silently start a training sweep instead of a summary
     cal = sub.add_parser("calibrate", help="tau sweep at decade-spaced values plus adaptive tau", allow_abbrev=False)
     sweep = [
-        cal.add_argument("--task", default="add", help="sandbox task (default: %(default)s)"),
+        cal.add_argument("--task", default="mix", help="sandbox task (default: %(default)s)"),
         cal.add_argument("--taus", default="1e-3,1e-2,1e-1",
                          help="comma-separated Drift thresholds, one Headroom-Drift run each (default: %(default)s)"),
         cal.add_argument("--no-adaptive", action="store_true",

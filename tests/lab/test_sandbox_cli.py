@@ -10,7 +10,8 @@ import pytest
 pytest.importorskip("trl")
 pytestmark = pytest.mark.trl
 
-TINY = ["--steps", "3", "--prompts-per-step", "4", "--generations", "4", "--eval-n", "2", "--no-progress"]
+TINY = ["--steps", "3", "--prompts-per-step", "4", "--generations", "4", "--eval-n", "2", "--no-progress",
+        "--curve-prompts", "3", "--curve-n", "1", "--eval-every", "2"]
 
 
 def cli(*args, timeout=600):
@@ -49,8 +50,18 @@ def test_compare_writes_every_output(tiny_model, tmp_path):
     assert [s["step"] for s in steps] == [0, 1, 2]
     md = (out / "summary.md").read_text()
     assert "Headroom-Drift (b+r)" in md and "Fresh responses" in md and "±" in md
+    for section in ("## What did the gate do?", "## Regime", "## Paired differences", "## Efficiency curves",
+                    "## Environment"):
+        assert section in md
+    op, hdr = summary["methods"]["onpolicy_matched"], summary["methods"]["headroom_drift"]
+    assert summary["reference"] == "headroom_drift" and "paired" in op and "paired" not in hdr
+    assert op["paired"]["seeds"] == 2 and op["paired"]["lo"] <= op["paired"]["diff"] <= op["paired"]["hi"]
+    assert 0 <= op["regime"]["zero_variance_share"] <= 1 and op["regime"].get("acceptance") is None
+    assert 0 <= hdr["regime"]["acceptance"] <= 1
+    assert [p for p in hdr["curve"]["step"]] == [0, 2, 3] and "to_target" in hdr["curve"]
+    assert summary["environment"]["workers"] == 2 and summary["environment"]["runs_trained"] == 4
     pngs = sorted(p.name for p in (out / "plots").glob("*.png"))
-    assert pngs == ["heldout_mean.png", "train_score_steps.png", "train_score_wallclock.png"]
+    assert pngs == ["curves.png", "heldout.png", "paired.png", "regime.png", "train_score.png"]
     assert all((out / "plots" / n).stat().st_size > 1000 for n in pngs)
     assert sorted(summary["plots"]) == [f"plots/{n}" for n in pngs], "plot paths relative to the comparison dir"
     # the same comparison again reuses the finished runs
@@ -59,11 +70,18 @@ def test_compare_writes_every_output(tiny_model, tmp_path):
     assert again.returncode == 0 and "summary:" in again.stdout
 
 
-def test_demo_says_one_seed_is_not_a_verdict(tiny_model, tmp_path):
-    p = cli("demo", "--model", tiny_model, "--out", tmp_path / "demo", *TINY)
+def test_demo_says_what_the_gate_did_and_that_one_seed_is_not_a_verdict(tiny_model, tmp_path):
+    p = cli("demo", "--model", tiny_model, "--out", tmp_path / "demo", "--tau", "10", *TINY)
     assert p.returncode == 0, p.stderr[-4000:]
     assert "not which method wins" in p.stdout
     assert "plot:" in p.stdout and (tmp_path / "demo" / "summary.md").exists()
+    summary = json.loads((tmp_path / "demo" / "summary.json").read_text())
+    gate = summary["gate"]
+    assert set(gate) == {"headroom_drift", "recency_matched"}
+    assert gate["recency_matched"]["replay_kl"] is not None, "recency records its (ungated) replay KL"
+    assert gate["headroom_drift"]["acceptance"] is not None
+    assert "What did the gate do?" in p.stdout and "Replay KL, gated vs ungated" in p.stdout
+    assert "paired.png" not in {q.split("/")[-1] for q in summary["plots"]}, "no seed intervals with one seed"
 
 
 @pytest.mark.parametrize("args, needle", [

@@ -2,67 +2,101 @@
 
 Output directory layout:
     compare.json                 the comparison's settings (a different run refuses to reuse the dir)
-    warmstart/                   cached warm-started models (reused by later runs)
     runs/<method>/seed<k>/       one run directory each (see runner.py)
-    summary.md, summary.json     the table (methods x benchmarks, Best@n / Mean@n, seed mean and spread,
-                                 fresh responses, step time) and its numbers
-    plots/train_score_steps.png, plots/train_score_wallclock.png, plots/heldout_mean.png
+    summary.md, summary.json     tables and numbers (summary.py): held-out Best@n / Mean@n, the regime
+                                 (zero-variance share, acceptance, generation share), paired differences
+                                 against Headroom-Drift with bootstrap intervals, efficiency curves
+    plots/*.png                  figures (plots.py)
+
+The warm start is cached once per settings hash in the shared cache directory
+(:func:`hdreplay_lab.sandbox.warmstart.default_cache_dir`), reused by demo, compare and calibrate.
+
+Paired design: every method of a comparison starts from the same warm start and, per seed, sees the same
+prompt order (runner.py).  Runs are independent processes of ``workers`` at a time, one torch thread each
+(env.py), and resumable per (method, seed): a run counts as done when its metrics.json is complete
+(written atomically, last); anything else in its directory is removed and the run redone.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import numpy as np
-
-from .methods import Method, get_methods
-from .runner import RunSpec
-from .tasks import Task, get_task
+from .methods import get_methods
+from .runner import RunSpec, is_finished
+from .tasks import get_task
 
 FORMAT = "hdreplay.compare"
+#: the modelled rollout cost the summary's second wall-clock column uses, ms per generated token: the
+#: smallest round value that makes generation >= 2/3 of the on-policy step in the sandbox (measured:
+#: docs/results/fidelity/summary.md, "Generation share")
+MODELLED_MS_PER_TOKEN = 0.5
 
 
 @dataclass
 class CompareConfig:
-    task: str = "add"
+    task: str = "mix"
     methods: tuple[str, ...] = ()
-    seeds: int = 3
-    steps: int = 300
+    seeds: int = 8
+    steps: int = 200
     prompts_per_step: int = 16
     generations: int = 8
     lr: float = 1e-4
     tau: float = 1e-2
-    capacity: int | None = None  # None = 4 x prompts_per_step (see __post_init__)
+    capacity: int | None = None  # None = the task's buffer_steps x prompts_per_step (see __post_init__)
     eval_n: int = 8
     ingress: str = "mixed"
     answer_threshold: float | None = None
     model: str | None = None  # a local causal-LM checkpoint; None = the warm-started tiny model
     latency_ms: float | None = None  # per tool call (search task); None = the task's default
+    #: modelled rollout cost (a sleep per generated token at TRL's generation seam) used while training
+    rollout_ms_per_token: float = 0.0
+    #: the per-token cost of the summary's modelled wall-clock column (computed, not slept)
+    modelled_ms_per_token: float = MODELLED_MS_PER_TOKEN
+    #: held-out curve every k steps on the first curve_prompts prompts per benchmark, curve_n samples each
+    eval_every: int = 25
+    curve_prompts: int = 50
+    curve_n: int = 4
+    #: accuracy for "cost to reach"; None = the final seed-mean curve value of on-policy b
+    target: float | None = None
+    #: parallel runs (one process each, one torch thread each); None = 2 on a machine with >= 2 cores
+    workers: int | None = None
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         task = get_task(self.task)  # names the valid tasks
         if self.capacity is None:
-            # The buffer should hold a few steps of fresh groups, as in the paper: 512 groups at b = 256
-            # (math, 2 steps) and b = 128 (Search-R1, 4 steps). A fixed 512 at b = 16 would keep ~40 steps of
-            # stale groups and make the gate scan deep for nothing.
-            self.capacity = 4 * self.prompts_per_step if isinstance(self.prompts_per_step, int) else 64
+            # The buffer should hold a few steps of *admitted* groups, as in the paper (512 groups at b = 256
+            # and b = 128). Tasks whose fresh groups are mostly mixed use 4 b; the difficulty mixture, whose
+            # groups are half zero-variance, 2 b.
+            per_b = getattr(task, "capacity_per_b", 4)
+            self.capacity = per_b * self.prompts_per_step if isinstance(self.prompts_per_step, int) else 64
+        if self.workers is None:
+            self.workers = min(2, os.cpu_count() or 1)
         methods = get_methods(self.methods)  # names the valid methods
         for m in methods:
             m.fresh_groups(self.prompts_per_step)
             m.replay_groups(self.prompts_per_step)
-        for name in ("seeds", "steps", "prompts_per_step", "eval_n", "capacity"):
+        for name in ("seeds", "steps", "prompts_per_step", "eval_n", "capacity", "curve_prompts", "curve_n",
+                     "workers"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be an integer >= 1, got {v!r}")
+        if not isinstance(self.eval_every, int) or self.eval_every < 0:
+            raise ValueError(f"--eval-every must be an integer >= 0 (0 = no curve), got {self.eval_every!r}")
         if not isinstance(self.generations, int) or self.generations < 2:
             raise ValueError(f"--generations must be >= 2 (a group needs several responses), got {self.generations!r}")
         if not (self.tau >= 0):
             raise ValueError(f"--tau must be >= 0, got {self.tau!r}")
+        for name in ("rollout_ms_per_token", "modelled_ms_per_token"):
+            if not (getattr(self, name) >= 0):
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 0 milliseconds, got {getattr(self, name)!r}")
+        if self.target is not None and not (0 < self.target <= 1):
+            raise ValueError(f"--target must be a Mean@n in (0, 1], got {self.target!r}")
         if self.ingress == "answer" and self.answer_threshold is None:
             self.answer_threshold = task.answer_threshold
             if self.answer_threshold is None:
@@ -75,24 +109,42 @@ class CompareConfig:
             raise ValueError(f"--latency-ms must be >= 0, got {self.latency_ms!r}")
 
     def spec(self, method: str, seed: int) -> RunSpec:
+        m = get_methods([method])[0]
         return RunSpec(task=self.task, method=method, seed=seed, steps=self.steps,
                        prompts_per_step=self.prompts_per_step, generations=self.generations, lr=self.lr,
                        tau=self.tau, capacity=self.capacity, eval_n=self.eval_n, ingress=self.ingress,
-                       answer_threshold=self.answer_threshold,
+                       answer_threshold=self.answer_threshold, rollout_ms_per_token=self.rollout_ms_per_token,
+                       eval_every=self.eval_every, curve_prompts=self.curve_prompts, curve_n=self.curve_n,
+                       # recency replay re-scores what it picks, so gated and ungated replay KL can be compared
+                       diagnose_ungated=m.selector == "recency",
                        extra={**self.extra, "latency_s": self.latency_ms / 1000.0})
+
+
+#: settings that change no run's result (how many run at once): a resumed comparison may differ in them
+RUN_NEUTRAL = ("workers", "modelled_ms_per_token", "target")
+
+
+def _stored(cfg: CompareConfig) -> dict:
+    return json.loads(json.dumps({"format": FORMAT, "config": asdict(cfg)}))  # as stored (tuples -> lists)
+
+
+def _identity(stored: dict) -> dict:
+    """What must match for finished runs to be reused: everything but :data:`RUN_NEUTRAL`."""
+    return {**stored, "config": {k: v for k, v in stored.get("config", {}).items() if k not in RUN_NEUTRAL}}
 
 
 def prepare_out_dir(out: Path, cfg: CompareConfig, overwrite: bool) -> None:
     """Refuse a directory holding a different run unless ``overwrite``; never delete anything else."""
     marker = out / "compare.json"
-    want = json.loads(json.dumps({"format": FORMAT, "config": asdict(cfg)}))  # as stored (tuples -> lists)
+    stored = _stored(cfg)
+    want = _identity(stored)
     if out.exists() and any(out.iterdir()):
         if not marker.is_file():
             if not overwrite:
                 raise FileExistsError(f"{out} exists and is not an hdreplay comparison directory; choose another "
                                       "--out or pass --overwrite")
         else:
-            have = json.loads(marker.read_text())
+            have = _identity(json.loads(marker.read_text()))
             if have != want and not overwrite:
                 diff = sorted(k for k in set(have.get("config", {})) | set(want["config"])
                               if have.get("config", {}).get(k) != want["config"].get(k))
@@ -104,16 +156,19 @@ def prepare_out_dir(out: Path, cfg: CompareConfig, overwrite: bool) -> None:
                 for f in ("summary.md", "summary.json"):
                     (out / f).unlink(missing_ok=True)
     out.mkdir(parents=True, exist_ok=True)
-    marker.write_text(json.dumps(want, indent=2))
+    marker.write_text(json.dumps(stored, indent=2))
 
 
-def run_compare(cfg: CompareConfig, out: Path, *, overwrite: bool = False, log=print, progress: bool = True) -> dict:
-    """Run every method x seed (reusing finished runs of the same comparison) and write the summary."""
+def run_compare(cfg: CompareConfig, out: Path, *, overwrite: bool = False, log=print, progress: bool = True,
+                demo: bool = False) -> dict:
+    """Run every method x seed not finished yet (``cfg.workers`` at a time) and write the summary."""
     from .model import load_model  # noqa: F401  (fail early if transformers is missing)
-    from .runner import run_one
+    from .summary import write_summary
     from .warmstart import warm_start
 
     out = Path(out)
+    t0 = time.perf_counter()
+    load0 = os.getloadavg()
     prepare_out_dir(out, cfg, overwrite)
     task = get_task(cfg.task)
     methods = get_methods(cfg.methods)
@@ -121,31 +176,27 @@ def run_compare(cfg: CompareConfig, out: Path, *, overwrite: bool = False, log=p
         check_model(Path(cfg.model))
         model_dir = Path(cfg.model)
     else:
-        log("warm start (cached after the first run) ...")
-        model_dir = warm_start(task, out / "warmstart", log=log)
-    total = sum(cfg.steps for _ in methods for _ in range(cfg.seeds))
-    bar = _bar(total, progress)
-    t0 = time.perf_counter()
-    try:
+        log("warm start (cached once per settings in the shared cache directory) ...")
+        model_dir = warm_start(task, log=log)
+    jobs, done = [], 0
+    for seed in range(cfg.seeds):  # seed-major: an interrupted comparison has whole seeds of every method
         for m in methods:
-            for seed in range(cfg.seeds):
-                run_dir = out / "runs" / m.name / f"seed{seed}"
-                if (run_dir / "metrics.json").is_file():
-                    bar.update(cfg.steps)
-                    continue
-                bar.set_description(f"{m.name} seed {seed}")
-                shutil.rmtree(run_dir, ignore_errors=True)  # an unfinished run of this comparison
-                run_one(cfg.spec(m.name, seed), m, task, model_dir, run_dir, on_step=bar.update)
-    finally:
-        bar.close()
-    summary = summarize(out, cfg, methods, task)
-    summary["wall_s"] = time.perf_counter() - t0
-    (out / "summary.json").write_text(json.dumps(summary, indent=2))
-    (out / "summary.md").write_text(render_markdown(summary))
-    # relative to the comparison directory, so the summary stays valid when the directory is moved or shared
-    summary["plots"] = [str(Path(p).relative_to(out)) for p in plot(out, summary, methods)]
-    (out / "summary.json").write_text(json.dumps(summary, indent=2))
-    return summary
+            run_dir = out / "runs" / m.name / f"seed{seed}"
+            if is_finished(run_dir):
+                done += 1
+                continue
+            shutil.rmtree(run_dir, ignore_errors=True)  # an unfinished run of this comparison
+            jobs.append((m.name, seed, run_dir))
+    if done:
+        log(f"resuming: {done} finished run(s) kept, {len(jobs)} to run")
+    from .pool import run_jobs
+
+    run_jobs(cfg, jobs, model_dir, total_steps=cfg.steps * (len(jobs) + done), done_steps=cfg.steps * done,
+             progress=progress)
+    env = {"wall_s": time.perf_counter() - t0, "runs_trained": len(jobs), "runs_reused": done,
+           "workers": cfg.workers, "loadavg_start": list(load0), "loadavg_end": list(os.getloadavg()),
+           "cpus": os.cpu_count(), "model": str(model_dir)}
+    return write_summary(out, cfg, methods, task, env=env, demo=demo)
 
 
 def check_model(path: Path) -> None:
@@ -155,148 +206,3 @@ def check_model(path: Path) -> None:
         load_model(path)
     except (OSError, ValueError, KeyError) as e:
         raise ValueError(f"--model {path}: not a loadable causal-LM checkpoint ({e})") from e
-
-
-def _bar(total: int, enabled: bool):
-    from tqdm.auto import tqdm
-
-    return tqdm(total=total, unit="step", disable=not enabled, dynamic_ncols=True)
-
-
-def _stats(xs) -> dict:
-    a = np.asarray([x for x in xs if x is not None], dtype=np.float64)
-    if a.size == 0:
-        return {"mean": None, "std": None, "n": 0}
-    return {"mean": float(a.mean()), "std": float(a.std(ddof=1)) if a.size > 1 else 0.0, "n": int(a.size)}
-
-
-def summarize(out: Path, cfg: CompareConfig, methods: list[Method], task: Task) -> dict:
-    res = {"format": FORMAT, "config": asdict(cfg), "task": task.name, "n": cfg.eval_n,
-           "multiturn": bool(getattr(task, "is_multiturn", False)),
-           "benchmarks": {b.name: b.size for b in task.benchmarks}, "methods": {}}
-    for m in methods:
-        runs = [json.loads((out / "runs" / m.name / f"seed{s}" / "metrics.json").read_text())
-                for s in range(cfg.seeds)]
-        entry = {"label": m.label, "seeds": len(runs), "benchmarks": {}}
-        for b in task.benchmarks:
-            entry["benchmarks"][b.name] = {
-                "mean_at_n": _stats(r["benchmarks"][b.name]["mean_at_n"] for r in runs),
-                "best_at_n": _stats(r["benchmarks"][b.name]["best_at_n"] for r in runs),
-            }
-        for k in ("macro_mean_at_n", "macro_best_at_n", "weighted_mean_at_n", "weighted_best_at_n",
-                  "mean_step_s", "train_wall_s", "final_train_reward", "env_calls_per_step"):
-            entry[k] = _stats(r[k] for r in runs)
-        entry["fresh_responses"] = runs[0]["fresh_responses"]
-        entry["env_latency_ms"] = runs[0].get("env_latency_ms", 0.0)
-        res["methods"][m.name] = entry
-    return res
-
-
-def _cell(best: dict, mean: dict) -> str:
-    f = lambda s: "n/a" if s["mean"] is None else (f"{s['mean']:.3f}" + (f"±{s['std']:.3f}" if s["n"] > 1 else ""))  # noqa: E731
-    return f"{f(best)} / {f(mean)}"
-
-
-def render_markdown(summary: dict) -> str:
-    ms = summary["methods"]
-    names = list(ms)
-    n = summary["n"]
-    seeds = max(e["seeds"] for e in ms.values())
-    lines = [f"# hdreplay compare: task `{summary['task']}`", "",
-             f"Each cell: Best@{n} / Mean@{n} on the held-out benchmark"
-             + (f", mean ± standard deviation over {seeds} seeds." if seeds > 1 else f", {seeds} seed."), ""]
-    lines.append("| Metric | " + " | ".join(ms[k]["label"] for k in names) + " |")
-    lines.append("|---|" + "---|" * len(names))
-    for b, size in summary["benchmarks"].items():
-        lines.append(f"| {b} (n={size}) | " + " | ".join(
-            _cell(ms[k]["benchmarks"][b]["best_at_n"], ms[k]["benchmarks"][b]["mean_at_n"]) for k in names) + " |")
-    lines.append("| Macro Avg | " + " | ".join(_cell(ms[k]["macro_best_at_n"], ms[k]["macro_mean_at_n"])
-                                               for k in names) + " |")
-    lines.append("| Weighted Avg | " + " | ".join(_cell(ms[k]["weighted_best_at_n"], ms[k]["weighted_mean_at_n"])
-                                                  for k in names) + " |")
-    lines.append("| Fresh responses | " + " | ".join(f"{ms[k]['fresh_responses']:,}" for k in names) + " |")
-    lines.append("| Step time (s) | " + " | ".join(
-        "n/a" if ms[k]["mean_step_s"]["mean"] is None else f"{ms[k]['mean_step_s']['mean']:.3f}" for k in names) + " |")
-    if summary.get("multiturn"):
-        lines += ["", f"Mean per-step wall-clock time (environment latency {ms[names[0]]['env_latency_ms']:g} ms "
-                      "per tool call), fastest first, like the paper's step-time table:", "",
-                  "| Method | Step time (s) | Tool calls / step | Fresh responses | Macro Mean@n | Macro Best@n |",
-                  "|---|---|---|---|---|---|"]
-        f = lambda s: "n/a" if s["mean"] is None else f"{s['mean']:.3f}"  # noqa: E731
-        for k in sorted(names, key=lambda k: ms[k]["mean_step_s"]["mean"] or 0):
-            e = ms[k]
-            lines.append(f"| {e['label']} | {f(e['mean_step_s'])} | {e['env_calls_per_step']['mean']:.1f} | "
-                         f"{e['fresh_responses']:,} | {f(e['macro_mean_at_n'])} | {f(e['macro_best_at_n'])} |")
-    lines += ["", _ordering_note(summary, seeds)]
-    return "\n".join(lines) + "\n"
-
-
-def _ordering_note(summary: dict, seeds: int) -> str:
-    ms = summary["methods"]
-    order = sorted(ms, key=lambda k: -(ms[k]["macro_mean_at_n"]["mean"] or -1))
-    spread = max((ms[k]["macro_mean_at_n"]["std"] or 0.0) for k in ms)
-    txt = "Ordering by macro Mean@n in this run: " + " > ".join(ms[k]["label"] for k in order) + "."
-    if seeds == 1:
-        return txt + (" With one seed this shows the methods running end to end; it does not show which "
-                      "method wins (rerun `hdreplay compare` with several seeds for a spread).")
-    return txt + f" Largest seed standard deviation of macro Mean@n: {spread:.3f}; differences smaller than that are noise."
-
-
-def plot(out: Path, summary: dict, methods: list[Method], window: int = 15) -> list[str]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    pdir = out / "plots"
-    pdir.mkdir(exist_ok=True)
-    curves = {}
-    for m in methods:
-        steps, walls, scores = [], [], []
-        for s in range(summary["methods"][m.name]["seeds"]):
-            recs = [json.loads(x) for x in open(out / "runs" / m.name / f"seed{s}" / "train_log.jsonl")]
-            steps.append([r["step"] for r in recs])
-            walls.append([r["wall_s"] for r in recs])
-            scores.append([r.get("reward", np.nan) for r in recs])
-        k = min(map(len, scores))
-        curves[m.name] = (np.asarray(steps[0][:k]), np.mean([w[:k] for w in walls], axis=0),
-                          np.mean([sc[:k] for sc in scores], axis=0))
-    paths = []
-    for xkey, fname, xlabel in ((0, "train_score_steps.png", "training step"),
-                                (1, "train_score_wallclock.png", "wall-clock seconds")):
-        fig, ax = plt.subplots(figsize=(7, 4.2))
-        for m in methods:
-            x, y = curves[m.name][xkey], curves[m.name][2]
-            ax.plot(x, y, alpha=0.2, lw=0.8)
-            ax.plot(x, _running(y, window), lw=1.8, label=m.label, color=ax.lines[-1].get_color())
-        ax.set_xlabel(xlabel)
-        ax.set_ylabel("training score (mean reward)")
-        ax.set_title(f"Training score, running average (window {window}), seed mean")
-        ax.legend(fontsize=8)
-        fig.tight_layout()
-        fig.savefig(pdir / fname, dpi=120)
-        plt.close(fig)
-        paths.append(str(pdir / fname))
-    fig, ax = plt.subplots(figsize=(7, 4.2))
-    names = [m.name for m in methods]
-    means = [summary["methods"][k]["macro_mean_at_n"]["mean"] for k in names]
-    stds = [summary["methods"][k]["macro_mean_at_n"]["std"] or 0.0 for k in names]
-    ax.bar(range(len(names)), means, yerr=stds, capsize=4, color="tab:blue", alpha=0.8)
-    ax.set_xticks(range(len(names)), [summary["methods"][k]["label"] for k in names], rotation=25, ha="right",
-                  fontsize=8)
-    ax.set_ylabel(f"held-out macro Mean@{summary['n']}")
-    ax.set_title("Held-out Mean@n per method (error bar: seed standard deviation)")
-    fig.tight_layout()
-    fig.savefig(pdir / "heldout_mean.png", dpi=120)
-    plt.close(fig)
-    paths.append(str(pdir / "heldout_mean.png"))
-    return paths
-
-
-def _running(y: np.ndarray, w: int) -> np.ndarray:
-    out = np.empty_like(y, dtype=np.float64)
-    for i in range(len(y)):
-        seg = y[max(0, i - w + 1):i + 1]
-        seg = seg[np.isfinite(seg)]
-        out[i] = seg.mean() if seg.size else np.nan
-    return out

@@ -13,7 +13,14 @@ dapo               DAPO-style: TRL's dapo loss + clip-higher   b         -      
 headroom_only      Headroom order, no Drift gate               b         r          grpo
 drift_only         recency order + Drift gate                  b         r          grpo
 headroom_drift     Headroom-Drift Replay (the paper)           b         r          grpo
+hdr_l1             Headroom-Drift with L1 Drift                b         r          grpo
+hdr_advantage      Headroom-Drift, |A|-weighted Headroom       b         r          grpo
 =================  ==========================================  ========  =========  ========
+
+``hdr_l1`` and ``hdr_advantage`` are the paper's two design-choice ablations (mechanism signatures in
+docs/results/fidelity): Drift as the mean absolute instead of squared log-prob change (the same tau is
+then a different threshold: |d| <= tau versus d^2 <= tau), and Headroom weighted by |A_i| instead of
+the sign of the advantage.
 
 The DAPO baseline is TRL's ``loss_type="dapo"`` (token-level normalisation) with clip-higher
 (epsilon_high = 0.28); TRL has no dynamic sampling, so DAPO's resampling of all-equal groups is
@@ -34,6 +41,8 @@ class Method:
     replay_mult: float = 0.0  # replay groups per step, in units of b
     loss_type: str = "grpo"
     epsilon_high: float | None = None
+    drift_norm: str = "l2"  # ReplayConfig.drift_norm
+    headroom_weighting: str = "sign"  # ReplayConfig.headroom_weighting
 
     def fresh_groups(self, b: int) -> int:
         return _whole(self.fresh_mult * b, f"{self.name} needs {self.fresh_mult} x b fresh groups")
@@ -59,9 +68,15 @@ METHODS: dict[str, Method] = {
         Method("headroom_only", "Headroom only (b+r)", selector="headroom_only", replay_mult=0.5),
         Method("drift_only", "Drift only (b+r)", selector="drift_only", replay_mult=0.5),
         Method("headroom_drift", "Headroom-Drift (b+r)", selector="headroom_drift", replay_mult=0.5),
+        Method("hdr_l1", "Headroom-Drift, L1 Drift (b+r)", selector="headroom_drift", replay_mult=0.5,
+               drift_norm="l1"),
+        Method("hdr_advantage", "Headroom-Drift, |A|-weighted (b+r)", selector="headroom_drift", replay_mult=0.5,
+               headroom_weighting="advantage"),
     )
 }
-COMPARE_METHODS = tuple(METHODS)
+#: the role-aligned table of the paper (the ablation variants run in the signature set, not by default)
+COMPARE_METHODS = ("onpolicy_matched", "onpolicy_larger", "recency_matched", "recency_larger", "dapo",
+                   "headroom_only", "drift_only", "headroom_drift")
 DEMO_METHODS = ("onpolicy_matched", "recency_matched", "headroom_drift")
 #: the paper's agentic-search set (Search-R1): no recency-larger, no ablations
 SEARCH_METHODS = ("onpolicy_matched", "onpolicy_larger", "recency_matched", "dapo", "headroom_drift")

@@ -1,13 +1,20 @@
 """One training run of one method and seed through the TRL trainer, into a run directory.
 
 Run directory layout (what ``hdreplay report`` and the comparison summary read):
-    run.json          method, seed, task and every setting
+    run.json          method, seed, task and every setting (incl. the modelled rollout cost, torch threads)
     train_log.jsonl   TRL's log entries, one per step (reward, entropy, loss, replay/* ...)
-                      plus ``wall_s`` (seconds since training started) and ``step_s``
+                      plus the per-step measurements of instrument.py (wall_s, step_s, generation
+                      seconds and tokens, zero-variance share, the step's prompts)
+    curve.jsonl       held-out macro Mean@n on a prompt subset every ``eval_every`` steps (and step 0)
     replay/           steps.jsonl, groups.jsonl (replay methods only)
     trl/runs/         TensorBoard event files written through TRL's report_to
-    metrics.json      held-out Mean@n / Best@n per benchmark, macro and weighted averages,
-                      fresh responses, mean step time
+    metrics.json      held-out Mean@n / Best@n per benchmark (and per prompt), macro and weighted
+                      averages, fresh responses, mean step time; written last, atomically
+
+Same prompt order: the training prompts of a run depend only on (task, seed, dataset size), and TRL's
+``RepeatSampler`` shuffles them with a generator seeded by the run's seed, so every method of a seed
+reads the same permutation.  A method with b' fresh groups per step reads positions [t b', (t+1) b') of it
+at step t; the dataset holds 3 x steps x b prompts for every method (one epoch for up to 3 b per step).
 """
 
 from __future__ import annotations
@@ -18,9 +25,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from ..env import offline_env
+from hdreplay.atomic import atomic_write_text
+
+from ..env import configure_threads, offline_env
+from .instrument import Recorder, StepStats, sandbox_trainer_class
 from .methods import Method
 from .tasks import Task
+
+METRICS_FORMAT = "hdreplay.sandbox.metrics/2"
 
 
 @dataclass
@@ -41,59 +53,36 @@ class RunSpec:
     answer_threshold: float | None = None
     counterfactual: bool = False
     adaptive_tau: dict | None = None
+    #: modelled rollout cost, milliseconds per generated token (instrument.py); 0 = native CPU sampling
+    rollout_ms_per_token: float = 0.0
+    #: held-out curve every ``eval_every`` steps (0 = off) on the first ``curve_prompts`` prompts of each
+    #: benchmark, ``curve_n`` samples each
+    eval_every: int = 0
+    curve_prompts: int = 50
+    curve_n: int = 4
+    #: also re-score what recency replay picks, so its replay KL is recorded (ungated diagnostics)
+    diagnose_ungated: bool = False
+    #: training prompts in the dataset; None = 3 x steps x prompts_per_step, the same for every method
+    dataset_prompts: int | None = None
     extra: dict = field(default_factory=dict)
 
-
-class _Recorder:
-    """A TRL callback: step timing, train_log.jsonl, and a progress hook."""
-
-    def __new__(cls, *a, **k):  # built lazily so that importing this module does not import transformers
-        from transformers import TrainerCallback
-
-        class Recorder(TrainerCallback):
-            def __init__(self, path: Path, on_step: Callable[[int], None] | None):
-                self.path, self.on_step = path, on_step
-                self.t0 = self.t_step = None
-                self.step_times: list[float] = []
-                self.f = open(path, "w")
-
-            def on_train_begin(self, args, state, control, **kw):
-                self.t0 = time.perf_counter()
-
-            def on_step_begin(self, args, state, control, **kw):
-                self.t_step = time.perf_counter()
-
-            def on_step_end(self, args, state, control, **kw):
-                self.step_times.append(time.perf_counter() - self.t_step)
-                if self.on_step:
-                    self.on_step(1)
-
-            def on_log(self, args, state, control, logs=None, **kw):
-                if not logs or "loss" not in logs:
-                    return
-                rec = {"step": state.global_step, **{k: v for k, v in logs.items() if isinstance(v, (int, float))},
-                       "wall_s": time.perf_counter() - self.t0,
-                       "step_s": self.step_times[-1] if self.step_times else None}
-                self.f.write(json.dumps(rec) + "\n")
-                self.f.flush()
-
-            def close(self):
-                self.f.close()
-
-        return Recorder(*a, **k)
+    def num_dataset_prompts(self) -> int:
+        return self.dataset_prompts or max(3 * self.steps * self.prompts_per_step, 256)
 
 
-def build_trainer(spec: RunSpec, method: Method, task: Task, model_dir: Path, run_dir: Path, callbacks=()):
+def build_trainer(spec: RunSpec, method: Method, task: Task, model_dir: Path, run_dir: Path, callbacks=(),
+                  stats: StepStats | None = None):
+    """The sandbox trainer of one run (``HDRGRPOTrainer`` with the measuring seams of instrument.py)."""
     offline_env()
     from datasets import Dataset
 
-    from hdreplay.integrations.trl import HDRGRPOConfig, HDRGRPOTrainer
+    from hdreplay.integrations.trl import HDRGRPOConfig
     from .model import load_model
 
     b, n = method.fresh_groups(spec.prompts_per_step), spec.generations
     k_rep = method.replay_groups(spec.prompts_per_step)
     model, tok = load_model(model_dir)
-    problems = task.train_problems(max(spec.steps * b * 2, 256), seed=spec.seed)
+    problems = task.train_problems(spec.num_dataset_prompts(), seed=spec.seed)
     ds = Dataset.from_dict({"prompt": [p.prompt for p in problems], "answer": [p.answer for p in problems]})
     env_kwargs = {}
     if getattr(task, "is_multiturn", False):  # TRL's own environment mechanism drives the tool calls
@@ -115,12 +104,15 @@ def build_trainer(spec: RunSpec, method: Method, task: Task, model_dir: Path, ru
         disable_tqdm=True, disable_dropout=True, dataloader_num_workers=0,
         replay_selector=method.selector, replay_k_rep=k_rep, replay_tau=spec.tau, replay_capacity=spec.capacity,
         replay_ingress=spec.ingress, replay_answer_threshold=spec.answer_threshold,
-        replay_diagnostics_dir=str(run_dir / "replay"), replay_diagnose_ungated=False,
+        replay_diagnostics_dir=str(run_dir / "replay"), replay_diagnose_ungated=spec.diagnose_ungated,
+        replay_drift_norm=method.drift_norm, replay_headroom_weighting=method.headroom_weighting,
         replay_counterfactual=spec.counterfactual, replay_adaptive_tau=spec.adaptive_tau,
         max_tool_calling_iterations=getattr(task, "max_tool_calls", None),
     )
-    trainer = HDRGRPOTrainer(model=model, reward_funcs=task.reward_func(), args=args, train_dataset=ds,
-                             processing_class=tok, callbacks=list(callbacks), **env_kwargs)
+    trainer = sandbox_trainer_class()(
+        model=model, reward_funcs=task.reward_func(), args=args, train_dataset=ds, processing_class=tok,
+        callbacks=list(callbacks), stats=stats if stats is not None else StepStats(),
+        rollout_ms_per_token=spec.rollout_ms_per_token, **env_kwargs)
     # the comparison shows one progress bar; the per-step log dicts go to train_log.jsonl and TensorBoard
     from transformers.trainer_callback import PrinterCallback
 
@@ -130,43 +122,74 @@ def build_trainer(spec: RunSpec, method: Method, task: Task, model_dir: Path, ru
 
 def run_one(spec: RunSpec, method: Method, task: Task, model_dir: Path, run_dir: Path,
             on_step: Callable[[int], None] | None = None) -> dict:
-    """Train, evaluate, and write the run directory; returns metrics.json's content."""
+    """Train, evaluate, and write the run directory; returns metrics.json's content.
+
+    metrics.json is written last and atomically: its presence marks a finished run (a comparison
+    resumes by skipping exactly those, :func:`is_finished`).
+    """
     import torch
 
     from .evaluate import evaluate
 
+    threads = configure_threads()
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "run.json").write_text(json.dumps({**asdict(spec), "label": method.label, "model": str(model_dir),
-                                                  "loss_type": method.loss_type}, indent=2))
+    atomic_write_text(run_dir / "run.json", json.dumps(
+        {**asdict(spec), "label": method.label, "model": str(model_dir), "loss_type": method.loss_type,
+         "selector": method.selector, "drift_norm": method.drift_norm,
+         "headroom_weighting": method.headroom_weighting, "torch_threads": threads,
+         "dataset_prompts": spec.num_dataset_prompts()}, indent=2))
     torch.manual_seed(spec.seed)
-    rec = _Recorder(run_dir / "train_log.jsonl", on_step)
-    trainer = build_trainer(spec, method, task, model_dir, run_dir, callbacks=[rec])
+    stats = StepStats()
+    b = method.fresh_groups(spec.prompts_per_step)
+    holder: dict = {}
+
+    def curve_fn() -> dict:
+        tr = holder["trainer"]
+        ev = evaluate(tr.accelerator.unwrap_model(tr.model), tr.processing_class, task, n=spec.curve_n,
+                      seed=20_000 + spec.seed, prompts_per_benchmark=spec.curve_prompts)
+        return {"macro_mean_at_n": ev["macro_mean_at_n"],
+                "benchmarks": {k: v["mean_at_n"] for k, v in ev["benchmarks"].items()}}
+
+    rec = Recorder(run_dir, stats, curve_fn=curve_fn if spec.eval_every else None, eval_every=spec.eval_every,
+                   fresh_per_step=b * spec.generations, on_step=on_step)
+    trainer = holder["trainer"] = build_trainer(spec, method, task, model_dir, run_dir, callbacks=[rec],
+                                                stats=stats)
     calls0 = _env_calls()
     t0 = time.perf_counter()
     try:
         trainer.train()
     finally:
         rec.close()
-    wall = time.perf_counter() - t0
+    wall = time.perf_counter() - t0 - rec.eval_s
     env_calls = _env_calls() - calls0
     model = trainer.accelerator.unwrap_model(trainer.model)
-    ev = evaluate(model, trainer.processing_class, task, n=spec.eval_n, seed=10_000 + spec.seed)
-    b = method.fresh_groups(spec.prompts_per_step)
+    ev = evaluate(model, trainer.processing_class, task, n=spec.eval_n, seed=10_000 + spec.seed, per_prompt=True)
     times = rec.step_times[1:] or rec.step_times  # the first step carries one-off set-up
     metrics = {
         **ev,
+        "format": METRICS_FORMAT,
         "method": method.name,
         "seed": spec.seed,
         "steps": spec.steps,
         "fresh_responses": spec.steps * b * spec.generations,
         "mean_step_s": sum(times) / len(times),
         "train_wall_s": wall,
+        "rollout_ms_per_token": spec.rollout_ms_per_token,
         "final_train_reward": _last(run_dir / "train_log.jsonl", "reward"),
         "env_calls_per_step": env_calls / spec.steps,
         "env_latency_ms": 1000.0 * float(spec.extra.get("latency_s", 0.0)),
+        "torch_threads": threads,
     }
-    (run_dir / "metrics.json").write_text(json.dumps(metrics, indent=2))
+    atomic_write_text(run_dir / "metrics.json", json.dumps(metrics, indent=2))
     return metrics
+
+
+def is_finished(run_dir: Path) -> bool:
+    """A run is finished when its metrics.json is complete (written atomically, so never torn)."""
+    try:
+        return json.loads((Path(run_dir) / "metrics.json").read_text()).get("format") == METRICS_FORMAT
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def _env_calls() -> int:
