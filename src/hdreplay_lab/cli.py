@@ -25,7 +25,7 @@ DELEGATED = {
 
 
 #: demo defaults: one seed of the three methods that show what the gate does, under 10 minutes on 2 cores
-DEMO_DEFAULTS = {"seeds": 1, "steps": 120, "eval_every": 20}
+DEMO_DEFAULTS = {"seeds": 1, "steps": 120, "eval_every": 20, "curve_prompts": 30, "signatures": False}
 
 
 def _compare_args(p: argparse.ArgumentParser, *, demo: bool) -> None:
@@ -58,7 +58,8 @@ def _compare_args(p: argparse.ArgumentParser, *, demo: bool) -> None:
     p.add_argument("--rollout-ms-per-token", type=float, default=d["rollout_ms_per_token"],
                    help="modelled rollout cost slept per generated token while training (default: %(default)s)")
     p.add_argument("--modelled-ms-per-token", type=float, default=d["modelled_ms_per_token"],
-                   help="per-token cost of the summary's modelled wall-clock column (default: %(default)s)")
+                   help="per-token cost (ms) of the summary's modelled wall-clock column (default: the smallest cost "
+                        "that makes generation 2/3 of on-policy b's measured step)")
     p.add_argument("--eval-every", type=int, default=d["eval_every"],
                    help="held-out curve every k steps, 0 = off (default: %(default)s)")
     p.add_argument("--curve-prompts", type=int, default=d["curve_prompts"],
@@ -68,6 +69,8 @@ def _compare_args(p: argparse.ArgumentParser, *, demo: bool) -> None:
                    help="accuracy for the cost-to-reach columns (default: on-policy b's final curve value)")
     p.add_argument("--workers", type=int, default=None,
                    help="runs in parallel, one process and one torch thread each (default: 2 on >= 2 cores)")
+    p.add_argument("--signatures", action=argparse.BooleanOptionalAction, default=d["signatures"],
+                   help="also run the mechanism-signature runs and write signatures.md (default: %(default)s)")
     p.add_argument("--out", default="hdreplay_runs/demo" if demo else "hdreplay_runs/compare")
     p.add_argument("--overwrite", action="store_true", help="replace an output directory holding a different run")
     p.add_argument("--no-progress", action="store_true")
@@ -89,7 +92,7 @@ def _run_compare(args, *, demo: bool) -> int:
                             rollout_ms_per_token=args.rollout_ms_per_token,
                             modelled_ms_per_token=args.modelled_ms_per_token, eval_every=args.eval_every,
                             curve_prompts=args.curve_prompts, curve_n=args.curve_n, target=args.target,
-                            workers=args.workers)
+                            workers=args.workers, signatures=args.signatures)
         summary = run_compare(cfg, Path(args.out), overwrite=args.overwrite, progress=not args.no_progress,
                               demo=demo)
     except (ValueError, FileExistsError) as e:

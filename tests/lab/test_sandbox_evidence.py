@@ -64,6 +64,26 @@ def test_regime_numbers_of_a_constructed_run(tmp_path):
     assert both["acceptance"] == pytest.approx(r["acceptance"]["mean"])
 
 
+def test_cost_that_makes_generation_two_thirds_of_the_step(tmp_path):
+    from hdreplay_lab.sandbox.regime import cost_for_share
+    from hdreplay_lab.sandbox.summary import _round_up
+
+    log = [{"step": t, "gen_s": 0.2, "step_s": 0.5, "gen_tokens": 100} for t in range(1, 5)]
+    _write_run(tmp_path / "a", log)
+    c = cost_for_share([tmp_path / "a"])
+    assert c == pytest.approx(4.0)  # (2 x 0.5 - 3 x 0.2) / 100 s per token
+    assert generation_share([0.2], [0.5], [100], c)[0] == pytest.approx(2 / 3)
+    # the same run made with 1 ms/token slept: the calibration removes the slept part first
+    slept = [{**r, "gen_s": 0.3, "step_s": 0.6} for r in log]
+    _write_run(tmp_path / "b", slept, ms=1.0)
+    assert cost_for_share([tmp_path / "b"]) == pytest.approx(4.0)
+    fast = [{**r, "gen_s": 0.45} for r in log]
+    _write_run(tmp_path / "c", fast)
+    assert cost_for_share([tmp_path / "c"]) == 0.0  # generation already 90 % of the step
+    assert [_round_up(x) for x in (0.1234, 4.0, 0.0, 12.01)] == [pytest.approx(0.13), pytest.approx(4.0), 0.0,
+                                                                   pytest.approx(13.0)]
+
+
 def test_generation_share_removes_a_slept_cost():
     # a run that slept 1 ms/token: 100 tokens added 0.1 s to gen and step
     native = generation_share([0.3], [0.6], [100], ms_per_token=-1.0)
@@ -153,7 +173,7 @@ def test_an_interrupted_comparison_continues_without_redoing_finished_runs(tiny,
 
     cfg = CompareConfig(methods=("onpolicy_matched", "headroom_drift"), seeds=1, steps=2, prompts_per_step=4,
                         generations=2, eval_n=1, tau=10.0, model=str(tiny), eval_every=1, curve_prompts=2, curve_n=1,
-                        workers=1)
+                        workers=1, signatures=False)
     real, calls = runner.run_one, []
 
     def interrupted(spec, method, task, model_dir, run_dir, on_step=None):

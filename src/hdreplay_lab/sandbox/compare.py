@@ -23,7 +23,7 @@ import json
 import os
 import shutil
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from .methods import get_methods
@@ -31,10 +31,6 @@ from .runner import RunSpec, is_finished
 from .tasks import get_task
 
 FORMAT = "hdreplay.compare"
-#: the modelled rollout cost the summary's second wall-clock column uses, ms per generated token: the
-#: smallest round value that makes generation >= 2/3 of the on-policy step in the sandbox (measured:
-#: docs/results/fidelity/summary.md, "Generation share")
-MODELLED_MS_PER_TOKEN = 0.5
 
 
 @dataclass
@@ -55,8 +51,9 @@ class CompareConfig:
     latency_ms: float | None = None  # per tool call (search task); None = the task's default
     #: modelled rollout cost (a sleep per generated token at TRL's generation seam) used while training
     rollout_ms_per_token: float = 0.0
-    #: the per-token cost of the summary's modelled wall-clock column (computed, not slept)
-    modelled_ms_per_token: float = MODELLED_MS_PER_TOKEN
+    #: the per-token cost of the summary's modelled wall-clock column (computed, not slept); None = the
+    #: smallest cost that makes generation 2/3 of on-policy b's measured step (regime.cost_for_share)
+    modelled_ms_per_token: float | None = None
     #: held-out curve every k steps on the first curve_prompts prompts per benchmark, curve_n samples each
     eval_every: int = 25
     curve_prompts: int = 50
@@ -65,6 +62,9 @@ class CompareConfig:
     target: float | None = None
     #: parallel runs (one process each, one torch thread each); None = 2 on a machine with >= 2 cores
     workers: int | None = None
+    #: also run the mechanism-signature runs (seed 0 of Headroom-Drift at tau / 10 and tau x 10, and one
+    #: with the same-buffer counterfactual) and write signatures.md (signatures.py)
+    signatures: bool = True
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -93,7 +93,7 @@ class CompareConfig:
         if not (self.tau >= 0):
             raise ValueError(f"--tau must be >= 0, got {self.tau!r}")
         for name in ("rollout_ms_per_token", "modelled_ms_per_token"):
-            if not (getattr(self, name) >= 0):
+            if getattr(self, name) is not None and not (getattr(self, name) >= 0):
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 0 milliseconds, got {getattr(self, name)!r}")
         if self.target is not None and not (0 < self.target <= 1):
             raise ValueError(f"--target must be a Mean@n in (0, 1], got {self.target!r}")
@@ -108,11 +108,21 @@ class CompareConfig:
         if not (self.latency_ms >= 0):
             raise ValueError(f"--latency-ms must be >= 0, got {self.latency_ms!r}")
 
+    def signature_runs(self) -> dict[str, RunSpec]:
+        """label -> spec of the extra signature runs (all Headroom-Drift, seed 0; see ``signatures``)."""
+        if not self.signatures:
+            return {}
+        out = {}
+        for t in (self.tau / 10, self.tau * 10):
+            out[f"tau={t:g}"] = replace(self.spec("headroom_drift", 0), tau=t)
+        out["counterfactual"] = replace(self.spec("headroom_drift", 0), counterfactual=True)
+        return out
+
     def spec(self, method: str, seed: int) -> RunSpec:
         m = get_methods([method])[0]
         return RunSpec(task=self.task, method=method, seed=seed, steps=self.steps,
                        prompts_per_step=self.prompts_per_step, generations=self.generations, lr=self.lr,
-                       tau=self.tau, capacity=self.capacity, eval_n=self.eval_n, ingress=self.ingress,
+                       tau=self.tau * m.tau_scale, capacity=self.capacity, eval_n=self.eval_n, ingress=self.ingress,
                        answer_threshold=self.answer_threshold, rollout_ms_per_token=self.rollout_ms_per_token,
                        eval_every=self.eval_every, curve_prompts=self.curve_prompts, curve_n=self.curve_n,
                        # recency replay re-scores what it picks, so gated and ungated replay KL can be compared
@@ -179,14 +189,15 @@ def run_compare(cfg: CompareConfig, out: Path, *, overwrite: bool = False, log=p
         log("warm start (cached once per settings in the shared cache directory) ...")
         model_dir = warm_start(task, log=log)
     jobs, done = [], 0
-    for seed in range(cfg.seeds):  # seed-major: an interrupted comparison has whole seeds of every method
-        for m in methods:
-            run_dir = out / "runs" / m.name / f"seed{seed}"
-            if is_finished(run_dir):
-                done += 1
-                continue
-            shutil.rmtree(run_dir, ignore_errors=True)  # an unfinished run of this comparison
-            jobs.append((m.name, seed, run_dir))
+    planned = [(cfg.spec(m.name, seed), out / "runs" / m.name / f"seed{seed}")
+               for seed in range(cfg.seeds) for m in methods]  # seed-major: whole seeds of every method first
+    planned += [(spec, out / "signatures" / label) for label, spec in cfg.signature_runs().items()]
+    for spec, run_dir in planned:
+        if is_finished(run_dir):
+            done += 1
+            continue
+        shutil.rmtree(run_dir, ignore_errors=True)  # an unfinished run of this comparison
+        jobs.append((spec, run_dir))
     if done:
         log(f"resuming: {done} finished run(s) kept, {len(jobs)} to run")
     from .pool import run_jobs
@@ -196,7 +207,12 @@ def run_compare(cfg: CompareConfig, out: Path, *, overwrite: bool = False, log=p
     env = {"wall_s": time.perf_counter() - t0, "runs_trained": len(jobs), "runs_reused": done,
            "workers": cfg.workers, "loadavg_start": list(load0), "loadavg_end": list(os.getloadavg()),
            "cpus": os.cpu_count(), "model": str(model_dir)}
-    return write_summary(out, cfg, methods, task, env=env, demo=demo)
+    summary = write_summary(out, cfg, methods, task, env=env, demo=demo)
+    if cfg.signatures:
+        from .signatures import write_signatures
+
+        summary["signatures"] = write_signatures(out, cfg, summary)
+    return summary
 
 
 def check_model(path: Path) -> None:

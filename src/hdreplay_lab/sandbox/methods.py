@@ -18,9 +18,10 @@ hdr_advantage      Headroom-Drift, |A|-weighted Headroom       b         r      
 =================  ==========================================  ========  =========  ========
 
 ``hdr_l1`` and ``hdr_advantage`` are the paper's two design-choice ablations (mechanism signatures in
-docs/results/fidelity): Drift as the mean absolute instead of squared log-prob change (the same tau is
-then a different threshold: |d| <= tau versus d^2 <= tau), and Headroom weighted by |A_i| instead of
-the sign of the advantage.
+docs/results/fidelity): Drift as the mean absolute instead of squared log-prob change, at 5 x the L2
+tau as in the paper's pairing (tau_1 = 0.005 against tau_2 = 0.001, Appendix "L1-style versus L2-style
+policy drift"; the two gates bound different regions, so no tau makes them the same gate), and
+Headroom weighted by |A_i| instead of the sign of the advantage.
 
 The DAPO baseline is TRL's ``loss_type="dapo"`` (token-level normalisation) with clip-higher
 (epsilon_high = 0.28); TRL has no dynamic sampling, so DAPO's resampling of all-equal groups is
@@ -43,6 +44,7 @@ class Method:
     epsilon_high: float | None = None
     drift_norm: str = "l2"  # ReplayConfig.drift_norm
     headroom_weighting: str = "sign"  # ReplayConfig.headroom_weighting
+    tau_scale: float = 1.0  # this method's tau = tau_scale x the comparison's tau
 
     def fresh_groups(self, b: int) -> int:
         return _whole(self.fresh_mult * b, f"{self.name} needs {self.fresh_mult} x b fresh groups")
@@ -69,7 +71,7 @@ METHODS: dict[str, Method] = {
         Method("drift_only", "Drift only (b+r)", selector="drift_only", replay_mult=0.5),
         Method("headroom_drift", "Headroom-Drift (b+r)", selector="headroom_drift", replay_mult=0.5),
         Method("hdr_l1", "Headroom-Drift, L1 Drift (b+r)", selector="headroom_drift", replay_mult=0.5,
-               drift_norm="l1"),
+               drift_norm="l1", tau_scale=5.0),
         Method("hdr_advantage", "Headroom-Drift, |A|-weighted (b+r)", selector="headroom_drift", replay_mult=0.5,
                headroom_weighting="advantage"),
     )

@@ -73,7 +73,7 @@ def curves(pdir: Path, summary: dict) -> str:
     c = summary["config"]
     fig, axes = plt.subplots(1, 4, figsize=(17, 4.2), sharey=True)
     keys = (("step", "training step"), ("fresh_responses", "fresh responses"), ("wall_s", "wall-clock s (native)"),
-            ("wall_s_modelled", f"wall-clock s ({c['modelled_ms_per_token']:g} ms/token rollout cost)"))
+            ("wall_s_modelled", f"wall-clock s ({summary['modelled_ms_per_token']:g} ms/token rollout cost)"))
     for name, e in summary["methods"].items():
         cv = e.get("curve")
         if not cv:

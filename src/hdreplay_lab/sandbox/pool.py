@@ -15,7 +15,7 @@ from concurrent.futures import FIRST_EXCEPTION, ProcessPoolExecutor, wait
 from pathlib import Path
 
 
-def _job(cfg, method: str, seed: int, model_dir: str, run_dir: str) -> str:
+def _job(spec, model_dir: str, run_dir: str) -> str:
     """One run (top level, so a spawned worker can import it)."""
     from ..env import configure_threads, offline_env
     from .methods import get_methods
@@ -27,7 +27,7 @@ def _job(cfg, method: str, seed: int, model_dir: str, run_dir: str) -> str:
     import warnings
 
     warnings.filterwarnings("ignore", message=r".*is_gradient_checkpointing.*", category=FutureWarning)
-    run_one(cfg.spec(method, seed), get_methods([method])[0], get_task(cfg.task), Path(model_dir), Path(run_dir))
+    run_one(spec, get_methods([spec.method])[0], get_task(spec.task), Path(model_dir), Path(run_dir))
     return run_dir
 
 
@@ -39,9 +39,9 @@ def _logged_steps(run_dir: Path) -> int:
         return 0
 
 
-def run_jobs(cfg, jobs: list[tuple[str, int, Path]], model_dir: Path, *, total_steps: int, done_steps: int = 0,
+def run_jobs(cfg, jobs: list[tuple], model_dir: Path, *, total_steps: int, done_steps: int = 0,
              progress: bool = True) -> None:
-    """Run ``jobs`` [(method, seed, run_dir)] with ``cfg.workers`` processes (see the module docstring)."""
+    """Run ``jobs`` [(RunSpec, run_dir)] with ``cfg.workers`` processes (see the module docstring)."""
     from tqdm.auto import tqdm
 
     bar = tqdm(total=total_steps, initial=done_steps, unit="step", disable=not progress, dynamic_ncols=True)
@@ -51,15 +51,15 @@ def run_jobs(cfg, jobs: list[tuple[str, int, Path]], model_dir: Path, *, total_s
             from .runner import run_one
             from .tasks import get_task
 
-            for method, seed, run_dir in jobs:
-                bar.set_description(f"{method} seed {seed}")
-                run_one(cfg.spec(method, seed), get_methods([method])[0], get_task(cfg.task), model_dir, run_dir,
+            for spec, run_dir in jobs:
+                bar.set_description(f"{spec.method} seed {spec.seed}")
+                run_one(spec, get_methods([spec.method])[0], get_task(spec.task), model_dir, run_dir,
                         on_step=bar.update)
             return
         ctx = mp.get_context("spawn")  # no forked torch state (thread pools, RNG) in the workers
         ex = ProcessPoolExecutor(max_workers=min(cfg.workers, len(jobs)), mp_context=ctx)
         try:
-            futs = {ex.submit(_job, cfg, m, s, str(model_dir), str(d)): Path(d) for m, s, d in jobs}
+            futs = {ex.submit(_job, spec, str(model_dir), str(d)): Path(d) for spec, d in jobs}
             pending = set(futs)
             finished_steps = done_steps
             while pending:

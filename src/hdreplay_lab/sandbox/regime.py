@@ -47,6 +47,27 @@ def generation_share(gen_s, step_s, gen_tokens, ms_per_token: float = 0.0) -> np
     return (np.asarray(gen_s, dtype=np.float64) + extra) / (np.asarray(step_s, dtype=np.float64) + extra)
 
 
+def cost_for_share(run_dirs, share: float = GEN_SHARE_TARGET) -> float:
+    """The per-token rollout cost (ms) that makes generation ``share`` of the mean step of these runs.
+
+    Solves (g + c T) / (s + c T) = share for c with the runs' mean native generation seconds g, step
+    seconds s and generated tokens T per step (steps >= 2); 0 when generation already takes that share.
+    """
+    g = s = t = 0.0
+    k = 0
+    for d in run_dirs:
+        d = Path(d)
+        run_ms = float(json.loads((d / "run.json").read_text()).get("rollout_ms_per_token", 0.0))
+        for r in _jsonl(d / "train_log.jsonl"):
+            if r.get("step", 0) >= 2 and r.get("step_s") and r.get("gen_s") is not None:
+                extra = run_ms / 1000.0 * r["gen_tokens"]
+                g, s, t, k = g + r["gen_s"] - extra, s + r["step_s"] - extra, t + r["gen_tokens"], k + 1
+    if not k or t <= 0:
+        raise ValueError("no timed steps with generated tokens to calibrate the rollout cost from")
+    c = (share * s - g) / ((1 - share) * t)  # seconds per token
+    return max(0.0, 1000.0 * c)
+
+
 def run_regime(run_dir: Path, *, model_ms_per_token: float = 0.0) -> dict:
     """Per-step series and their summaries for one run (see the module docstring)."""
     run_dir = Path(run_dir)

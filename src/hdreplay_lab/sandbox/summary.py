@@ -26,7 +26,7 @@ import numpy as np
 from hdreplay.atomic import atomic_write_text
 
 from .curves import cost_to_target, method_curve, read_curve
-from .regime import method_regime, run_regime
+from .regime import cost_for_share, method_regime, run_regime
 from .stats import components, paired_bootstrap, paired_differences, seed_bootstrap, seeds_needed
 
 REFERENCE = "headroom_drift"
@@ -54,6 +54,12 @@ def summarize(out: Path, cfg, methods, task, *, reps: int = 4000) -> dict:
            "multiturn": bool(getattr(task, "is_multiturn", False)),
            "benchmarks": {b.name: b.size for b in task.benchmarks}, "methods": {},
            "reference": REFERENCE if any(m.name == REFERENCE for m in methods) else None}
+    modelled = cfg.modelled_ms_per_token
+    if modelled is None:
+        base = "onpolicy_matched" if any(m.name == "onpolicy_matched" for m in methods) else methods[0].name
+        modelled = _round_up(cost_for_share([_run_dir(out, base, s) for s in range(cfg.seeds)]))
+        res["modelled_from"] = base
+    res["modelled_ms_per_token"] = modelled
     metrics, curves = {}, {}
     for m in methods:
         runs = [json.loads((_run_dir(out, m.name, s) / "metrics.json").read_text()) for s in range(cfg.seeds)]
@@ -69,14 +75,14 @@ def summarize(out: Path, cfg, methods, task, *, reps: int = 4000) -> dict:
             entry[k] = _stats(r.get(k) for r in runs)
         entry["fresh_responses"] = runs[0]["fresh_responses"]
         entry["env_latency_ms"] = runs[0].get("env_latency_ms", 0.0)
-        regimes = [run_regime(_run_dir(out, m.name, s), model_ms_per_token=cfg.modelled_ms_per_token)
+        regimes = [run_regime(_run_dir(out, m.name, s), model_ms_per_token=modelled)
                    for s in range(cfg.seeds)]
         entry["regime"] = method_regime(regimes)
         entry["regime_series"] = _mean_series(regimes)
         seed_curves = [read_curve(_run_dir(out, m.name, s)) for s in range(cfg.seeds)]
         if all(len(c) >= 2 for c in seed_curves):
             curves[m.name] = entry["curve"] = method_curve(
-                seed_curves, run_ms_per_token=cfg.rollout_ms_per_token, model_ms_per_token=cfg.modelled_ms_per_token)
+                seed_curves, run_ms_per_token=cfg.rollout_ms_per_token, model_ms_per_token=modelled)
         res["methods"][m.name] = entry
     ref = res["reference"]
     if ref is not None:
@@ -86,6 +92,14 @@ def summarize(out: Path, cfg, methods, task, *, reps: int = 4000) -> dict:
     _curve_costs(res, curves, cfg.target, ref, reps=reps)
     res["gate"] = gate_numbers(out, cfg, [m.name for m in methods])
     return res
+
+
+def _round_up(ms: float) -> float:
+    """Up to two significant digits (0.1234 -> 0.13), so the stated cost is a round setting."""
+    if ms <= 0:
+        return 0.0
+    scale = 10.0 ** (np.floor(np.log10(ms)) - 1)
+    return float(np.ceil(ms / scale - 1e-9) * scale)
 
 
 def _paired(ref_runs: list[dict], runs: list[dict], *, reps: int) -> dict:

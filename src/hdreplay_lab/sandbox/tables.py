@@ -72,12 +72,14 @@ def _gate(summary: dict) -> list[str]:
 
 def _regime(summary: dict) -> list[str]:
     ms = summary["methods"]
-    c = summary["config"]["modelled_ms_per_token"]
+    c = summary["modelled_ms_per_token"]
     out = ["", "## Regime", "",
            "Per-step means over steps 1..T (step 0 has an empty buffer); \"in band\": share of steps with the "
            "zero-variance share in 40-60 % / the acceptance in 30-50 %. Generation share: seconds in TRL's "
            f"`_generate` / step seconds, natively and with the modelled rollout cost of {c:g} ms per generated "
-           "token added.", "",
+           "token added" + (f" (the smallest round cost making generation >= 2/3 of "
+                             f"{ms[summary['modelled_from']]['label']}'s step here)" if summary.get("modelled_from") else "")
+           + ".", "",
            "| Method | Zero-variance share (in band) | Acceptance (in band) | Budget fill | Scanned / step | "
            f"Replay KL | Generation share native / at {c:g} ms/token |", "|---|---|---|---|---|---|---|"]
     for k, e in ms.items():
@@ -131,7 +133,7 @@ def _efficiency(summary: dict) -> list[str]:
            f"{c['eval_every']} steps (seed mean). Target {summary['target']:.3f}"
            + (f" = the final value of {ms[src]['label']}" if src else "")
            + ". AUC: mean of the curve over training (trapezoid). Cost to reach the target, linearly interpolated "
-           f"between evaluation points; wall-clock natively and with {c['modelled_ms_per_token']:g} ms per "
+           f"between evaluation points; wall-clock natively and with {summary['modelled_ms_per_token']:g} ms per "
            "generated token of modelled rollout cost.", "",
            "| Method | AUC | AUC - HDR [95 %] | Steps | Fresh responses | Wall-clock (s) | Wall-clock modelled (s) |",
            "|---|---|---|---|---|---|---|"]

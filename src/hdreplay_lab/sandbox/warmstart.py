@@ -50,7 +50,7 @@ class WarmStartConfig:
     target: float = 0.25  # stop once held-out Mean@n reaches this
     #: if set, stop instead once at most this share of fresh groups (``zero_variance_n`` samples on
     #: ``zero_variance_prompts`` training prompts, sampled as GRPO samples them) is zero-variance: the regime
-    #: is calibrated directly (the mix task: 0.5, the middle of the 40-60 % band)
+    #: is calibrated directly (the mix task: 0.55; GRPO then lowers it slowly, into the middle of 40-60 %)
     zero_variance_target: float | None = None
     zero_variance_prompts: int = 128
     zero_variance_n: int = 8
