@@ -37,8 +37,8 @@ FORMAT = "hdreplay.compare"
 class CompareConfig:
     task: str = "mix"
     methods: tuple[str, ...] = ()
-    seeds: int = 8
-    steps: int = 200
+    seeds: int = 5
+    steps: int = 120
     prompts_per_step: int = 16
     generations: int = 8
     lr: float = 1e-4
@@ -55,15 +55,15 @@ class CompareConfig:
     #: smallest cost that makes generation 2/3 of on-policy b's measured step (regime.cost_for_share)
     modelled_ms_per_token: float | None = None
     #: held-out curve every k steps on the first curve_prompts prompts per benchmark, curve_n samples each
-    eval_every: int = 25
-    curve_prompts: int = 50
+    eval_every: int = 20
+    curve_prompts: int = 30
     curve_n: int = 4
     #: accuracy for "cost to reach"; None = the final seed-mean curve value of on-policy b
     target: float | None = None
     #: parallel runs (one process each, one torch thread each); None = 2 on a machine with >= 2 cores
     workers: int | None = None
-    #: also run the mechanism-signature runs (seed 0 of Headroom-Drift at tau / 10 and tau x 10, and one
-    #: with the same-buffer counterfactual) and write signatures.md (signatures.py)
+    #: also run the mechanism-signature runs (seed 0 of Headroom-Drift at tau / 10 and tau x 10, one with the
+    #: same-buffer counterfactual, hdr_l1 and hdr_advantage unless in methods) and write signatures.md
     signatures: bool = True
     extra: dict = field(default_factory=dict)
 
@@ -116,6 +116,9 @@ class CompareConfig:
         for t in (self.tau / 10, self.tau * 10):
             out[f"tau={t:g}"] = replace(self.spec("headroom_drift", 0), tau=t)
         out["counterfactual"] = replace(self.spec("headroom_drift", 0), counterfactual=True)
+        for name in ("hdr_l1", "hdr_advantage"):
+            if name not in self.methods:  # already paired over every seed when named in --methods
+                out[name] = self.spec(name, 0)
         return out
 
     def spec(self, method: str, seed: int) -> RunSpec:
@@ -130,8 +133,9 @@ class CompareConfig:
                        extra={**self.extra, "latency_s": self.latency_ms / 1000.0})
 
 
-#: settings that change no run's result (how many run at once): a resumed comparison may differ in them
-RUN_NEUTRAL = ("workers", "modelled_ms_per_token", "target")
+#: settings that change no finished run (how many run at once, how many seeds / which methods / signature runs
+#: there are, what the summary computes): a comparison continued with other values keeps its finished runs
+RUN_NEUTRAL = ("workers", "modelled_ms_per_token", "target", "seeds", "methods", "signatures")
 
 
 def _stored(cfg: CompareConfig) -> dict:

@@ -99,7 +99,8 @@ def _variant(path: Path, s: dict, summary: dict, out: Path) -> str:
     for ax, (k, v) in zip(axes, nums.items()):
         vals = [v[n] if v[n] is not None else np.nan for n in names]
         ax.bar(range(len(names)), vals, color=["tab:blue", "tab:orange"])
-        ax.set_xticks(range(len(names)), [summary["methods"][n]["label"] for n in names], fontsize=7, rotation=10)
+        labels = {"headroom_drift": "Headroom-Drift", "hdr_l1": "L1 Drift", "hdr_advantage": "|A|-weighted"}
+        ax.set_xticks(range(len(names)), [labels.get(n, n) for n in names], fontsize=8)
         ax.set_title(k.replace("_", " "))
         ax.grid(alpha=0.3, axis="y")
     return _save(fig, path)

@@ -146,7 +146,7 @@ TASKS: dict[str, Task] = {
                          Benchmark("add2x3", (("+", 2, 3),), 150), Benchmark("add3", (("+", 3, 3),), 150),
                          Benchmark("add4", (("+", 4, 4),), 150)),
              score=exact_match, notes="difficulty mixture: about half of the fresh groups zero-variance",
-             warmstart_overrides=(("zero_variance_target", 0.55), ("eval_every", 25)), capacity_per_b=2),
+             warmstart_overrides=(("zero_variance_target", 0.5), ("eval_every", 50)), capacity_per_b=2),
         Task("add", train_spec=(("+", 2, 2), ("+", 3, 3), ("+", 2, 3), ("+", 3, 2)),
              benchmarks=(Benchmark("add2", (("+", 2, 2),), 200), Benchmark("add3", (("+", 3, 3),), 300),
                          Benchmark("add2x3", (("+", 2, 3), ("+", 3, 2)), 100)),
