@@ -60,7 +60,8 @@ def test_compare_writes_every_output(tiny_model, tmp_path):
     assert op["regime"]["zero_variance_share"] == hdr["regime"]["zero_variance_share"] == 1.0
     assert "acceptance" in hdr["regime"] and "acceptance" not in op["regime"]
     assert [p for p in hdr["curve"]["step"]] == [0, 2, 3] and "to_target" in hdr["curve"]
-    assert summary["environment"]["workers"] == 2 and summary["environment"]["runs_trained"] == 4
+    assert summary["environment"]["workers"] == 2 and summary["environment"]["runs_trained"] == 4 + 5  # + signatures
+    assert summary["prompt_order"] == {"same_order": True, "seeds": 2, "methods": 2, "mismatches": []}
     pngs = sorted(p.name for p in (out / "plots").glob("*.png") if not p.name.startswith("sig_"))
     assert pngs == ["curves.png", "heldout.png", "paired.png", "regime.png", "train_score.png"]
     sig = json.loads((out / "signatures.json").read_text())

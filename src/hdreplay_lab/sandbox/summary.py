@@ -91,7 +91,22 @@ def summarize(out: Path, cfg, methods, task, *, reps: int = 4000) -> dict:
                 res["methods"][name]["paired"] = _paired(metrics[ref], runs, reps=reps)
     _curve_costs(res, curves, cfg.target, ref, reps=reps)
     res["gate"] = gate_numbers(out, cfg, [m.name for m in methods])
+    res["prompt_order"] = prompt_order(out, cfg, [m.name for m in methods])
     return res
+
+
+def prompt_order(out: Path, cfg, names: list[str]) -> dict:
+    """Whether, per seed, every method's fresh prompts (in order) are a prefix of the longest stream of that seed:
+    the same order, read at each method's own rate (runner.py)."""
+    bad = []
+    for s in range(cfg.seeds):
+        streams = {}
+        for n in names:
+            with open(_run_dir(out, n, s) / "train_log.jsonl") as f:
+                streams[n] = [p for line in f for p in json.loads(line).get("prompts", [])]
+        longest = max(streams.values(), key=len)
+        bad += [f"{n} seed {s}" for n, st in streams.items() if not st or st != longest[:len(st)]]
+    return {"same_order": not bad, "seeds": cfg.seeds, "methods": len(names), "mismatches": bad}
 
 
 def _round_up(ms: float) -> float:

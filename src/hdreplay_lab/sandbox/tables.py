@@ -100,12 +100,16 @@ def _paired(summary: dict, seeds: int) -> list[str]:
     n = summary["n"]
     p0 = rows[0][1]["paired"]
     prompts = sum(p0["prompts"].values())
+    po = summary.get("prompt_order") or {}
+    order = ("" if not po else " Prompt order checked from the runs' logs: " + (
+        f"every method of a seed read the same prompt sequence (each at its own rate) in all {po['seeds']} seed(s)."
+        if po["same_order"] else f"MISMATCH in {', '.join(po['mismatches'][:5])}."))
     out = ["", f"## Paired differences against {summary['methods'][ref]['label']}", "",
            f"Macro Mean@{n} of the method minus Headroom-Drift's, mean over {seeds} seed(s); 95 % percentile "
            f"interval of {p0['reps']} bootstrap replicates resampling seeds and the {prompts} held-out prompts "
            "(crossed, paired: same seeds, warm start, prompt order and held-out prompts for both). Half-width "
            "parts: seeds only / prompts only. Last column: seeds a half-width of 0.01 would need at this "
-           "step count (n/a: the prompt part alone exceeds it).", "",
+           "step count (n/a: the prompt part alone exceeds it)." + order, "",
            "| Method | Difference | 95 % interval | Excludes 0 | Half-width (seeds / prompts) | Seeds for ±0.01 |",
            "|---|---|---|---|---|---|"]
     for _, e in rows:
