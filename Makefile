@@ -2,7 +2,8 @@
 # Both create or refresh their virtual environments (re-installed when pyproject.toml or the
 # constraints change) with pinned versions:
 #   .venv       core + TRL integration + sandbox   (constraints.txt: torch 2.13.0, trl 1.16.0, transformers 5.23.0)
-#   .venv-verl  core + verl recipe                 (constraints-verl.txt: torch 2.13.0, verl 0.9.1, transformers 5.10.4)
+#   .venv-verl  core + verl recipe                 (constraints-verl.txt: torch 2.13.0, verl 0.9.1, transformers 5.10.4,
+#                                                   TransferQueue 0.1.11 for verl's v1 trainer)
 # Two environments because verl 0.9.1 requires transformers < 5.11 while the TRL integration is tested on 5.23.
 
 PYTHON    ?= python3
@@ -14,7 +15,7 @@ VPY       := $(VENV_VERL)/bin/python
 VSTAMP    := $(VENV_VERL)/.hdreplay-installed
 PIP_FLAGS := --disable-pip-version-check -q
 
-.PHONY: demo test test-core test-verl bench venv venv-verl clean
+.PHONY: demo test test-core test-verl bench bench-verl venv venv-verl clean
 
 venv: $(STAMP)
 venv-verl: $(VSTAMP)
@@ -46,6 +47,9 @@ bench: $(STAMP)
 	$(PY) benchmarks/core.py
 	$(PY) benchmarks/trl_step.py
 	$(PY) benchmarks/trl_step.py --rollout-ms-per-token 0 --out benchmarks/results/trl_step_native.json
+
+bench-verl: $(VSTAMP)
+	$(VPY) benchmarks/verl_fill.py
 
 clean:
 	rm -rf $(VENV) $(VENV_VERL) .pytest_cache .hypothesis

@@ -1,245 +1,310 @@
-"""The ``hdreplay`` command.
+"""The ``hdreplay`` command: one dataclass per subcommand (its fields are the options, see ``options.py``).
 
-    hdreplay demo        reduced comparison on CPU (what `make demo` runs), < 10 minutes on 2 cores
-    hdreplay compare     the paper's role-aligned comparison in the CPU sandbox
-    hdreplay report      replay analytics (markdown + PNG + JSON) of run directories
-    hdreplay calibrate   the tau sweep (decade-spaced taus + adaptive) and its recommendation
-    hdreplay explain     the replay primitive on synthetic groups, every decision printed (no model)
+    hdreplay demo                  reduced comparison on CPU (what `make demo` runs), < 10 minutes on 2 cores
+    hdreplay compare               the paper's role-aligned comparison in the CPU sandbox
+    hdreplay report RUN_DIR...     replay analytics (markdown + PNG + JSON) of run directories, TRL output dirs too
+    hdreplay calibrate run         the tau sweep (decade-spaced taus + adaptive tau) and its recommendation
+    hdreplay calibrate summarize RUN_DIR...   the same summary for finished runs
+    hdreplay explain               the replay primitive on synthetic groups, every decision printed (no model)
+
+Every replay knob of :class:`hdreplay.ReplayConfig` is an option ``--replay.<name>`` of ``demo``, ``compare`` and
+``calibrate run``.  Bad input is one line on stderr and exit status 2, before anything is written or trained.
 """
 
 from __future__ import annotations
 
-import argparse
+import json
 import math
 import sys
 import warnings
-from dataclasses import fields
+from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Literal
 
 from hdreplay.selection import SELECTORS
 
-#: subcommands that parse their own arguments (everything after the name is handed over)
-DELEGATED = {
-    "report": ("hdreplay_lab.analysis", "main_report", "replay analytics report for run directories"),
-}
+from .analysis.calibration import CalibrationCriteria
+from .analysis.report import ReportSettings
+from .options import add_command, arg
+from .sandbox.compare import CompareConfig
+from .sandbox.methods import DEMO_METHODS
+
+#: input errors: one line and exit status 2 when raised while parsing or checking a command
+INPUT_ERRORS = (ValueError, OSError)
 
 
-#: demo defaults: one seed of the three methods that show what the gate does, under 10 minutes on 2 cores
-DEMO_DEFAULTS = {"seeds": 1, "steps": 120, "eval_every": 20, "curve_prompts": 30, "signatures": False}
+@dataclass
+class CompareArgs:
+    """The paper's role-aligned comparison in the CPU sandbox: every method x seed, held-out Best@n / Mean@n,
+    training curves and step times."""
+
+    config: CompareConfig
+    out: Path = arg(Path("hdreplay_runs/compare"), "output directory (a new one, or one this command wrote)")
+    overwrite: bool = arg(False, "replace an output directory holding a different comparison")
+    progress: bool = arg(True, "show a progress bar")
+    model_dir: Path | None = field(default=None, init=False, repr=False)  # set by check()
+
+    def check(self) -> None:
+        from .sandbox.compare import check_compare
+
+        self.model_dir = check_compare(self.config, self.out, self.overwrite)
+
+    def run(self) -> int:
+        from .sandbox.compare import run_compare
+
+        summary = run_compare(self.config, self.out, overwrite=self.overwrite, progress=self.progress,
+                              model_dir=self.model_dir, demo=isinstance(self, DemoArgs))
+        out = self.out
+        print(f"\n{(out / 'summary.md').read_text()}\nsummary: {out / 'summary.md'}  {out / 'summary.json'}")
+        for p in summary["plots"]:
+            print(f"plot:    {out / p}")
+        print(f"runs:    {out / 'runs'} (train_log.jsonl, replay/ diagnostics, metrics.json; "
+              f"`hdreplay report {out / 'runs' / 'headroom_drift' / 'seed0'}` for the replay analytics)")
+        return 0
 
 
-def _compare_args(p: argparse.ArgumentParser, *, demo: bool) -> None:
-    from .sandbox.compare import CompareConfig
-    from .sandbox.methods import COMPARE_METHODS, DEMO_METHODS, METHODS, SEARCH_METHODS
-    from .sandbox.tasks import TASKS
+@dataclass
+class DemoArgs(CompareArgs):
+    """Reduced comparison on CPU (what `make demo` runs): on-policy, recency replay and Headroom-Drift, one seed."""
 
-    d = {f.name: f.default for f in fields(CompareConfig)}
-    if demo:
-        d.update(DEMO_DEFAULTS)
-    p.add_argument("--task", default=d["task"], help=f"one of {sorted(TASKS)} (default: %(default)s)")
-    p.add_argument("--methods", default=None,
-                   help=f"comma-separated, from {list(METHODS)} (default: {','.join(DEMO_METHODS if demo else COMPARE_METHODS)}"
-                        f"; with --task search: {','.join(SEARCH_METHODS)})")
-    p.add_argument("--seeds", type=int, default=d["seeds"], help="seeds per method (default: %(default)s)")
-    p.add_argument("--steps", type=int, default=d["steps"], help="optimizer steps per run (default: %(default)s)")
-    p.add_argument("--prompts-per-step", type=int, default=d["prompts_per_step"], help="b: fresh groups per step (even)")
-    p.add_argument("--generations", type=int, default=d["generations"], help="n: responses per group")
-    p.add_argument("--lr", type=float, default=d["lr"])
-    p.add_argument("--tau", type=float, default=d["tau"], help="Drift threshold of the gated methods")
-    p.add_argument("--capacity", type=int, default=None,
-                   help="replay buffer capacity in groups (default: a few steps of admitted groups, 2 x "
-                        "prompts-per-step on the mix task, 4 x elsewhere)")
-    p.add_argument("--eval-n", type=int, default=d["eval_n"], help="samples per held-out prompt (Mean@n / Best@n)")
-    p.add_argument("--ingress", default="mixed", choices=["mixed", "answer"])
-    p.add_argument("--answer-threshold", type=float, default=None)
-    p.add_argument("--model", default=None, help="local causal-LM checkpoint instead of the warm-started tiny model")
-    p.add_argument("--latency-ms", type=float, default=None,
-                   help="search task: environment latency per tool call (default 5 ms)")
-    p.add_argument("--rollout-ms-per-token", type=float, default=d["rollout_ms_per_token"],
-                   help="modelled rollout cost slept per generated token while training (default: %(default)s)")
-    p.add_argument("--modelled-ms-per-token", type=float, default=d["modelled_ms_per_token"],
-                   help="per-token cost (ms) of the summary's modelled wall-clock column (default: the smallest cost "
-                        "that makes generation 2/3 of on-policy b's measured step)")
-    p.add_argument("--eval-every", type=int, default=d["eval_every"],
-                   help="held-out curve every k steps, 0 = off (default: %(default)s)")
-    p.add_argument("--curve-prompts", type=int, default=d["curve_prompts"],
-                   help="held-out prompts per benchmark for the curve (default: %(default)s)")
-    p.add_argument("--curve-n", type=int, default=d["curve_n"], help="samples per prompt for the curve")
-    p.add_argument("--target", type=float, default=None,
-                   help="accuracy for the cost-to-reach columns (default: on-policy b's final curve value)")
-    p.add_argument("--workers", type=int, default=None,
-                   help="runs in parallel, one process and one torch thread each (default: 2 on >= 2 cores)")
-    p.add_argument("--signatures", action=argparse.BooleanOptionalAction, default=d["signatures"],
-                   help="also run the mechanism-signature runs and write signatures.md (default: %(default)s)")
-    p.add_argument("--out", default="hdreplay_runs/demo" if demo else "hdreplay_runs/compare")
-    p.add_argument("--overwrite", action="store_true", help="replace an output directory holding a different run")
-    p.add_argument("--no-progress", action="store_true")
-
-
-def _run_compare(args, *, demo: bool) -> int:
-    from .sandbox.compare import CompareConfig, run_compare
-    from .sandbox.methods import COMPARE_METHODS, DEMO_METHODS, SEARCH_METHODS
-
-    if args.methods is None:
-        args.methods = ",".join(SEARCH_METHODS if args.task == "search" and not demo else
-                                DEMO_METHODS if demo else COMPARE_METHODS)
-    try:
-        cfg = CompareConfig(task=args.task, methods=tuple(m.strip() for m in args.methods.split(",") if m.strip()),
-                            seeds=args.seeds, steps=args.steps, prompts_per_step=args.prompts_per_step,
-                            generations=args.generations, lr=args.lr, tau=args.tau, capacity=args.capacity,
-                            eval_n=args.eval_n, ingress=args.ingress, answer_threshold=args.answer_threshold,
-                            model=args.model, latency_ms=args.latency_ms,
-                            rollout_ms_per_token=args.rollout_ms_per_token,
-                            modelled_ms_per_token=args.modelled_ms_per_token, eval_every=args.eval_every,
-                            curve_prompts=args.curve_prompts, curve_n=args.curve_n, target=args.target,
-                            workers=args.workers, signatures=args.signatures)
-        summary = run_compare(cfg, Path(args.out), overwrite=args.overwrite, progress=not args.no_progress,
-                              demo=demo)
-    except (ValueError, FileExistsError) as e:
-        print(f"hdreplay {'demo' if demo else 'compare'}: {e}", file=sys.stderr)
-        return 2
-    out = Path(args.out)
-    print()
-    print((out / "summary.md").read_text())
-    print(f"summary: {out / 'summary.md'}  {out / 'summary.json'}")
-    for p in summary["plots"]:
-        print(f"plot:    {out / p}")
-    print(f"runs:    {out / 'runs'} (train_log.jsonl, replay/ diagnostics, metrics.json; "
-          f"`hdreplay report {out / 'runs' / 'headroom_drift' / 'seed0'}` for the replay analytics)")
-    if demo:
-        print("\nOne seed shows what the gate does, not which method wins; `hdreplay compare` runs the paired, "
+    def run(self) -> int:
+        rc = super().run()
+        print("\nOne seed shows what the gate does, not which method wins; `hdreplay compare` runs the paired "
               "several-seed comparison with bootstrap intervals.")
-    return 0
+        return rc
 
 
-def _calibrate(args) -> int:
-    from .analysis import run_calibration
-    from .sandbox.compare import CompareConfig, check_model
-    from .sandbox.methods import METHODS
-    from .sandbox.runner import run_one
-    from .sandbox.tasks import get_task
-    from .sandbox.warmstart import warm_start
+@dataclass
+class RunsArgs:
+    """What the analysis commands share: run directories, their labels and the output."""
 
-    try:
-        try:
-            taus = tuple(float(x) for x in args.taus.split(","))
-        except ValueError:
-            raise ValueError(f"--taus {args.taus!r}: expected comma-separated numbers such as 1e-3,1e-2,1e-1")
-        if not all(math.isfinite(t) and t > 0 for t in taus) or len(set(taus)) != len(taus):
-            raise ValueError(f"--taus {args.taus!r}: each tau must be a distinct positive finite number "
-                             "(Drift is a mean squared log-prob change)")
-        cfg = CompareConfig(task=args.task, methods=("headroom_drift",), seeds=1, steps=args.steps,
-                            prompts_per_step=args.prompts_per_step, lr=args.lr, eval_n=args.eval_n)
-        if args.model:
-            check_model(Path(args.model))  # before anything is written under --out
-    except ValueError as e:
-        print(f"hdreplay calibrate: {e}", file=sys.stderr)
-        return 2
-    task = get_task(cfg.task)
-    out = Path(args.out)
-    model_dir = Path(args.model) if args.model else warm_start(task)  # the shared cache
+    runs: list[Path] = arg(help="run directories", positional=True)
+    label: list[str] = arg(default_factory=list, help="label of each run, in order (repeat; unset: directory names)")
+    on_bad_line: Literal["skip", "stop"] = arg("skip", "a malformed JSONL line: skip it with a warning naming "
+                                                       "file:line, or stop")
+    figures: bool = arg(True, "write the PNG figures")
+    progress: bool = arg(True, "show progress bars")
 
-    def train_fn(label, tau, adaptive, run_dir):
-        spec = cfg.spec("headroom_drift", 0)
-        spec.tau = tau
+    def __post_init__(self) -> None:
+        from .analysis.load import unique_labels
+
+        if self.label and len(self.label) != len(self.runs):
+            raise ValueError(f"{len(self.label)} --label values for {len(self.runs)} run directories; give one label "
+                             "per run or none")
+        self.labels = self.label or unique_labels([p.resolve().name or str(p) for p in self.runs])
+
+    def check(self) -> None:
+        if self.out is not None:
+            _out_dir(self.out)
+
+
+@dataclass
+class ReportArgs(RunsArgs):
+    """Replay analytics of run directories (side by side): markdown + PNG figures + JSON.  A run directory is what
+    the sandbox or HDRLogCallback writes, a plain TRL output directory (trainer_state.json / TensorBoard events),
+    or a bare replay diagnostics directory."""
+
+    out: Path | None = arg(None, "output directory (unset: RUN_DIR/report for one run, ./hdreplay-report for several)")
+    settings: ReportSettings = field(default_factory=ReportSettings)
+
+    def run(self) -> int:
+        from .analysis import build_report, load_run, write_report
+
+        runs = [load_run(p, label=lab, on_bad_line=self.on_bad_line, warn=False) for p, lab in zip(self.runs, self.labels)]
+        for msg in (m for r in runs for m in r.problems):
+            print(f"warning: {msg}", file=sys.stderr)
+        report = build_report(runs, self.settings, show_progress=self.progress)
+        out = self.out or (self.runs[0] / "report" if len(runs) == 1 else Path("hdreplay-report"))
+        paths = write_report(report, out, figures=self.figures, show_progress=self.progress)
+        for msg in report["comparison"]["mismatches"]:
+            print(f"note: {msg}", file=sys.stderr)
+        print(f"report: {paths['markdown']}\njson:   {paths['json']}")
+        for name, p in paths.items():
+            if name.startswith("figure:"):
+                print(f"figure: {p}")
+        return 0
+
+
+@dataclass
+class SummarizeArgs(RunsArgs):
+    """Summarise finished calibration runs: per-run gate diagnostics, starved / too-loose flags, the recommended tau
+    and adaptive tau against it (calibration.md / .json / .png).  'tau=1e-3' labels give the tau of runs that do not
+    log it."""
+
+    out: Path = arg(Path("hdreplay-calibration"), "output directory")
+    score_key: str = arg("reward", "trainer-log key of the training score")
+    entropy_key: str = arg("entropy", "trainer-log key of the policy entropy")
+    criteria: CalibrationCriteria = field(default_factory=CalibrationCriteria)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if len(set(self.labels)) != len(self.labels):
+            raise ValueError(f"run labels must be unique, got {self.labels}; give --label for each run")
+
+    def run(self) -> int:
+        from .analysis import summarize_calibration
+
+        summary = summarize_calibration(dict(zip(self.labels, self.runs)), out_dir=self.out, criteria=self.criteria,
+                                        on_bad_line=self.on_bad_line, figures=self.figures,
+                                        show_progress=self.progress, score_key=self.score_key,
+                                        entropy_key=self.entropy_key)
+        _print_summary(summary)
+        return 0
+
+
+@dataclass
+class CalibrateArgs:
+    """The paper's tau calibration in the sandbox: one short run per tau (everything else fixed) plus one run with
+    adaptive tau between the smallest and largest, then the summary (see `hdreplay calibrate summarize`)."""
+
+    config: CompareConfig
+    taus: tuple[float, ...] = arg((1e-3, 1e-2, 1e-1), "Drift thresholds, one run each (distinct, positive, finite)")
+    adaptive: bool = arg(True, "also one run with adaptive tau between the smallest and largest tau")
+    selector: Literal["headroom_drift", "drift_only"] = arg("headroom_drift", "the gated method whose tau is "
+                                                                              "calibrated", flag="--replay.selector")
+    out: Path = arg(Path("hdreplay_runs/calibrate"), "output directory (runs/ and the summary)")
+    progress: bool = arg(True, "show a progress bar")
+    model_dir: Path | None = field(default=None, init=False, repr=False)  # set by check()
+
+    def __post_init__(self) -> None:
+        if not self.taus or not all(math.isfinite(t) and t > 0 for t in self.taus) or len(set(self.taus)) != len(self.taus):
+            raise ValueError(f"--taus {','.join(map(str, self.taus))}: each tau must be a distinct positive finite "
+                             "number (Drift is a mean squared log-prob change)")
+        self.config = replace(self.config, methods=(self.selector,), seeds=1)
+        for t in self.taus:  # every run's replay settings are valid (refusals name the option)
+            self.run_config(t, adaptive=False)
+        if self.adaptive:
+            self.run_config(sorted(self.taus)[len(self.taus) // 2], adaptive=True)
+
+    def run_config(self, tau: float, adaptive: bool) -> CompareConfig:
+        """The comparison config of one sweep run: fixed runs drop adaptive_tau; the adaptive run moves tau between
+        the smallest and largest tested tau unless --replay.adaptive_tau sets its own fields."""
+        replay = {k: v for k, v in self.config.replay.items() if k != "adaptive_tau"}
         if adaptive:
-            spec.adaptive_tau = {"tau_min": min(taus), "tau_max": max(taus)}
-        run_one(spec, METHODS["headroom_drift"], task, model_dir, Path(run_dir))
-        return Path(run_dir)
+            own = self.config.replay.get("adaptive_tau") or {}
+            own = json.loads(own) if isinstance(own, str) else own
+            replay["adaptive_tau"] = {"tau_min": min(self.taus), "tau_max": max(self.taus), **own}
+        return replace(self.config, replay={**replay, "tau": tau})
 
-    summary = run_calibration(train_fn, taus=taus, adaptive=not args.no_adaptive, out_dir=out)
-    print(f"calibration: {out}")
-    rec = getattr(summary, "recommendation", None)
-    if rec is not None:
-        print(f"recommendation: {rec}")
-    return 0
+    def check(self) -> None:
+        from .sandbox.compare import check_model
+
+        _out_dir(self.out)
+        self.model_dir = None if self.config.model is None else check_model(Path(self.config.model))
+
+    def run(self) -> int:
+        from .analysis import run_calibration
+        from .sandbox.methods import METHODS
+        from .sandbox.runner import run_one
+        from .sandbox.tasks import get_task
+        from .sandbox.warmstart import warm_start
+
+        task = get_task(self.config.task)
+        model_dir = self.model_dir or warm_start(task)  # the shared cache (warmstart.default_cache_dir)
+
+        def train(label: str, tau: float, adaptive: bool, run_dir: Path) -> Path:
+            spec = self.run_config(tau, adaptive).spec(self.selector, 0)
+            run_one(spec, METHODS[self.selector], task, model_dir, run_dir)
+            return run_dir
+
+        _print_summary(run_calibration(train, taus=self.taus, adaptive=self.adaptive, out_dir=self.out,
+                                       show_progress=self.progress))
+        return 0
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} must be at least 1")
-    return value
+@dataclass
+class ExplainArgs:
+    """The replay primitive on synthetic groups (no model): every scan, gate decision, replay and ingress printed."""
+
+    steps: int = arg(6, "steps to walk through (>= 1)")
+    selector: Literal[tuple(SELECTORS)] = arg("headroom_drift", "replay rule")  # type: ignore[valid-type]
+
+    def __post_init__(self) -> None:
+        if self.steps < 1:
+            raise ValueError(f"--steps must be >= 1, got {self.steps}")
+
+    def check(self) -> None:
+        pass
+
+    def run(self) -> int:
+        from .synthetic import walkthrough
+
+        walkthrough(steps=self.steps, selector=self.selector)
+        return 0
 
 
-def _parser() -> tuple[argparse.ArgumentParser, set[str]]:
-    """The CLI parser and the option strings that configure a calibration sweep (not its summary)."""
-    ap = argparse.ArgumentParser(prog="hdreplay", description="Headroom-Drift Replay for GRPO")
-    sub = ap.add_subparsers(dest="command", required=True)
-    _compare_args(sub.add_parser("demo", help="reduced comparison on CPU (make demo)"), demo=True)
-    _compare_args(sub.add_parser("compare", help="the paper's role-aligned comparison in the CPU sandbox"), demo=False)
-    for name, (_, _, help_) in DELEGATED.items():
-        sub.add_parser(name, help=f"{help_} (see `hdreplay {name} --help`)", add_help=False)
-    # no abbreviations: "--summ" must not silently start a training sweep instead of a summary
-    cal = sub.add_parser("calibrate", help="tau sweep at decade-spaced values plus adaptive tau", allow_abbrev=False)
-    sweep = [
-        cal.add_argument("--task", default="mix", help="sandbox task (default: %(default)s)"),
-        cal.add_argument("--taus", default="1e-3,1e-2,1e-1",
-                         help="comma-separated Drift thresholds, one Headroom-Drift run each (default: %(default)s)"),
-        cal.add_argument("--no-adaptive", action="store_true",
-                         help="skip the extra run with adaptive tau between the smallest and largest value"),
-        cal.add_argument("--steps", type=int, default=100, help="training steps per run (default: %(default)s)"),
-        cal.add_argument("--prompts-per-step", type=int, default=16,
-                         help="fresh groups per step b (default: %(default)s)"),
-        cal.add_argument("--lr", type=float, default=1e-4, help="learning rate (default: %(default)s)"),
-        cal.add_argument("--eval-n", type=int, default=4, help="samples per held-out prompt (default: %(default)s)"),
-        cal.add_argument("--model", default=None,
-                         help="local causal-LM checkpoint to start from (default: the sandbox warm start, cached)"),
-    ]
-    cal.add_argument("--out", default="hdreplay_runs/calibrate", help="output directory (default: %(default)s)")
-    cal.add_argument("--summarize", action="store_true",
-                     help="only summarize existing runs: `hdreplay calibrate --summarize RUN_DIR... | --run LABEL "
-                          "RUN_DIR ... [--out DIR] [criteria]` (see `hdreplay calibrate --summarize --help`)")
-    ex = sub.add_parser("explain", help="the replay primitive on synthetic groups (no model)")
-    ex.add_argument("--steps", type=_positive_int, default=6, help="steps to walk through (default: %(default)s)")
-    ex.add_argument("--selector", default="headroom_drift",
-                    help=f"selector name: {', '.join(SELECTORS)} (default: %(default)s)")
-    return ap, {o for action in sweep for o in action.option_strings}
+def _out_dir(out: Path) -> None:
+    if out.exists() and not out.is_dir():
+        raise FileExistsError(f"--out {out} is a file; --out takes a directory")
+
+
+def _print_summary(summary) -> None:
+    for w in summary.warnings:
+        print(f"warning: {w}", file=sys.stderr)
+    for name, p in summary.paths.items():
+        print(f"{name}: {p}")
+    r = summary.recommendation
+    print(f"recommendation: {r.status}" + (f" tau={r.tau:g}" if r.tau is not None else "") + f" -- {r.reason}")
+
+
+def app():
+    """The Typer application (commands return their dataclass; :func:`main` runs it)."""
+    import typer
+
+    root = typer.Typer(name="hdreplay", help="Headroom-Drift Replay for GRPO: sandbox, analytics, calibration.",
+                       add_completion=False, no_args_is_help=True)
+    add_command(root, "demo", DemoArgs, seeds=1, steps=120, methods=DEMO_METHODS, eval_every=20, curve_prompts=30,
+                signatures=False, out=Path("hdreplay_runs/demo"))
+    add_command(root, "compare", CompareArgs)
+    add_command(root, "report", ReportArgs)
+    calibrate = typer.Typer(help="tau calibration: `run` a sweep in the sandbox, or `summarize` finished runs.",
+                            no_args_is_help=True)
+    add_command(calibrate, "run", CalibrateArgs, steps=100, eval_n=4, eval_every=0,
+                hide=("methods", "seeds", "latency_ms", "replay.selector", "replay.tau", "workers", "signatures",
+                      "target", "modelled_ms_per_token", "curve_prompts", "curve_n"))
+    add_command(calibrate, "summarize", SummarizeArgs)
+    root.add_typer(calibrate, name="calibrate")
+    add_command(root, "explain", ExplainArgs)
+    return root
+
+
+def parse(argv: list[str]):
+    """The command dataclass ``argv`` describes (validated), or an exit status when --help was printed.  Raises
+    typer's usage errors and the dataclasses' ValueErrors."""
+    import typer
+
+    return typer.main.get_command(app()).main(list(argv), prog_name="hdreplay", standalone_mode=False)
 
 
 def main(argv: list[str] | None = None) -> int:
+    from typer.exceptions import TyperException
+
+    from .analysis import AnalysisInputError
     from .env import offline_env
 
     offline_env()
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] in DELEGATED:
-        import importlib
-
-        module, func, _ = DELEGATED[argv[0]]
-        return getattr(importlib.import_module(module), func)(argv[1:])
-    ap, sweep_flags = _parser()
-    if argv[:1] == ["calibrate"] and "--summarize" in argv:
-        # summarizing finished runs has its own arguments (run dirs, labels, criteria): hand them over whole
-        from .analysis import main_calibrate_summary
-
-        rest = [a for a in argv[1:] if a != "--summarize"]
-        sweep_only = sorted({a.split("=", 1)[0] for a in rest} & sweep_flags)
-        if sweep_only:
-            print(f"hdreplay calibrate: {', '.join(sweep_only)} configure a new sweep and cannot be combined with "
-                  "--summarize, which only reads finished runs; drop them, or drop --summarize to train",
-                  file=sys.stderr)
-            return 2
-        return main_calibrate_summary(rest)
-    args = ap.parse_args(argv)
+    name = " ".join(["hdreplay", *argv[:2 if argv[:1] == ["calibrate"] else 1]])
+    try:
+        cmd = parse(argv)
+        if isinstance(cmd, int) or cmd is None:
+            return cmd or 0
+        cmd.check()
+    except TyperException as e:  # a usage error: the message alone, no usage block (help was printed for no args)
+        ctx, msg = getattr(e, "ctx", None), e.format_message().replace("Value error, ", "")
+        if msg:
+            print(f"{ctx.command_path if ctx else 'hdreplay'}: error: {msg} (see --help)", file=sys.stderr)
+        return 2
+    except INPUT_ERRORS as e:
+        print(f"{name}: error: {e}", file=sys.stderr)
+        return 2
     # TRL 1.16 itself calls the name transformers 5.2x deprecated; nothing a user of this CLI can act on
     warnings.filterwarnings("ignore", message=r".*is_gradient_checkpointing.*", category=FutureWarning)
-    if args.command in ("demo", "compare"):
-        return _run_compare(args, demo=args.command == "demo")
-    if args.command == "calibrate":
-        return _calibrate(args)
-    if args.command == "explain":
-        from .synthetic import walkthrough
-
-        try:
-            walkthrough(steps=args.steps, selector=args.selector)
-        except ValueError as e:
-            print(f"hdreplay explain: {e}", file=sys.stderr)
-            return 2
-        return 0
-    return 2
+    try:
+        return cmd.run()
+    except (AnalysisInputError, OSError) as e:  # the analyses' bad input (bad lines with --on-bad-line stop, ...)
+        print(f"{name}: error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -125,8 +125,8 @@ def run(ctrl, steps: Iterable[int], **kw) -> list[DrivenStep]:
 
 
 def walkthrough(steps: int = 6, *, k_rep: int = 3, tau: float = 5e-3, capacity: int = 12, per_step: int = 4,
-                selector: str = "headroom_drift", out=print) -> None:
-    """Run the select -> stage -> commit protocol on synthetic groups and print every decision."""
+                selector: str = "headroom_drift", out=print) -> list[DrivenStep]:
+    """Run the select -> stage -> commit protocol on synthetic groups and print every decision; returns the steps."""
     from hdreplay.config import ReplayConfig
     from hdreplay.controller import ReplayController
 
@@ -137,8 +137,10 @@ def walkthrough(steps: int = 6, *, k_rep: int = 3, tau: float = 5e-3, capacity: 
         return [make_group(f"{t}-{i}", policy=policy, step=t, seed=31 * t + i,
                            rewards=[1.0, 1.0, 1.0, 1.0] if i == 0 else None) for i in range(per_step)]
 
+    done = []
     for st in drive(ctrl, range(steps), policy_at=lambda t: policy_walk(t, seed=1), fresh=fresh,
                     select_first=True):
+        done.append(st)
         sel = st.selection
         out(f"\nstep {st.step}: buffer holds {sel.buffer_size} groups")
         for i in range(len(sel.scanned)):
@@ -153,3 +155,4 @@ def walkthrough(steps: int = 6, *, k_rep: int = 3, tau: float = 5e-3, capacity: 
         out(f"  ingress: {sum(st.admitted)}/{len(st.fresh)} fresh groups admitted "
             f"(rejected {[g.group_id for g, a in zip(st.fresh, st.admitted) if not a]}: rewards all equal); "
             f"evicted {int(st.metrics['replay/evicted'])}")
+    return done

@@ -3,14 +3,20 @@ on hand-made logs with hand-computed numbers."""
 
 import pytest
 
+from analysis_runs import groups_frame, life, step_rec, steps_frame
 from hdreplay_lab.analysis import (
     age_gate, counterfactual, headroom_deciles, mixing, multiplicity, phase_mixture, pool_ages, staleness,
 )
 
 
+def scanned(step, ages, passes):
+    n = len(ages)
+    return step_rec(step, buffer_size=n, scanned=n, scan_age=ages, scan_pass=passes, scan_drift=[0.0] * n,
+                    scan_cached_headroom=[0.5] * n, scan_headroom=[0.5] * n)
+
+
 def test_age_gate_histograms_cdfs_and_rate_by_age():
-    steps = [{"step": 1, "scan_age": [1, 1, 2], "scan_pass": [True, False, True]},
-             {"step": 2, "scan_age": [3, 1, 2], "scan_pass": [False, True, False]}]
+    steps = steps_frame(scanned(1, [1, 1, 2], [True, False, True]), scanned(2, [3, 1, 2], [False, True, False]))
     a = age_gate(steps)
     # accepted ages [1, 2, 1], rejected [1, 3, 2]
     assert a["ages"] == [1, 2, 3]
@@ -22,20 +28,15 @@ def test_age_gate_histograms_cdfs_and_rate_by_age():
     assert a["accept_rate_by_age"] == pytest.approx([2 / 3, 1 / 2, 0])
     assert a["accepted"]["mean"] == pytest.approx(4 / 3) and a["rejected"]["mean"] == pytest.approx(2.0)
     assert a["reject_share_youngest"] == {"age": 1, "share": pytest.approx(1 / 3)}
-    assert age_gate([{"step": 0, "scan_age": [], "scan_pass": []}])["available"] is False
+    assert age_gate(steps_frame(scanned(0, [], [])))["available"] is False
 
 
 # groups: A born 0 evicted at 2, B born 0 never evicted, C born 1 evicted at 3, D born 2 never evicted
-GROUPS = [
-    {"birth_step": 0, "evicted_step": 2}, {"birth_step": 0, "evicted_step": None},
-    {"birth_step": 1, "evicted_step": 3}, {"birth_step": 2, "evicted_step": None},
-]
-STEPS = [
-    {"step": 0, "buffer_size": 0, "accepted_ages": []},
-    {"step": 1, "buffer_size": 2, "accepted_ages": [1, 1]},
-    {"step": 2, "buffer_size": 3, "accepted_ages": [1, 2]},
-    {"step": 3, "buffer_size": 3, "accepted_ages": [1, 3, 2]},
-]
+GROUPS = groups_frame(life(birth_step=0, evicted_step=2), life(birth_step=0, evicted_step=None),
+                      life(birth_step=1, evicted_step=3), life(birth_step=2, evicted_step=None))
+STEPS = steps_frame(step_rec(0, buffer_size=0), step_rec(1, buffer_size=2, accepted_ages=[1, 1]),
+                    step_rec(2, buffer_size=3, accepted_ages=[1, 2]),
+                    step_rec(3, buffer_size=3, accepted_ages=[1, 3, 2]))
 
 
 def test_pool_reconstruction_matches_buffer_residence():
@@ -43,7 +44,7 @@ def test_pool_reconstruction_matches_buffer_residence():
     # t=1: A, B -> [1, 1];  t=2: A (evicted at 2, still there before the step), B, C -> [2, 2, 1];
     # t=3: B, C, D -> [3, 2, 1]
     assert sorted(ages) == [1, 1, 1, 1, 2, 2, 2, 3] and mismatch == []
-    bad = [dict(STEPS[3], buffer_size=4)]
+    bad = steps_frame(step_rec(3, buffer_size=4, accepted_ages=[1, 3, 2]))
     assert pool_ages(bad, GROUPS)[1] == [3]
 
 
@@ -54,7 +55,7 @@ def test_staleness_of_pool_and_used_subset():
     # used: [1, 1, 1, 2, 1, 3, 2]
     assert s["used"] == pytest.approx({"n": 7, "mean": 11 / 7, "median": 1.0, "p90": 3.0, "max": 3.0,
                                        "share_age_ge2": 3 / 7, "share_age_ge3": 1 / 7})
-    assert staleness(STEPS, [])["pool"]["available"] is False
+    assert staleness(STEPS, groups_frame())["pool"]["available"] is False
 
 
 def test_mixing_structure():
@@ -65,7 +66,7 @@ def test_mixing_structure():
     assert m["mean_distinct_ages"] == pytest.approx(2.0)  # {1}, {1, 2}, {1, 2, 3}
     assert m["share_updates_ge3_ages"] == pytest.approx(1 / 3)
     assert m["share_updates_age1_and_ge3"] == pytest.approx(1 / 3)
-    assert mixing([{"step": 0, "accepted_ages": []}])["mean_age"] is None
+    assert mixing(steps_frame(step_rec(0)))["mean_age"] is None
 
 
 def test_phase_mixture_equal_count_and_explicit_bounds():
@@ -87,8 +88,8 @@ LIFE = [  # ref_headroom, replay_count, exposure, insertion_id 0..5
 
 
 def groups():
-    return [{"insertion_id": i, "birth_step": i, "ref_headroom": h, "replay_count": n, "exposure": w,
-             "evicted_step": None if i == 5 else 10} for i, (h, n, w) in enumerate(LIFE)]
+    return groups_frame(*(life(insertion_id=i, birth_step=i, ref_headroom=h, replay_count=n, exposure=w,
+                               evicted_step=None if i == 5 else 10) for i, (h, n, w) in enumerate(LIFE)))
 
 
 def test_headroom_deciles_by_hand():
@@ -103,7 +104,8 @@ def test_headroom_deciles_by_hand():
 
 
 def test_headroom_ties_are_ordered_by_insertion_id():
-    g = [{"insertion_id": i, "ref_headroom": 0.5, "replay_count": i, "birth_step": 0} for i in (3, 1, 2, 0)]
+    g = groups_frame(*(life(insertion_id=i, ref_headroom=0.5, replay_count=i, birth_step=0, evicted_step=None)
+                       for i in (3, 1, 2, 0)))
     d = headroom_deciles(g, n_bins=2)
     assert [b["mean_replay_count"] for b in d["bins"]] == [0.5, 2.5]
 
@@ -117,21 +119,21 @@ def test_multiplicity_cohorts_events_and_exposure():
     assert [x["replay_event_share"] for x in c] == pytest.approx([0, 2 / 7, 2 / 7, 3 / 7])
     assert [x["exposure_share"] for x in c] == pytest.approx([0.2 / 1.5, 0.4 / 1.5, 0.4 / 1.5, 0.5 / 1.5])
     assert m["share_never_replayed"] == pytest.approx(1 / 3)
-    assert multiplicity([])["available"] is False
+    assert multiplicity(groups_frame())["available"] is False
 
 
 def cf(step, ds, dr, hs, hr):
-    return {"step": step, "cf_size": 2, "cf_drift_selected": ds, "cf_drift_recency": dr,
-            "cf_headroom_selected": hs, "cf_headroom_recency": hr}
+    return step_rec(step, cf_size=2, cf_drift_selected=ds, cf_drift_recency=dr, cf_headroom_selected=hs,
+                    cf_headroom_recency=hr)
 
 
 def test_counterfactual_quadrants_and_gains():
-    steps = [cf(1, 0.001, 0.003, 0.6, 0.5),   # x +0.002, y +0.1  both
-             cf(2, 0.002, 0.001, 0.7, 0.4),   # x -0.001, y +0.3  value only
-             cf(3, 0.001, 0.002, 0.3, 0.5),   # x +0.001, y -0.2  compatibility only
-             cf(4, 0.001, 0.001, 0.5, 0.5),   # tie
-             cf(5, 0.003, 0.001, 0.2, 0.5),   # x -0.002, y -0.3  neither
-             {"step": 6, "accepted": 0}]      # no cf keys: skipped
+    steps = steps_frame(cf(1, 0.001, 0.003, 0.6, 0.5),   # x +0.002, y +0.1  both
+                        cf(2, 0.002, 0.001, 0.7, 0.4),   # x -0.001, y +0.3  value only
+                        cf(3, 0.001, 0.002, 0.3, 0.5),   # x +0.001, y -0.2  compatibility only
+                        cf(4, 0.001, 0.001, 0.5, 0.5),   # tie
+                        cf(5, 0.003, 0.001, 0.2, 0.5),   # x -0.002, y -0.3  neither
+                        step_rec(6, accepted=0))          # no cf keys: skipped
     c = counterfactual(steps)
     assert c["n_steps"] == 5 and c["series"]["step"] == [1, 2, 3, 4, 5]
     assert c["series"]["quadrant"] == ["both", "value_only", "compatibility_only", "tie", "neither"]
@@ -141,5 +143,5 @@ def test_counterfactual_quadrants_and_gains():
     assert c["mean_value_gain"] == pytest.approx(-0.02)
     assert c["share_compat_positive"] == pytest.approx(0.4) and c["share_value_positive"] == pytest.approx(0.4)
     assert c["by_interval"]["value_gain"] == pytest.approx({"early": 0.2, "middle": -0.1, "final": -0.3})
-    missing = counterfactual([{"step": 1, "accepted": 2}])
+    missing = counterfactual(steps_frame(step_rec(1, accepted=2)))
     assert missing["available"] is False and "counterfactual=True" in missing["reason"]

@@ -1,19 +1,26 @@
 """Bad input: truncated / malformed JSONL lines (skip or stop, naming file:line), empty and non-run
-directories, runs without usable replay records, bad settings.  Never a traceback from the entry point."""
+directories, a directory where a log belongs, runs without usable replay records, bad settings.  Never a
+traceback from the entry point: one line on stderr and exit status 2."""
 
 import json
 import shutil
 
 import pytest
 
-from hdreplay_lab.analysis import AnalysisInputError, BadLineWarning, load_run, main_report, read_jsonl
+from hdreplay_lab.analysis import AnalysisInputError, BadLineWarning, load_run, read_jsonl
+from hdreplay_lab.cli import main
 
 
 def run_report(args, capsys):
-    rc = main_report([*map(str, args), "--no-progress", "--no-figures"])
+    rc = main(["report", *map(str, args), "--no-progress", "--no-figures"])
     out = capsys.readouterr()
     assert "Traceback" not in out.err
     return rc, out
+
+
+def one_error_line(err: str, needle: str) -> None:
+    lines = [x for x in err.splitlines() if x.strip()]
+    assert len(lines) == 1 and lines[0].startswith("hdreplay report: error:") and needle in lines[0], err
 
 
 def test_truncated_line_is_skipped_with_a_warning_naming_file_and_line(real_run, tmp_path, capsys):
@@ -49,7 +56,24 @@ def test_empty_missing_file_and_non_run_directories(tmp_path, capsys):
     for path, msg in ((tmp_path / "empty", "the directory is empty"), (tmp_path / "missing", "no such directory"),
                       (tmp_path / "other", "not a run directory"), (tmp_path / "file.jsonl", "not a directory")):
         rc, out = run_report([path], capsys)
-        assert rc == 2 and msg in out.err and out.err.startswith("hdreplay report: error:"), (path, out.err)
+        assert rc == 2, (path, out.err)
+        one_error_line(out.err, msg)
+
+
+def test_a_directory_where_a_log_belongs_is_an_error_not_a_run_without_replay(real_run, tmp_path, capsys):
+    steps = real_run / "replay" / "steps.jsonl"
+    steps.unlink()
+    steps.mkdir()
+    rc, out = run_report([real_run, "--out", tmp_path / "o"], capsys)
+    assert rc == 2 and not (tmp_path / "o").exists()
+    one_error_line(out.err, f"{steps}: expected a file, found a directory")
+
+
+def test_output_path_that_is_a_file_is_refused_before_anything_is_written(real_run, tmp_path, capsys):
+    (tmp_path / "taken").write_text("keep")
+    rc, out = run_report([real_run, "--out", tmp_path / "taken"], capsys)
+    assert rc == 2 and (tmp_path / "taken").read_text() == "keep"
+    one_error_line(out.err, "is a file")
 
 
 def test_replay_dir_without_usable_records(tmp_path, capsys):
@@ -61,18 +85,20 @@ def test_replay_dir_without_usable_records(tmp_path, capsys):
     assert "'step' must be an int >= 0" in out.err and "'scan_age' must be a list" in out.err
     rep = json.loads((tmp_path / "o" / "report.json").read_text())
     assert "has no usable step records" in rep["runs"]["run"]["acceptance"]["reason"]
-    assert rep["runs"]["run"]["entropy_timing"]["reason"] == "no train_log.jsonl"
+    assert rep["runs"]["run"]["entropy_timing"] == {"available": False, "reason": "no trainer log"}
 
 
 def test_bad_settings_and_labels_exit_2(real_run, capsys):
-    rc, out = run_report([real_run, "--entropy-low", "0.05", "--entropy-high", "0.04"], capsys)
-    assert rc == 2 and "H_L" in out.err
-    rc, out = run_report([real_run, "--label", "a", "--label", "b"], capsys)
-    assert rc == 2 and "2 --label values for 1 run" in out.err
-    rc, out = run_report([real_run, "--phase-bounds", "20,10"], capsys)
-    assert rc == 2 and "phase bounds" in out.err
-    with pytest.raises(SystemExit):  # argparse usage errors keep argparse's exit code and message
-        main_report([str(real_run), "--on-bad-line", "ignore"])
+    for args, needle in ((["--entropy-low", "0.05", "--entropy-high", "0.04"], "H_L"),
+                         (["--label", "a", "--label", "b"], "2 --label values for 1 run"),
+                         (["--phase-bounds", "20,10"], "--phase-bounds"), (["--phase-bounds", "x"], "--phase-bounds"),
+                         (["--kl-window", "0"], "--kl-window"), (["--phases", "-1"], "--phases"),
+                         (["--score-anchor", "nan"], "--score-anchor"), (["--on-bad-line", "ignore"], "'skip'"),
+                         (["--no-such-flag"], "--no-such-flag")):
+        rc, out = run_report([real_run, *args], capsys)
+        assert rc == 2, args
+        one_error_line(out.err, needle)
+    assert not (real_run / "report").exists()
 
 
 def test_read_jsonl_checks_records_and_policy(tmp_path):
@@ -81,7 +107,7 @@ def test_read_jsonl_checks_records_and_policy(tmp_path):
     problems = []
     from hdreplay_lab.analysis.load import check_step_record
     recs = read_jsonl(p, check=check_step_record, problems=problems)
-    assert [r["step"] for r in recs] == [0, 2]
+    assert recs["step"].tolist() == [0, 2]
     assert problems[0].startswith(f"{p}:3: expected a JSON object, got list")
     assert problems[1].startswith(f"{p}:4: scan lists have different lengths")
     with pytest.raises(AnalysisInputError, match=f"{p}:3"):
@@ -98,7 +124,7 @@ def test_load_run_details(real_run, tmp_path):
     (real_run / "run.json").write_text("{not json")
     with pytest.warns(BadLineWarning):
         run = load_run(real_run)
-    assert len(run.steps) == 30 and run.steps[-1]["budget_fill"] == 0.5 and run.meta == {}
+    assert len(run.steps) == 30 and run.steps["budget_fill"].iloc[-1] == 0.5 and run.meta == {}
     assert any("repeated step record" in p for p in run.problems)
     assert any("run.json: not valid JSON" in p for p in run.problems)
     with pytest.raises(AnalysisInputError, match="run.json"):

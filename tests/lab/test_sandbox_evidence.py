@@ -84,6 +84,34 @@ def test_cost_that_makes_generation_two_thirds_of_the_step(tmp_path):
                                                                    pytest.approx(13.0)]
 
 
+def test_gate_verdict_block_from_constructed_replay_logs(tmp_path):
+    from types import SimpleNamespace
+
+    from hdreplay_lab.sandbox.summary import gate_numbers
+    from hdreplay_lab.sandbox.tables import _gate
+
+    def run(name, steps):
+        d = tmp_path / "runs" / name / "seed0" / "replay"
+        d.mkdir(parents=True)
+        (d / "steps.jsonl").write_text("".join(json.dumps(r) + "\n" for r in steps))
+
+    run("headroom_drift", [{"step": 0, "scanned": 0, "accepted_ages": []},
+                           {"step": 1, "accept_rate": 0.25, "scanned": 12, "budget_fill": 1.0, "replay_kl": 0.002,
+                            "accepted_ages": [1, 1, 3]},
+                           {"step": 2, "accept_rate": 0.35, "scanned": 8, "budget_fill": 0.5, "replay_kl": 0.004,
+                            "accepted_ages": [2]}])
+    run("recency_matched", [{"step": 1, "scanned": 4, "replay_kl": 0.03, "accepted_ages": [1, 1]},
+                            {"step": 2, "scanned": 4, "replay_kl": 0.03, "accepted_ages": [1, 1]}])
+    g = gate_numbers(tmp_path, SimpleNamespace(seeds=1), ["headroom_drift", "recency_matched"])
+    h, r = g["headroom_drift"], g["recency_matched"]
+    assert h["acceptance"] == pytest.approx(0.3) and h["scanned_per_step"] == 10 and h["budget_fill"] == 0.75
+    assert h["replay_kl"] == pytest.approx(0.003) and h["mean_age"] == pytest.approx(7 / 4)
+    assert h["share_age_1"] == 0.5 and h["max_age"] == 3 and h["age_hist"] == {1: 2, 2: 1, 3: 1}
+    assert r["max_age"] == 1 and r["acceptance"] is None
+    text = "\n".join(_gate({"tau": 0.01, "gate": g, "methods": {}}))
+    assert "30% of the buffered groups" in text and "10.0x closer" in text and "only age 1" in text
+
+
 def test_generation_share_removes_a_slept_cost():
     # a run that slept 1 ms/token: 100 tokens added 0.1 s to gen and step
     native = generation_share([0.3], [0.6], [100], ms_per_token=-1.0)
@@ -140,29 +168,37 @@ def tiny(tmp_path_factory):
     return build_tiny_model(tmp_path_factory.mktemp("m") / "tiny", chars=VOCAB, hidden=32, layers=1)
 
 
+def _tiny_config(tiny, **kw):
+    from hdreplay_lab.sandbox.compare import CompareConfig
+
+    base = dict(task="mix", methods=("onpolicy_matched",), seeds=1, prompts_per_step=4, eval_n=1, model=str(tiny),
+                replay={"tau": 10.0, "capacity": 8}, eval_every=0, curve_prompts=2, curve_n=1, workers=1,
+                signatures=False)
+    return CompareConfig(**{**base, **kw})
+
+
 @pytest.mark.trl
 def test_every_method_of_a_seed_reads_the_same_prompt_order(tiny, tmp_path):
     """Same permutation for b, 1.5b and replay methods: each reads it at its own rate (runner.py)."""
     from hdreplay_lab.sandbox.methods import METHODS
-    from hdreplay_lab.sandbox.runner import RunSpec, run_one
+    from hdreplay_lab.sandbox.runner import run_one
     from hdreplay_lab.sandbox.tasks import get_task
 
     streams = {}
+    cfg = _tiny_config(tiny, steps=4, generations=2)
     for name in ("onpolicy_matched", "onpolicy_larger", "headroom_drift"):
-        spec = RunSpec(task="mix", method=name, seed=3, steps=4, prompts_per_step=4, generations=2, eval_n=1,
-                       tau=10.0, capacity=8)
-        run_one(spec, METHODS[name], get_task("mix"), tiny, tmp_path / name)
-        log = [json.loads(x) for x in open(tmp_path / name / "train_log.jsonl")]
+        run_one(cfg.spec(name, 3), METHODS[name], get_task("mix"), tiny, tmp_path / name)
+        log = [json.loads(x) for x in open(tmp_path / name / "prompts.jsonl")]
         assert [len(r["prompts"]) for r in log] == [METHODS[name].fresh_groups(4)] * 4
-        assert all(r["groups"] == len(r["prompts"]) for r in log)
+        groups = [json.loads(x)["groups"] for x in open(tmp_path / name / "train_log.jsonl")]
+        assert groups == [len(r["prompts"]) for r in log]
         streams[name] = [p for r in log for p in r["prompts"]]
         run = json.loads((tmp_path / name / "run.json").read_text())
         assert run["torch_threads"] == 1 and run["dataset_prompts"] == 256  # max(3 x steps x b, 256): same for all
     assert streams["headroom_drift"] == streams["onpolicy_matched"]
     assert streams["onpolicy_larger"][:16] == streams["onpolicy_matched"]
-    other = RunSpec(task="mix", method="onpolicy_matched", seed=4, steps=4, prompts_per_step=4, generations=2, eval_n=1)
-    run_one(other, METHODS["onpolicy_matched"], get_task("mix"), tiny, tmp_path / "seed4")
-    seed4 = [p for x in open(tmp_path / "seed4" / "train_log.jsonl") for p in json.loads(x)["prompts"]]
+    run_one(cfg.spec("onpolicy_matched", 4), METHODS["onpolicy_matched"], get_task("mix"), tiny, tmp_path / "seed4")
+    seed4 = [p for x in open(tmp_path / "seed4" / "prompts.jsonl") for p in json.loads(x)["prompts"]]
     assert seed4 != streams["onpolicy_matched"], "another seed, another order"
 
 
@@ -171,9 +207,7 @@ def test_an_interrupted_comparison_continues_without_redoing_finished_runs(tiny,
     from hdreplay_lab.sandbox import runner
     from hdreplay_lab.sandbox.compare import CompareConfig, run_compare
 
-    cfg = CompareConfig(methods=("onpolicy_matched", "headroom_drift"), seeds=1, steps=2, prompts_per_step=4,
-                        generations=2, eval_n=1, tau=10.0, model=str(tiny), eval_every=1, curve_prompts=2, curve_n=1,
-                        workers=1, signatures=False)
+    cfg = _tiny_config(tiny, methods=("onpolicy_matched", "headroom_drift"), steps=2, eval_every=1)
     real, calls = runner.run_one, []
 
     def interrupted(spec, method, task, model_dir, run_dir, on_step=None):
@@ -203,7 +237,7 @@ def test_an_interrupted_comparison_continues_without_redoing_finished_runs(tiny,
     assert not runner.is_finished(done.parent)
     # changing only how many run at once keeps the finished runs
     calls.clear()
-    cfg2 = CompareConfig(**{**cfg.__dict__, "workers": 2, "capacity": None})
+    cfg2 = CompareConfig(**{**cfg.__dict__, "workers": 2, "seeds": 1})
     done.write_bytes(stamp[0])
     run_compare(cfg2, tmp_path / "c", progress=False, log=lambda *a: None)
     assert calls == []
@@ -213,11 +247,10 @@ def test_an_interrupted_comparison_continues_without_redoing_finished_runs(tiny,
 def test_zero_variance_share_matches_ingress_on_a_real_run(tiny, tmp_path):
     """Mixed-outcome ingress admits exactly the groups that are not zero-variance."""
     from hdreplay_lab.sandbox.methods import METHODS
-    from hdreplay_lab.sandbox.runner import RunSpec, run_one
+    from hdreplay_lab.sandbox.runner import run_one
     from hdreplay_lab.sandbox.tasks import get_task
 
-    spec = RunSpec(task="mix", method="headroom_drift", seed=0, steps=4, prompts_per_step=4, generations=4, eval_n=1,
-                   tau=10.0, capacity=8, rollout_ms_per_token=0.01)
+    spec = _tiny_config(tiny, steps=4, generations=4, rollout_ms_per_token=0.01).spec("headroom_drift", 0)
     run_one(spec, METHODS["headroom_drift"], get_task("mix"), tiny, tmp_path / "r")
     log = [json.loads(x) for x in open(tmp_path / "r" / "train_log.jsonl")]
     steps = [json.loads(x) for x in open(tmp_path / "r" / "replay" / "steps.jsonl")]

@@ -54,8 +54,15 @@ def test_chat_format_masks_tool_text_and_parses_tool_calls():
     call = tok(f"<search q={p.hops[0]}>", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
     assert parse_response(tok, call, prefix=prefix)["tool_calls"][0]["function"] == {
         "name": "search", "arguments": {"q": p.hops[0]}}
-    for garbage in ("<<<q==", "<search", "]]]", "<search q=>"):
-        parse_response(tok, tok(garbage, add_special_tokens=False)["input_ids"], prefix=prefix)  # never raises
+    for garbage in ("<<<q==", "<search", "]]]"):  # not a tool call: plain assistant text, nothing for the env to run
+        parsed = parse_response(tok, tok(garbage, add_special_tokens=False)["input_ids"], prefix=prefix)
+        assert parsed == {"role": "assistant", "content": garbage}
+    empty = parse_response(tok, tok("<search q=>", add_special_tokens=False)["input_ids"], prefix=prefix)
+    (call,) = empty["tool_calls"]  # a call with an empty query: the environment answers with an error, not a raise
+    assert call["function"] == {"name": "search", "arguments": {"q": ""}}
+    env = SearchEnv()
+    env.reset(question=p.question)
+    assert env.search(**call["function"]["arguments"]) == "error:bad query"
 
 
 def test_multiturn_replay_through_trl_environment_factory(search_model, tmp_path):
@@ -133,5 +140,10 @@ def test_rollout_with_an_untrained_model_scores_zero_without_raising(tmp_path):
     install_chat_format(tok)
     probs = task.benchmark_problems(task.benchmarks[0])[:4]
     comps = rollout(model, tok, probs, n=2, max_new_tokens=12)
-    assert len(comps) == 4 and all(len(c) == 2 for c in comps)
-    assert all(task.score(c, p.answer) in (0.0, 1.0) for cs, p in zip(comps, probs) for c in cs)
+    assert [len(c) for c in comps] == [2, 2, 2, 2]
+    for cs, p in zip(comps, probs):
+        for c in cs:  # an episode ends with the model's own turn, and random text is never the exact answer
+            assert c[-1]["role"] == "assistant" and c[-1]["content"] != p.answer
+            assert task.score(c, p.answer) == 0.0
+    # the same scorer gives 1.0 to the exact answer, so the zeros above are the model's, not the scorer's
+    assert all(task.score([{"role": "assistant", "content": p.answer}], p.answer) == 1.0 for p in probs)

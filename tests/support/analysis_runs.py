@@ -1,5 +1,8 @@
-"""Real run directories for the analysis tests: written by the core ReplayController driven by the
-model-free TablePolicy (no trainer), plus hand-written trainer logs (run.json, train_log.jsonl, metrics.json)."""
+"""Records and run directories for the analysis tests.
+
+Step records are built from the one schema, :class:`hdreplay.diagnostics.StepRecord` (``step_rec``); real run
+directories are written by the core ReplayController driven by the model-free TablePolicy (no trainer), plus
+hand-written trainer logs (run.json, train_log.jsonl, metrics.json)."""
 
 from __future__ import annotations
 
@@ -7,7 +10,32 @@ import json
 from pathlib import Path
 
 from hdreplay import ReplayConfig, ReplayController
+from hdreplay.diagnostics import StepRecord
+from hdreplay_lab.analysis.load import group_frame, step_frame
 from hdreplay_lab.synthetic import TablePolicy, make_group
+
+
+def step_rec(step: int, *, selector: str = "headroom_drift", k_rep: int = 2, tau: float | None = 0.01,
+             **fields) -> StepRecord:
+    """A StepRecord (unknown field names are a TypeError, so a renamed field breaks the tests that use it)."""
+    return StepRecord(step=step, selector=selector, k_rep=k_rep, tau=tau, **fields)
+
+
+def steps_frame(*records: StepRecord):
+    """The analysis frame of StepRecords, through their JSON form (what steps.jsonl holds)."""
+    return step_frame([r.to_json() for r in records])
+
+
+def life(*, birth_step: int, evicted_step: int | None, ref_headroom: float = 0.5, replay_count: int = 0,
+         exposure: float = 0.0, insertion_id: int = 0) -> dict:
+    """A groups.jsonl lifetime record with every key the buffer writes (ReplayBuffer.lifetime_record)."""
+    return {"group_id": f"g{insertion_id}", "insertion_id": insertion_id, "birth_step": birth_step,
+            "ref_headroom": ref_headroom, "cached_headroom": ref_headroom, "replay_count": replay_count,
+            "exposure": exposure, "evicted_step": evicted_step}
+
+
+def groups_frame(*records: dict):
+    return group_frame(list(records))
 
 #: hand-written trainer log used by the real-run fixture: 30 log points at steps 0, 2, 4, ...
 LOG_STEPS = [2 * i for i in range(30)]

@@ -1,8 +1,10 @@
 """A CPU verl Worker for the recipe tests: real teacher-forced log-probs of a tiny local Qwen2.
 
 verl's own ActorRolloutRefWorker / FSDP engine need CUDA (NCCL process group, device ids), so
-this worker implements the worker-side contract the v0 ``RayPPOTrainer`` calls, re-using verl's
-own pieces wherever they are device-agnostic:
+this worker implements the worker-side contract the v0 ``RayPPOTrainer`` and the v1 ``PPOTrainer``
+call (v1: every ``@register`` method is wrapped by verl's ``tqbridge``, so a ``KVBatchMeta`` argument
+arrives as a TensorDict read from TransferQueue, and a TensorDict output is written back), re-using
+verl's own pieces wherever they are device-agnostic:
 
 * ``compute_log_prob`` / ``compute_ref_log_prob`` (nd-dispatch on meshes "actor" / "ref"): the
   no-padding layout ``left_right_2_no_padding`` produced, value at position t = log p(x_{t+1} | x_{<=t}).
@@ -11,6 +13,8 @@ own pieces wherever they are device-agnostic:
   ``batch_num_tokens`` / ``dp_size`` like the FSDP engine, micro-batches with verl's
   ``prepare_micro_batches``, and takes the loss from verl's own ``ppo_loss`` (so it reads exactly
   the keys verl's loss reads).  Gradients are averaged over ranks with gloo (like FSDP).
+* ``save_model_to_cpu`` / ``restore_model_from_cpu`` / ``clear_cpu_model``: what ``separate_async``
+  calls on verl's ``DetachActorWorker`` for its pi_old log-probs.
 * It records, per update and mini-batch, what each rank trained (uid, replay flag, tokens, stored
   log-prob / advantage / reference sums) so tests can check the layout through this real path.
 """
@@ -32,8 +36,14 @@ from verl.workers.utils.losses import ppo_loss
 from hdreplay_lab.sandbox.model import load_model
 
 
-def teacher_forced(model, input_ids, position_ids, *, temperature: float = 1.0, grad: bool = False):
-    """Per-sequence log-probs and entropies of nested (jagged) sequences; value t scores token t+1."""
+def teacher_forced(model, input_ids, position_ids, *, temperature: float = 1.0, grad: bool = False,
+                   batched: bool = False):
+    """Per-sequence log-probs and entropies of nested (jagged) sequences; value t scores token t+1.
+
+    ``batched``: one forward over the right-padded micro-batch (causal attention: a row's values do not
+    depend on the pad tokens after it; equal to the per-sequence path up to float rounding) - for benchmarks."""
+    if batched:
+        return _teacher_forced_batched(model, input_ids, position_ids, temperature=temperature, grad=grad)
     lps, ents = [], []
     with torch.enable_grad() if grad else torch.no_grad():
         for ids, pos in zip(input_ids.unbind(0), position_ids.unbind(0), strict=True):
@@ -47,6 +57,21 @@ def teacher_forced(model, input_ids, position_ids, *, temperature: float = 1.0, 
     return nest(lps), nest(ents)
 
 
+def _teacher_forced_batched(model, input_ids, position_ids, *, temperature: float, grad: bool):
+    lens = input_ids.offsets().diff().tolist()
+    ids = input_ids.to_padded_tensor(0)
+    pos = position_ids.to_padded_tensor(0)
+    mask = (torch.arange(ids.shape[1])[None] < torch.tensor(lens)[:, None]).long()
+    with torch.enable_grad() if grad else torch.no_grad():
+        logp = torch.log_softmax(model(input_ids=ids, attention_mask=mask, position_ids=pos).logits.float()
+                                 / temperature, dim=-1)
+        lp = logp.gather(-1, torch.roll(ids, shifts=-1, dims=1)[..., None]).squeeze(-1)
+        ent = -(logp.exp() * logp).sum(-1)
+    rows = [torch.cat([lp[i, : n - 1], lp.new_zeros(1)]) for i, n in enumerate(lens)]
+    nest = lambda xs: torch.nested.as_nested_tensor(xs, layout=torch.jagged)  # noqa: E731
+    return nest(rows), nest([ent[i, :n] for i, n in enumerate(lens)])
+
+
 def _non_tensor_list(td: TensorDict, key: str):
     if key not in td.keys():
         return None
@@ -55,9 +80,11 @@ def _non_tensor_list(td: TensorDict, key: str):
 
 
 class CPUActorWorker(Worker):
-    def __init__(self, model_dir: str, actor_config, lr: float = 0.0, infer_micro_batch: int = 1):
+    def __init__(self, model_dir: str, actor_config, lr: float = 0.0, infer_micro_batch: int = 1,
+                 batched: bool = False):
         super().__init__()  # WORLD_SIZE / RANK / MASTER_* come from RayWorkerGroup
         torch.set_num_threads(1)
+        self.batched = batched  # one forward per micro-batch (benchmarks) instead of one per sequence
         self.infer_micro_batch = infer_micro_batch  # rollout.log_prob_micro_batch_size_per_gpu
         self.model_dir, self.lr = model_dir, lr
         self.actor_config = omega_conf_to_dataclass(actor_config)
@@ -85,7 +112,7 @@ class CPUActorWorker(Worker):
         self.ref_model = copy.deepcopy(self.model)
         self.lr = lr
         self.optim = torch.optim.SGD(self.model.parameters(), lr=lr)
-        self.history, self.ckpt_log = [], []
+        self.history, self.ckpt_log, self._cpu_models = [], [], {}
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def get_records(self):
@@ -104,7 +131,8 @@ class CPUActorWorker(Worker):
         micro_batches, _ = prepare_micro_batches(data=data, dp_group=None, same_micro_num_in_dp=True)
         lps, ents = [], []
         for micro in micro_batches:
-            lp, ent = teacher_forced(model, micro["input_ids"], micro["position_ids"], temperature=temperature)
+            lp, ent = teacher_forced(model, micro["input_ids"], micro["position_ids"], temperature=temperature,
+                                     batched=self.batched)
             lps.extend(lp.unbind(0))
             ents.extend(ent.unbind(0))
         nest = lambda xs: torch.nested.as_nested_tensor(xs, layout=torch.jagged)  # noqa: E731
@@ -121,20 +149,26 @@ class CPUActorWorker(Worker):
 
     # ------------------------------------------------------------------ update
     def _record(self, mb: TensorDict) -> dict:
-        lens = mb["input_ids"].offsets().diff().tolist()
-        mask = mb["response_mask"].float()
+        """What this rank trains in one mini-batch, per row.  v0 sends padded prompts / responses / masks,
+        v1 (TransferQueue) sends every token field as a jagged nested tensor; both unbind into rows."""
+        rows = lambda t: list(t.unbind(0))  # noqa: E731
+        masks = [m.float() for m in rows(mb["response_mask"])]
+        if mb["responses"].is_nested:
+            responses = [r.tolist() for r in rows(mb["responses"])]
+        else:
+            widths = mb["attention_mask"][:, mb["prompts"].shape[1]:].sum(-1).tolist()
+            responses = [r[: int(w)].tolist() for r, w in zip(rows(mb["responses"]), widths)]
         rec = {
             "uid": _non_tensor_list(mb, "uid"),
-            "replay": _non_tensor_list(mb, "hdr_replay"),
-            "tokens": lens,
-            "old_lp_sum": (mb["old_log_probs"] * mask).sum(-1).tolist(),
-            "adv_first": [float(a[m.bool()][0]) if m.any() else 0.0 for a, m in zip(mb["advantages"], mask)],
-            "loss_tokens": mask.sum(-1).tolist(),
-            "responses": [r[: int(n)].tolist() for r, n in
-                          zip(mb["responses"], mb["attention_mask"][:, mb["prompts"].shape[1]:].sum(-1))],
+            "replay": _non_tensor_list(mb, "hdr_replay"),  # v0 only (v1 rows are told apart by uid)
+            "tokens": mb["input_ids"].offsets().diff().tolist(),
+            "old_lp_sum": [float((lp * m).sum()) for lp, m in zip(rows(mb["old_log_probs"]), masks)],
+            "adv_first": [float(a[m.bool()][0]) if m.any() else 0.0 for a, m in zip(rows(mb["advantages"]), masks)],
+            "loss_tokens": [float(m.sum()) for m in masks],
+            "responses": responses,
         }
         if "ref_log_prob" in mb.keys():
-            rec["ref_lp_sum"] = (mb["ref_log_prob"] * mask).sum(-1).tolist()
+            rec["ref_lp_sum"] = [float((r * m).sum()) for r, m in zip(rows(mb["ref_log_prob"]), masks)]
         return rec
 
     @register(dispatch_mode=make_nd_compute_dataproto_dispatch_fn(mesh_name="actor"))
@@ -151,7 +185,8 @@ class CPUActorWorker(Worker):
         self.model.train()
         for mb in dataloader:
             records.append(self._record(mb))
-            num_tokens = mb["loss_mask"].sum().float()
+            loss_mask = mb["loss_mask"]
+            num_tokens = (loss_mask.values() if loss_mask.is_nested else loss_mask).sum().float()
             if self.world_size > 1:
                 torch.distributed.all_reduce(num_tokens)
             tu.assign_non_tensor(mb, batch_num_tokens=num_tokens.item(), dp_size=self.world_size,
@@ -161,7 +196,8 @@ class CPUActorWorker(Worker):
             total = 0.0
             for micro in micro_batches:
                 lp, _ = teacher_forced(self.model, micro["input_ids"], micro["position_ids"],
-                                       temperature=tu.get(micro, "temperature", default=1.0), grad=True)
+                                       temperature=tu.get(micro, "temperature", default=1.0), grad=True,
+                                       batched=self.batched)
                 loss, _metrics = ppo_loss(cfg, {"log_probs": lp}, micro)
                 loss.backward()
                 total += loss.detach().item()
@@ -175,7 +211,20 @@ class CPUActorWorker(Worker):
         self.history.append(records)
         return tu.get_tensordict({}, non_tensor_dict={"metrics": {"pg_loss": losses, "mfu": 0.0}})
 
-    # ------------------------------------------------------------------ checkpoints (RayPPOTrainer contract)
+    # ------------------------------------------------------------------ separate_async (DetachActorWorker contract)
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def save_model_to_cpu(self, n):
+        self._cpu_models[n] = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def restore_model_from_cpu(self, n):
+        self.model.load_state_dict(self._cpu_models[n])
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def clear_cpu_model(self, n):
+        self._cpu_models.pop(n, None)
+
+    # ------------------------------------------------------------------ checkpoints (trainer contract, v0 and v1)
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def save_checkpoint(self, local_path, hdfs_path=None, global_step=0, max_ckpt_to_keep=None):
         step_dir = os.path.dirname(local_path.rstrip("/"))

@@ -24,9 +24,10 @@ P_WIDTH, R_WIDTH = 8, 10  # padded prompt / response widths of the stub rollout
 VOCAB = 54  # hdreplay_lab.sandbox char tokenizer; ids 0..2 are pad / eos / unk
 
 
-def compose_config(*overrides: str, ckpt_dir: str = "/tmp/hdr_verl_ckpt"):
-    """hdreplay's hdr_trainer.yaml with small CPU settings (dp=2, n=4, 4 prompts/step, mini-batch 2 prompts)."""
-    base = [
+def compose_config(*overrides: str, ckpt_dir: str = "/tmp/hdr_verl_ckpt", v1: bool = False):
+    """hdreplay's hdr_trainer.yaml with small CPU settings (dp=2, n=4, 4 prompts/step, mini-batch 2 prompts);
+    ``v1=False`` selects the v0 recipe (``trainer.use_v1=false``)."""
+    base = [f"trainer.use_v1={str(v1).lower()}",
         "trainer.device=cpu", "trainer.n_gpus_per_node=2", "trainer.nnodes=1", "trainer.logger=[console]",
         "trainer.val_before_train=false", "trainer.test_freq=-1", "trainer.save_freq=-1",
         "trainer.total_epochs=1", "trainer.total_training_steps=3", f"trainer.default_local_dir={ckpt_dir}",
@@ -40,12 +41,18 @@ def compose_config(*overrides: str, ckpt_dir: str = "/tmp/hdr_verl_ckpt"):
         return compose(config_name="hdr_trainer", overrides=[*base, *overrides])
 
 
-def stub_rows(prompt_ids: list[int], n: int, *, seed: int, tool_tokens: bool = True) -> dict[str, torch.Tensor]:
+def flat_every_4th(p: int) -> bool:
+    """Default reward rule of the stubs: prompts p % 4 == 0 get all-equal rewards (not mixed)."""
+    return p % 4 == 0
+
+
+def stub_rows(prompt_ids: list[int], n: int, *, seed: int, tool_tokens: bool = True,
+              flat=flat_every_4th) -> dict[str, torch.Tensor]:
     """verl rollout output for prompts (each repeated n times, interleaved) with deterministic tokens.
 
     Prompt p has length 3 + p % 5; response lengths vary in [2, R_WIDTH]; odd responses of length >= 6
-    carry 2 tool tokens (response_mask 0, attention 1) at positions 2-3; prompts with p % 4 == 0 get
-    all-equal rewards (not mixed), others reward 1 on even responses.
+    carry 2 tool tokens (response_mask 0, attention 1) at positions 2-3; prompts with ``flat(p)`` (default
+    p % 4 == 0) get all-equal rewards (not mixed), others reward 1 on even responses.
     """
     g = torch.Generator().manual_seed(seed)
     B = len(prompt_ids) * n
@@ -68,7 +75,7 @@ def stub_rows(prompt_ids: list[int], n: int, *, seed: int, tool_tokens: bool = T
             resp_mask[i, :rlen] = 1
             if tool_tokens and j % 2 == 1 and rlen >= 6:
                 resp_mask[i, 2:4] = 0
-            reward = 1.0 if p % 4 == 0 else float(j % 2 == 0)
+            reward = 1.0 if flat(p) else float(j % 2 == 0)
             scores[i, rlen - 1] = reward
     attn = torch.cat([pmask, rmask], dim=1)
     return {
@@ -121,15 +128,15 @@ class StubPromptDataset(torch.utils.data.Dataset):
 class StubRollout:
     """Stands in for the agent-loop manager: returns the keys AgentLoop._postprocess produces."""
 
-    def __init__(self, n: int, seed: int = 0):
-        self.n, self.seed, self.calls = n, seed, 0
+    def __init__(self, n: int, seed: int = 0, flat=flat_every_4th):
+        self.n, self.seed, self.calls, self.flat = n, seed, 0, flat
         self.prompts: list[list[int]] = []  # prompt indices of each call (one call per step)
 
     def generate_sequences(self, gen_batch: DataProto) -> DataProto:
         self.calls += 1
         idx = [int(x) for x in gen_batch.non_tensor_batch["index"][:: self.n]]
         self.prompts.append(idx)
-        t = stub_rows(idx, self.n, seed=self.seed * 1000 + self.calls)
+        t = stub_rows(idx, self.n, seed=self.seed * 1000 + self.calls, flat=self.flat)
         B = len(gen_batch)
         return DataProto.from_dict(
             tensors=t,
@@ -149,7 +156,7 @@ class StubCheckpointEngine:
         pass
 
 
-def make_trainer(cls, cfg, wg, *, n: int = 4, seed: int = 0):
+def make_trainer(cls, cfg, wg, *, n: int = 4, seed: int = 0, dataset_size: int = 16, flat=flat_every_4th):
     """Build ``cls`` (a RayPPOTrainer subclass) through its real __init__, attach a CPU worker group."""
     from verl.single_controller.ray.base import ResourcePoolManager
     from verl.trainer.ppo.utils import Role
@@ -160,12 +167,32 @@ def make_trainer(cls, cfg, wg, *, n: int = 4, seed: int = 0):
     role = Role.ActorRollout
     rpm = ResourcePoolManager(resource_pool_spec={"global_pool": [2]}, mapping={role: "global_pool"})
     trainer = cls(config=cfg, tokenizer=None, role_worker_mapping={role: ray.remote(object)}, resource_pool_manager=rpm,
-                  train_dataset=StubPromptDataset(), val_dataset=StubPromptDataset(), collate_fn=collate_fn,
+                  train_dataset=StubPromptDataset(dataset_size), val_dataset=StubPromptDataset(), collate_fn=collate_fn,
                   device_name="cpu")
     trainer.actor_rollout_wg = wg
     trainer.ref_policy_wg = wg
     trainer.distillation_config = None
     trainer.teacher_model_manager = None
-    trainer.async_rollout_manager = StubRollout(n, seed=seed)
+    trainer.async_rollout_manager = StubRollout(n, seed=seed, flat=flat)
     trainer.checkpoint_manager = StubCheckpointEngine()
     return trainer
+
+
+def local_teacher_forcing(model_dir: str, weights: dict, groups, *, temperature: float) -> list[torch.Tensor]:
+    """Independent reference for a recipe's scorer: the tiny model loaded with ``from_pretrained`` and set to
+    ``weights``, one forward per response; per group the ``(T_g,)`` log-probs of its completion tokens."""
+    from hdreplay_lab.sandbox.model import load_model
+
+    model, _ = load_model(model_dir)
+    model.load_state_dict(weights)
+    model.eval()
+    out = []
+    with torch.no_grad():
+        for g in groups:
+            per_response = []
+            for resp in g.responses():
+                ids = torch.cat([g.prompt_ids.long(), resp.long()])[None]
+                logp = torch.log_softmax(model(input_ids=ids).logits[0].float() / temperature, dim=-1)
+                per_response.append(logp[g.prompt_ids.numel() - 1:-1].gather(-1, resp.long()[:, None]).squeeze(-1))
+            out.append(torch.cat(per_response))
+    return out

@@ -1,5 +1,7 @@
-"""Fixtures of the verl recipe tests: one local Ray (2 CPUs) and one CPU worker group (dp=2) per session."""
+"""Fixtures of the verl recipe tests, shared by the v0 and v1 tests: one local Ray, one TransferQueue
+(v1), and one CPU worker group (dp=2) per session (starting them takes ~1 min on 2 cores)."""
 
+import logging
 import os
 import warnings
 
@@ -24,6 +26,8 @@ HERE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
 def pytest_configure(config):
     for line in FRAMEWORK_WARNINGS:
         config.addinivalue_line("filterwarnings", line)
+    # TransferQueue warns on every client call that it uses 2 threads on this 2-core machine
+    logging.getLogger("transfer_queue").setLevel(logging.ERROR)
 
 
 _CATEGORIES = {"UserWarning": UserWarning, "FutureWarning": FutureWarning, "DeprecationWarning": DeprecationWarning}
@@ -46,9 +50,29 @@ def ray_cluster():
     env = {k: os.environ[k] for k in ("HF_HUB_OFFLINE", "TOKENIZERS_PARALLELISM")}
     # Ray workers unpickle the test Worker class by module name: put tests/support on their path
     env["PYTHONPATH"] = os.pathsep.join(p for p in (HERE, os.environ.get("PYTHONPATH", "")) if p)
-    ray.init(num_cpus=DP, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": env})
+    env["OMP_NUM_THREADS"] = "1"
+    # logical CPUs: DP workers + TransferQueue's controller and storage actors (1 CPU each) + the task runner
+    ray.init(num_cpus=DP + 3, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": env})
     yield ray
     ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def transfer_queue(ray_cluster, tiny_model_dir):
+    """TransferQueue (controller + one SimpleStorage unit) as verl's v1 TaskRunner starts it."""
+    tq = pytest.importorskip("transfer_queue")
+    from verl_v1_harness import compose_v1_config
+
+    tq.init(compose_v1_config(ckpt_dir="/tmp/unused", model_dir=tiny_model_dir).transfer_queue)
+    yield tq
+    tq.close()
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    from hdreplay_lab.sandbox.model import build_tokenizer
+
+    return build_tokenizer()
 
 
 @pytest.fixture(scope="session")

@@ -13,7 +13,10 @@ pytest.importorskip("verl", minversion="0.9.1")
 from hdreplay.errors import ReplayConfigError  # noqa: E402
 from hdreplay.integrations.verl import HDRRayPPOTrainer, HDRSettings, validate_verl_config  # noqa: E402
 from hdreplay.integrations.verl import verl_truncate_multiple  # noqa: E402
+from hydra import compose, initialize_config_module  # noqa: E402
 from verl_helpers import compose_config, make_trainer  # noqa: E402
+
+from hdreplay.integrations.verl.schema import register_hdr_schema  # noqa: E402
 
 ACTOR = "actor_rollout_ref.actor"
 
@@ -30,12 +33,25 @@ def test_packaged_yaml_composes_verls_ppo_trainer_with_the_hdr_section():
     assert s.unit == 2 and rc.truncate_multiple == 2  # u = ppo_mini_batch_size in groups
 
 
-def test_paper_math_configuration_resolves():
+def test_packaged_default_is_the_v1_recipe_with_a_one_group_unit():
+    register_hdr_schema()
+    with initialize_config_module("hdreplay.integrations.verl.config", version_base=None):
+        cfg = compose(config_name="hdr_trainer", overrides=[f"{ACTOR}.ppo_mini_batch_size=64",
+                                                            "actor_rollout_ref.rollout.n=16"])
+    assert cfg.trainer.use_v1 is True and cfg.trainer.v1.trainer_mode == "sync"
+    s = validate_verl_config(cfg)
+    assert s.v1 and s.unit == 1 and s.replay_config.truncate_multiple == 1  # v0 would cut to 64 groups
+    # the packaged diagnostics_dir interpolates verl's checkpoint dir (resolved against the whole config)
+    assert s.diagnostics_dir == "checkpoints/verl_examples/gsm8k/hdreplay_diagnostics"
+
+
+@pytest.mark.parametrize("v1,u", [(False, 64), (True, 1)])
+def test_paper_math_configuration_resolves(v1, u):
     cfg = compose_config("data.train_batch_size=256", "actor_rollout_ref.rollout.n=16",
                          f"{ACTOR}.ppo_mini_batch_size=64", "trainer.n_gpus_per_node=8", "hdr.k_rep=128",
-                         "hdr.tau=1e-3", "hdr.capacity=512")
+                         "hdr.tau=1e-3", "hdr.capacity=512", v1=v1)
     rc = validate_verl_config(cfg).replay_config
-    assert (rc.k_rep, rc.tau, rc.capacity, rc.truncate_multiple, rc.group_size) == (128, 1e-3, 512, 64, 16)
+    assert (rc.k_rep, rc.tau, rc.capacity, rc.truncate_multiple, rc.group_size) == (128, 1e-3, 512, u, 16)
 
 
 def test_search_r1_configuration_resolves():
@@ -63,7 +79,7 @@ def test_user_truncate_multiple_is_folded_with_the_minibatch_unit():
 @pytest.mark.parametrize("override,match", [
     (f"{ACTOR}.shuffle=true", f"{ACTOR}.shuffle"),
     (f"{ACTOR}.ppo_epochs=2", f"{ACTOR}.ppo_epochs"),
-    ("trainer.use_v1=true", "trainer.use_v1"),
+    ("algorithm.filter_groups.enable=true", "algorithm.filter_groups.enable=true with trainer.use_v1=false"),
     ("algorithm.adv_estimator=gae", "algorithm.adv_estimator=gae"),
     ("critic.enable=true", "critic.enable"),
     ("algorithm.rollout_correction.bypass_mode=true", "algorithm.rollout_correction"),
@@ -72,6 +88,7 @@ def test_user_truncate_multiple_is_folded_with_the_minibatch_unit():
     ("distillation.enabled=true", "distillation.enabled"),
     ("actor_rollout_ref.rollout.n=1", "rollout.n"),
     ("data.train_batch_size=5", "data.train_batch_size"),
+    ("algorithm.rollout_correction.rollout_rs=token_k1", "algorithm.rollout_correction"),
     ("hdr.k_rep=1", "hdr.k_rep"),
     ("hdr.tau=-1", "hdr.tau"),
     ("hdr.selector=bogus", "hdr.selector"),
@@ -82,6 +99,31 @@ def test_user_truncate_multiple_is_folded_with_the_minibatch_unit():
 def test_incompatible_configuration_is_rejected_naming_the_key(override, match):
     with pytest.raises(ReplayConfigError, match=match.replace(".", r"\.").replace("=", "=")):
         validate_verl_config(compose_config(override))
+
+
+@pytest.mark.parametrize("override,match", [
+    ("algorithm.rollout_correction.rollout_is=token", "rollout_correction"),
+    ("algorithm.rollout_correction.bypass_mode=true", "rollout_correction"),
+    ("trainer.v1.trainer_mode=bogus", "trainer.v1.trainer_mode=bogus"),
+    (f"{ACTOR}.shuffle=true", f"{ACTOR}.shuffle"),
+    ("critic.enable=true", "critic.enable"),
+])
+def test_v1_recipe_refuses_what_replay_rows_cannot_honour(override, match):
+    with pytest.raises(ReplayConfigError, match=match.replace(".", r"\.")):
+        validate_verl_config(compose_config(override, v1=True))
+
+
+def test_v1_recipe_keeps_verls_own_sampling_staleness_and_rejection_settings():
+    """DAPO filtering, the staleness bound and rollout rejection sampling act on fresh rows before the seam;
+    k_rep below the mini-batch is fine on v1 (unit 1 group) but refused on v0."""
+    keep = ("algorithm.filter_groups.enable=true", "trainer.v1.sampler.max_off_policy_threshold=2",
+            "trainer.v1.sampler.max_off_policy_strategy=wait", "algorithm.rollout_correction.rollout_rs=token_k1",
+            "hdr.k_rep=1")
+    s = validate_verl_config(compose_config(*keep, v1=True))
+    assert s.active and s.replay_config.k_rep == 1 and s.replay_config.truncate_multiple == 1
+    with pytest.raises(ReplayConfigError) as e:
+        validate_verl_config(compose_config(*keep, v1=False))
+    assert "filter_groups" in str(e.value) and "rollout_correction" in str(e.value) and "hdr.k_rep=1" in str(e.value)
 
 
 @pytest.mark.parametrize("override,needle", [("hdr.typo_key=1", "typo_key"), ("hdr.counterfactual=maybe", "maybe"),
@@ -151,17 +193,59 @@ def test_trainer_constructor_validates_the_config():
     assert trainer.replay_active and trainer.replay.config.k_rep == 4
 
 
-def test_task_runner_builds_the_hdr_trainer_inside_verls_v0_run():
+class Built(Exception):
+    """Raised by the first GPU-bound call of the trainer a task runner built; carries its class."""
+
+
+def _stop(self, *a, **k):
+    raise Built(type(self))
+
+
+def test_v0_task_runner_builds_the_hdr_trainer_inside_verls_own_run(monkeypatch, tiny_model_dir):
+    """verl's real v0 ``TaskRunner.run`` (workers mapping, validate_config, tokenizer, resource pools) runs
+    until ``trainer.init_workers()`` (GPUs); the trainer it constructed there must be the recipe's."""
     import verl.trainer.main_ppo_v0 as v0
+    from verl_helpers import StubPromptDataset
 
     from hdreplay.integrations.verl import main
 
-    stock = v0.RayPPOTrainer
-    with main.trainer_class(HDRRayPPOTrainer):
-        assert v0.RayPPOTrainer is HDRRayPPOTrainer
-    assert v0.RayPPOTrainer is stock
-    assert issubclass(main.HDRTaskRunner, v0.BaseTaskRunner)
-    assert main._STOCK_TASK_RUNNER.run is not v0.BaseTaskRunner.run  # verl's TaskRunner.run is what runs
+    monkeypatch.setattr(v0, "create_rl_dataset", lambda *a, **k: StubPromptDataset())  # no parquet files here
+    monkeypatch.setattr(HDRRayPPOTrainer, "init_workers", _stop)
+    monkeypatch.setattr(v0.RayPPOTrainer, "init_workers", _stop)
+    cfg = compose_config(f"actor_rollout_ref.model.path={tiny_model_dir}",
+                         f"actor_rollout_ref.model.tokenizer_path={tiny_model_dir}/tokenizer")
+    assert main.task_runner(cfg).__ray_actor_class__ is main.HDRTaskRunner
+    with pytest.raises(Built) as e:
+        main.HDRTaskRunner().run(cfg)
+    assert e.value.args[0] is HDRRayPPOTrainer
+    assert v0.RayPPOTrainer is not HDRRayPPOTrainer  # the swap is undone
+
+
+@pytest.mark.parametrize("mode", ["sync", "colocate_async", "separate_async"])
+def test_v1_task_runner_builds_the_hdr_trainer_for_each_mode_inside_verls_own_run(monkeypatch, tiny_model_dir, mode):
+    """verl's real ``TaskRunnerV1.run`` resolves ``get_trainer_cls(trainer_mode)`` and constructs it; with the
+    recipe's runner that is the recipe's trainer for the mode (stopped at ``trainer.init()``: GPUs)."""
+    pytest.importorskip("transfer_queue")
+    import transfer_queue
+    import verl.trainer.ppo.v1.trainer_base as tb
+
+    from hdreplay.integrations.verl import HDR_TRAINERS, main
+
+    monkeypatch.setattr(transfer_queue, "init", lambda *a, **k: None)  # no TransferQueue actors without Ray
+    monkeypatch.setattr(transfer_queue, "close", lambda *a, **k: None)
+    monkeypatch.setattr(HDR_TRAINERS[mode], "init", _stop)
+    monkeypatch.setattr(tb.TRAINER_REGISTRY[mode], "init", _stop)
+    extra = ("actor_rollout_ref.hybrid_engine=false", "actor_rollout_ref.rollout.nnodes=1",
+             "actor_rollout_ref.rollout.n_gpus_per_node=1", "actor_rollout_ref.rollout.checkpoint_engine.backend=nccl",
+             "trainer.v1.separate_async.parameter_sync_step=2") if mode == "separate_async" else ()
+    cfg = compose_config(f"trainer.v1.trainer_mode={mode}", f"actor_rollout_ref.model.path={tiny_model_dir}", *extra,
+                         v1=True)
+    runner_cls = main.task_runner(cfg).__ray_actor_class__
+    stock = tb.TRAINER_REGISTRY[mode]
+    with pytest.raises(Built) as e:
+        runner_cls().run(cfg)
+    assert e.value.args[0] is HDR_TRAINERS[mode] and issubclass(HDR_TRAINERS[mode], stock)
+    assert tb.TRAINER_REGISTRY[mode] is stock  # the swap is undone
 
 
 def test_entry_point_composes_the_packaged_config_and_checks_it_before_ray(tmp_path):

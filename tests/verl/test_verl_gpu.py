@@ -5,11 +5,12 @@ verl 0.9.1, point it at a local model and a verl-format dataset and run:
 
     HDR_VERL_GPU_MODEL=/models/Qwen2.5-0.5B-Instruct \\
     HDR_VERL_GPU_DATA=~/data/gsm8k \\
-    .venv-verl/bin/python -m pytest -q -m verl tests/verl_recipe/test_verl_gpu.py
+    .venv-verl/bin/python -m pytest -q -m verl tests/verl/test_verl_gpu.py
 
 ``HDR_VERL_GPU_DATA`` holds ``train.parquet`` / ``test.parquet`` as written by verl's
-``examples/data_preprocess/gsm8k.py``.  The test runs ``python -m hdreplay.integrations.verl.main``
-for 3 steps on one GPU with a checkpoint every step, then resumes for a 4th step.
+``examples/data_preprocess/gsm8k.py``.  For each recipe (v1 default, v0) the test runs
+``python -m hdreplay.integrations.verl.main`` for 3 steps on one GPU with a checkpoint every step,
+then resumes for a 4th step.
 """
 
 import os
@@ -29,7 +30,7 @@ pytestmark = [
 pytest.importorskip("verl", minversion="0.9.1")
 
 
-def _run(ckpt, steps):
+def _run(ckpt, steps, use_v1):
     data = os.path.expanduser(DATA or "")
     cmd = [
         sys.executable, "-m", "hdreplay.integrations.verl.main",
@@ -46,18 +47,19 @@ def _run(ckpt, steps):
         "trainer.n_gpus_per_node=1", "trainer.nnodes=1", "trainer.logger=[console]",
         "trainer.val_before_train=false", "trainer.test_freq=-1", "trainer.save_freq=1",
         f"trainer.total_training_steps={steps}", f"trainer.default_local_dir={ckpt}",
-        "hdr.k_rep=4", "hdr.tau=1e-2", "hdr.capacity=64",
+        "hdr.k_rep=4", "hdr.tau=1e-2", "hdr.capacity=64", f"trainer.use_v1={str(use_v1).lower()}",
     ]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
 
 
-def test_recipe_trains_checkpoints_and_resumes_on_gpu(tmp_path):
+@pytest.mark.parametrize("use_v1", [True, False], ids=["v1", "v0"])
+def test_recipe_trains_checkpoints_and_resumes_on_gpu(tmp_path, use_v1):
     ckpt = tmp_path / "ckpt"
-    first = _run(ckpt, 3)
+    first = _run(ckpt, 3, use_v1)
     assert first.returncode == 0, first.stdout[-4000:] + first.stderr[-4000:]
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "3"
     assert (ckpt / "global_step_3" / "hdreplay" / "state.json").is_file()
     assert "replay/buffer_size" in first.stdout
-    second = _run(ckpt, 4)
+    second = _run(ckpt, 4, use_v1)
     assert second.returncode == 0, second.stdout[-4000:] + second.stderr[-4000:]
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "4"

@@ -19,7 +19,8 @@ from tensordict import TensorDict  # noqa: E402
 from verl.utils import tensordict_utils as tu  # noqa: E402
 from verl.workers.utils.padding import left_right_2_no_padding  # noqa: E402
 
-from hdreplay.integrations.verl.actor_batch import actor_order, build_actor_batch, rank_minibatches  # noqa: E402
+from hdreplay.integrations.verl.actor_batch import build_actor_batch  # noqa: E402
+from hdreplay.integrations.verl.minibatches import actor_order, padding_needed, rank_minibatches  # noqa: E402
 from hdreplay.integrations.verl.dataproto import REPLAY_FLAG, groups_from_batch  # noqa: E402
 from verl_helpers import fresh_batch  # noqa: E402
 
@@ -59,6 +60,34 @@ def test_rank_r_trains_layout_k_r_in_every_global_minibatch(dp, mb_per_rank, rep
         assert all(is_rep) if k < replay_mbs else not any(is_rep)  # replay fills the first mini-batches
         loads = [int(x["len"].sum()) for x in mb]
         assert max(loads) - min(loads) <= max(lengths[i] for i in flat)  # balanced per mini-batch
+
+
+@given(
+    dp=st.sampled_from([1, 2, 4]),
+    mb_per_rank=st.integers(1, 4),
+    num_replay=st.integers(0, 30),
+    num_fresh=st.integers(1, 30),
+    data=st.data(),
+)
+def test_v1_padding_completes_only_the_last_minibatch_and_replay_stays_first(dp, mb_per_rank, num_replay, num_fresh,
+                                                                            data):
+    """The v1 recipe: any number of replay rows (unit 1 group) + fresh rows + padding rows to whole mini-batches,
+    through verl's own chunking and iterator."""
+    m = dp * mb_per_rank
+    n_pad = padding_needed(num_replay + num_fresh, minibatch_rows=m)
+    assert 0 <= n_pad < m and (num_replay + num_fresh + n_pad) % m == 0
+    real = data.draw(st.lists(st.integers(3, 500), min_size=num_replay + num_fresh, max_size=num_replay + num_fresh))
+    lengths = real + [2] * n_pad  # padding rows: 1 prompt + 1 response token
+    order, layout = actor_order(lengths[:num_replay], lengths[num_replay:], minibatch_rows=m, dp=dp)
+    td = TensorDict({"row": torch.from_numpy(order)}, batch_size=[len(order)])
+    mbs = verl_minibatches(td, dp=dp, minibatch_rows=m)
+    first_pad = num_replay + num_fresh
+    for k, mb in enumerate(mbs):
+        rows = [x["row"].tolist() for x in mb]
+        assert rows == layout[k] and all(len(part) == m // dp for part in rows)
+        flat = sorted(i for part in rows for i in part)
+        assert flat == list(range(k * m, (k + 1) * m))  # replay rows (lowest indices) are consumed first
+        assert k == len(mbs) - 1 or max(flat) < first_pad  # padding only in the last mini-batch
 
 
 def test_actor_batch_through_verls_update_conversion_and_iterator():

@@ -129,13 +129,16 @@ def test_scoring_batch_aligns_values_with_each_groups_tokens(batch):
 
 
 def test_groups_that_cannot_be_stored_are_skipped_with_a_reason():
-    b = fresh_batch((1, 2, 3), N, seed=1, shuffle=False)
-    b.batch["response_mask"][N] = 0  # first response of the second prompt: no generated token
+    b = fresh_batch((1, 2, 3, 5), N, seed=1, shuffle=False)
+    b.batch["response_mask"][N] = 0  # first response of the second prompt: no generated token (e.g. truncated)
+    b.batch["response_mask"][3 * N:] = 0  # the fourth prompt: no generated token in any response
     keep = np.arange(len(b)) != 2 * N  # drop one row of the third prompt
     b = b.select_idxs(keep)
     groups, problems, num_uids = groups_from_batch(b, step=0, group_size=N)
-    assert num_uids == 3 and len(groups) == 1 and len(problems) == 2
-    assert any("all-zero loss mask" in p for p in problems) and any("3 rows" in p for p in problems)
+    assert num_uids == 4 and [g.group_id.split(":")[1][-1] for g in groups] == ["1", "2"] and len(problems) == 2
+    assert any("loss mask is all zero" in p for p in problems) and any("3 rows" in p for p in problems)
+    masked = groups[1].split(groups[1].loss_mask)  # a masked-out response stays in its group (its outcome counts)
+    assert not masked[0].any() and all(m.any() for m in masked[1:]) and groups[1].num_responses == N
 
 
 @pytest.mark.parametrize("case,match", [

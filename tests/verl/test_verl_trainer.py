@@ -23,8 +23,7 @@ import torch  # noqa: E402
 
 from hdreplay.errors import CheckpointError  # noqa: E402
 from hdreplay.integrations.verl import STATE_DIR, HDRRayPPOTrainer  # noqa: E402
-from hdreplay_lab.sandbox.model import load_model  # noqa: E402
-from verl_helpers import compose_config, make_trainer  # noqa: E402
+from verl_helpers import compose_config, local_teacher_forcing, make_trainer  # noqa: E402
 
 N, MB_ROWS, DP = 4, 8, 2  # rollout.n, ppo_mini_batch_size * n, data-parallel ranks
 
@@ -227,18 +226,8 @@ def test_scorer_equals_teacher_forcing_with_the_current_weights(moving, worker_g
     buf = trainer.replay.buffer
     groups = buf.get(buf.insertion_ids().tolist()[:3])
     got = trainer._replay_scorer(groups)
-    model, _ = load_model(tiny_model_dir)
-    model.load_state_dict(worker_group.state_dict()[0])
-    model.eval()
-    temperature = trainer.config.actor_rollout_ref.rollout.temperature
-    with torch.no_grad():
-        for g, lp in zip(groups, got):
-            want = []
-            for resp in g.responses():
-                ids = torch.cat([g.prompt_ids.long(), resp.long()])[None]
-                logp = torch.log_softmax(model(input_ids=ids).logits[0].float() / temperature, dim=-1)
-                P = g.prompt_ids.numel()
-                want.append(logp[P - 1:-1].gather(-1, resp.long()[:, None]).squeeze(-1))
-            assert torch.allclose(lp, torch.cat(want), atol=1e-5)
+    want = local_teacher_forcing(tiny_model_dir, worker_group.state_dict()[0], groups,
+                                 temperature=trainer.config.actor_rollout_ref.rollout.temperature)
+    assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(got, want))
     # and the weights did move: stored generation log-probs differ from the current ones
     assert max(float((lp - g.logprobs)[g.loss_mask].abs().max()) for g, lp in zip(groups, got)) > 1e-4

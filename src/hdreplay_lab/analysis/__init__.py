@@ -1,35 +1,33 @@
-"""Replay analytics and tau calibration built from run logs (issue 5).
+"""Replay analytics and tau calibration built from run logs, on pandas.
 
 Layers (each usable alone):
-    load            run directories and JSONL with a bad-line policy  -> RunData
-    gate, age, lifetime, counterfactual, entropy, training
-                    pure section functions: step / group / log records -> dicts of numbers
+    load            run directories -> RunData of DataFrames (JSONL with a bad-line policy, TRL log_history,
+                    TensorBoard scalars)
+    gate, age, lifetime, training
+                    pure section functions: step / group / log frames -> dicts of numbers
     calibration     pure tau-calibration diagnostics, flags and recommendation -> dataclasses
     report, calibrate   orchestration + writing (markdown via ``markdown``, PNG via ``figures``)
 
-Entry points for the CLI: :func:`main_report` (``hdreplay report``) and
-:func:`main_calibrate_summary` (``hdreplay calibrate``).  matplotlib / tqdm are imported only when
-figures / progress bars are produced.
+The ``hdreplay report`` / ``hdreplay calibrate`` commands (``hdreplay_lab.cli``) call :func:`build_report` /
+:func:`write_report` and :func:`summarize_calibration` / :func:`run_calibration`.
 """
 
 from .age import age_gate, mixing, phase_mixture, pool_ages, staleness
-from .calibrate import run_calibration, summarize_calibration, main_calibrate_summary
+from .calibration import run_calibration, summarize_calibration
 from .calibration import (
     CalibrationCriteria, CalibrationSummary, Recommendation, RunDiagnostics, compare_adaptive, diagnose, recommend,
 )
-from .counterfactual import counterfactual
-from .entropy import EntropyThresholds, collapse_timing, first_held
 from .gate import acceptance, prefix_share, replay_kl, scan
-from .lifetime import headroom_deciles, multiplicity
-from .load import AnalysisInputError, BadLineWarning, RunData, load_run, read_jsonl
-from .report import ReportSettings, analyze_run, build_report, main_report, write_report
-from .training import log_series, training
+from .lifetime import counterfactual, headroom_deciles, multiplicity
+from .load import AnalysisInputError, BadLineWarning, RunData, load_run, read_jsonl, step_frame
+from .report import ReportSettings, analyze_run, build_report, write_report
+from .training import EntropyThresholds, collapse_timing, log_series, training
 
 __all__ = [
     "AnalysisInputError", "BadLineWarning", "CalibrationCriteria", "CalibrationSummary", "EntropyThresholds",
     "Recommendation", "ReportSettings", "RunData", "RunDiagnostics", "acceptance", "age_gate", "analyze_run",
-    "build_report", "collapse_timing", "compare_adaptive", "counterfactual", "diagnose", "first_held",
-    "headroom_deciles", "load_run", "log_series", "main_calibrate_summary", "main_report", "mixing",
-    "multiplicity", "phase_mixture", "pool_ages", "prefix_share", "read_jsonl", "recommend", "replay_kl",
-    "run_calibration", "scan", "staleness", "summarize_calibration", "training", "write_report",
+    "build_report", "collapse_timing", "compare_adaptive", "counterfactual", "diagnose", "headroom_deciles",
+    "load_run", "log_series", "mixing", "multiplicity", "phase_mixture", "pool_ages", "prefix_share", "read_jsonl",
+    "recommend", "replay_kl", "run_calibration", "scan", "staleness", "step_frame", "summarize_calibration",
+    "training", "write_report",
 ]

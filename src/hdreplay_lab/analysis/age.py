@@ -1,13 +1,11 @@
-"""Replay age (report sections 4 and 9): Drift-gate outcome by age, source staleness of the replay
-pool and of the used subset, mixing structure, and the phase-wise replay mixture.
+"""Replay age (report sections 4 and 9): Drift-gate outcome by age, source staleness of the replay pool and of
+the used subset, mixing structure, and the phase-wise replay mixture.
 
 age_t(g) = t - t0(g) (paper Table of notation), >= 1 for every buffered group.  Populations:
-    scanned   groups the gate examined at a step (steps.jsonl ``scan_age`` / ``scan_pass``):
-              accepted = passed the gate, rejected = failed it
-    used      groups actually replayed (``accepted_ages``, after truncation to a multiple of u)
-    pool      every group in the pre-step buffer at every update, reconstructed from groups.jsonl:
-              g is in the buffer at step t iff birth_step < t <= evicted_step (evicted_step null =
-              still buffered at the end)
+    scanned  groups the gate examined at a step (``scan_age`` / ``scan_pass``): accepted = passed, rejected = failed
+    used     groups actually replayed (``accepted_ages``, after truncation to a multiple of u)
+    pool     every group in the pre-step buffer at every update, reconstructed from groups.jsonl: g is in the
+             buffer at step t iff birth_step < t <= evicted_step (evicted_step null = still buffered at the end)
 Mixing statistics are over updates that replayed at least one group.
 """
 
@@ -16,159 +14,129 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 import numpy as np
+import pandas as pd
 
-from .gate import is_update
-from .stats import distribution, finite, mean, num, share, split_thirds, unavailable
-
-
-def _ints(values: Any) -> list[int]:
-    return [int(v) for v in (num(x) for x in (values or [])) if v is not None]
+from .gate import col, updates
+from .stats import distribution, numeric, opt, pieces, sanitize, share, unavailable
 
 
-def age_gate(steps: Sequence[dict]) -> dict[str, Any]:
+def age_gate(steps: pd.DataFrame) -> dict[str, Any]:
     """Age of scanned groups by gate outcome.
 
     Returns {"ages": [1..max], "hist_accepted"/"hist_rejected": share of each population at each age,
-    "cdf_accepted"/"cdf_rejected": empirical CDF at each age, "scanned_by_age": counts,
-    "accept_rate_by_age": passes / scanned at each age (None where nothing was scanned),
-    "accepted"/"rejected": distribution summaries, "reject_share_youngest": rejected share at the
-    youngest scanned age}.
+    "cdf_accepted"/"cdf_rejected", "scanned_by_age": counts, "accept_rate_by_age": passes / scanned at each age
+    (None where nothing was scanned), "accepted"/"rejected": distribution summaries, "reject_share_youngest":
+    the rejected share at the youngest scanned age}.
     """
-    acc: list[int] = []
-    rej: list[int] = []
-    for r in steps:
-        for a, ok in zip(_ints(r.get("scan_age")), r.get("scan_pass") or []):
-            (acc if ok else rej).append(a)
-    if not acc and not rej:
+    same = steps["scan_age"].map(len) == steps["scan_pass"].map(len)
+    ex = steps.loc[same, ["scan_age", "scan_pass"]].explode(["scan_age", "scan_pass"])
+    ex = ex.assign(age=numeric(ex["scan_age"])).dropna(subset=["age"])
+    if not len(ex):
         return unavailable("no scanned groups with recorded ages")
-    top = max(acc + rej)
-    ages = np.arange(1, top + 1)
-    ca = np.bincount(np.asarray(acc, dtype=np.int64), minlength=top + 1)[1:]
-    cr = np.bincount(np.asarray(rej, dtype=np.int64), minlength=top + 1)[1:]
-    tot = ca + cr
-    youngest = int(np.flatnonzero(tot)[0])
+    top = int(ex["age"].max())
+    counts = pd.crosstab(ex["age"].astype(int), ex["scan_pass"].eq(True)).reindex(
+        index=range(1, top + 1), columns=[True, False], fill_value=0)
+    acc, rej, tot = counts[True], counts[False], counts.sum(axis=1)
 
-    def norm(c: np.ndarray) -> list[float | None]:
-        return (c / c.sum()).tolist() if c.sum() else [None] * len(c)
+    def norm(c: pd.Series, cum: bool = False):
+        return (c.cumsum() if cum else c) / c.sum() if c.sum() else [None] * len(c)
 
-    def cdf(c: np.ndarray) -> list[float | None]:
-        return (np.cumsum(c) / c.sum()).tolist() if c.sum() else [None] * len(c)
-
-    return {
-        "available": True,
-        "ages": ages.tolist(),
-        "hist_accepted": norm(ca),
-        "hist_rejected": norm(cr),
-        "cdf_accepted": cdf(ca),
-        "cdf_rejected": cdf(cr),
-        "scanned_by_age": tot.tolist(),
-        "accept_rate_by_age": [float(a / t) if t else None for a, t in zip(ca, tot)],
-        "accepted": distribution(acc),
-        "rejected": distribution(rej),
-        "reject_share_youngest": {"age": youngest + 1, "share": float(cr[youngest] / tot[youngest])},
-    }
+    youngest = int(tot.gt(0).idxmax())
+    return sanitize({
+        "available": True, "ages": list(range(1, top + 1)),
+        "hist_accepted": norm(acc), "hist_rejected": norm(rej),
+        "cdf_accepted": norm(acc, True), "cdf_rejected": norm(rej, True),
+        "scanned_by_age": tot, "accept_rate_by_age": (acc / tot).where(tot > 0),
+        "accepted": distribution(ex.loc[ex["scan_pass"].eq(True), "age"]),
+        "rejected": distribution(ex.loc[~ex["scan_pass"].eq(True), "age"]),
+        "reject_share_youngest": {"age": youngest, "share": rej[youngest] / tot[youngest]},
+    })
 
 
-def pool_ages(steps: Sequence[dict], groups: Sequence[dict]) -> tuple[list[int], list[int]]:
-    """Ages of every (update, buffered group) pair, and the steps whose reconstructed pool size differs
-    from the recorded ``buffer_size`` (lifetime records missing, e.g. a run that did not close cleanly)."""
-    birth = np.asarray([g["birth_step"] for g in groups], dtype=np.int64)
-    ev = np.asarray([np.iinfo(np.int64).max if g.get("evicted_step") is None else g["evicted_step"]
-                     for g in groups], dtype=np.int64)
+def pool_ages(steps: pd.DataFrame, groups: pd.DataFrame) -> tuple[list[int], list[int]]:
+    """Ages of every (update, buffered group) pair, and the steps whose reconstructed pool size differs from the
+    recorded ``buffer_size`` (lifetime records missing, e.g. a run that did not close cleanly)."""
+    birth = col(groups, "birth_step").to_numpy()
+    evicted = col(groups, "evicted_step").fillna(np.inf).to_numpy()
     ages: list[int] = []
     mismatch: list[int] = []
-    for r in steps:
-        if not is_update(r):
-            continue
-        t = r["step"]
-        inside = (birth < t) & (ev >= t)
-        ages.extend((t - birth[inside]).tolist())
-        size = num(r.get("buffer_size"))
-        if size is not None and int(size) != int(inside.sum()):
-            mismatch.append(t)
+    upd = updates(steps)
+    for t, size in zip(upd["step"], col(upd, "buffer_size")):
+        inside = (birth < t) & (evicted >= t)
+        ages += (t - birth[inside]).astype(int).tolist()
+        if not np.isnan(size) and int(size) != int(inside.sum()):
+            mismatch.append(int(t))
     return ages, mismatch
 
 
 def _age_shares(ages: Sequence[int]) -> dict[str, Any]:
-    d = distribution(ages)
-    a = finite(ages)
-    d["share_age_ge2"] = float((a >= 2).mean()) if a.size else None
-    d["share_age_ge3"] = float((a >= 3).mean()) if a.size else None
-    return d
+    a = pd.Series(ages, dtype=float)
+    return {**distribution(a), "share_age_ge2": share(a >= 2), "share_age_ge3": share(a >= 3)}
 
 
-def staleness(steps: Sequence[dict], groups: Sequence[dict]) -> dict[str, Any]:
+def used_ages(steps: pd.DataFrame) -> pd.DataFrame:
+    """One row per replayed group: step, age (from ``accepted_ages``)."""
+    ex = steps[["step", "accepted_ages"]].explode("accepted_ages")
+    return ex.assign(age=numeric(ex["accepted_ages"]))[["step", "age"]].dropna()
+
+
+def staleness(steps: pd.DataFrame, groups: pd.DataFrame) -> dict[str, Any]:
     """Source staleness of the replay pool and of the used subset.
 
-    Returns {"pool": {n, mean, median, p90, max, share_age_ge2, share_age_ge3} or unavailable,
-    "used": same, "pool_size_mismatch_steps": [...]}.
-    """
-    used = [a for r in steps for a in _ints(r.get("accepted_ages"))]
-    if not steps:
+    Returns {"pool": {n, mean, median, p90, max, share_age_ge2, share_age_ge3} or unavailable, "used": same,
+    "pool_size_mismatch_steps": [...]}."""
+    if not len(steps):
         return unavailable("no replay step records")
-    out: dict[str, Any] = {"available": True, "used": _age_shares(used) if used else
-                           unavailable("nothing was replayed")}
-    if groups:
-        ages, mismatch = pool_ages(steps, groups)
+    used = used_ages(steps)["age"]
+    out: dict[str, Any] = {"available": True,
+                           "used": _age_shares(used) if len(used) else unavailable("nothing was replayed"),
+                           "pool": unavailable("no groups.jsonl lifetime records"), "pool_size_mismatch_steps": []}
+    if len(groups):
+        ages, out["pool_size_mismatch_steps"] = pool_ages(steps, groups)
         out["pool"] = _age_shares(ages) if ages else unavailable("the buffer was never non-empty")
-        out["pool_size_mismatch_steps"] = mismatch
-    else:
-        out["pool"] = unavailable("no groups.jsonl lifetime records")
-        out["pool_size_mismatch_steps"] = []
-    return out
+    return sanitize(out)
 
 
-def mixing(steps: Sequence[dict]) -> dict[str, Any]:
+def mixing(steps: pd.DataFrame) -> dict[str, Any]:
     """Mixing structure of the used replay subset over the updates that replayed something.
 
     Returns {"n_replay_updates", "n_replay_groups", "mean_age", "share_age1", "share_age_ge3",
-    "mean_distinct_ages", "share_updates_ge3_ages", "share_updates_age1_and_ge3"}; values are None
-    when no update replayed anything.
-    """
-    per = [_ints(r.get("accepted_ages")) for r in steps]
-    per = [a for a in per if a]
-    flat = [a for ages in per for a in ages]
-    return {
-        "n_replay_updates": len(per),
-        "n_replay_groups": len(flat),
-        "mean_age": mean(flat),
-        "share_age1": share(a == 1 for a in flat),
-        "share_age_ge3": share(a >= 3 for a in flat),
-        "mean_distinct_ages": mean(len(set(a)) for a in per),
-        "share_updates_ge3_ages": share(len(set(a)) >= 3 for a in per),
-        "share_updates_age1_and_ge3": share(1 in a and max(a) >= 3 for a in per),
-    }
+    "mean_distinct_ages", "share_updates_ge3_ages", "share_updates_age1_and_ge3"} (None when nothing replayed)."""
+    used = used_ages(steps)
+    per = used.groupby("step")["age"].agg(distinct="nunique", has1=lambda a: (a == 1).any(), top="max")
+    return sanitize({
+        "n_replay_updates": len(per), "n_replay_groups": len(used), "mean_age": opt(used["age"].mean()),
+        "share_age1": share(used["age"] == 1), "share_age_ge3": share(used["age"] >= 3),
+        "mean_distinct_ages": opt(per["distinct"].mean()) if len(per) else None,
+        "share_updates_ge3_ages": share(per["distinct"] >= 3),
+        "share_updates_age1_and_ge3": share(per["has1"].astype(bool) & (per["top"] >= 3)),
+    })
 
 
-def phase_mixture(steps: Sequence[dict], *, n_phases: int = 4,
-                  bounds: Sequence[int] | None = None) -> dict[str, Any]:
-    """The replay mixture (see :func:`mixing`) in each training phase.
+def phase_mixture(steps: pd.DataFrame, *, n_phases: int = 4, bounds: Sequence[int] | None = None) -> dict[str, Any]:
+    """The replay mixture (:func:`mixing`) in each training phase.
 
-    Phases are either ``n_phases`` contiguous equal-count pieces of the step records, or, with
-    ``bounds = [b1, b2, ...]`` (increasing steps), [first, b1), [b1, b2), ..., [b_last, end].
+    Phases are ``n_phases`` contiguous equal-count pieces of the step records, or, with ``bounds = [b1, b2, ...]``
+    (increasing steps), [first, b1), [b1, b2), ..., [b_last, end].
     Returns {"phases": [{"name", "first_step", "last_step", "n_steps", **mixing}], "how"}.
     """
-    if not steps:
+    if not len(steps):
         return unavailable("no replay step records")
     if bounds:
         b = [int(x) for x in bounds]
         if any(y <= x for x, y in zip(b, b[1:])):
             raise ValueError(f"phase bounds must increase, got {b}")
-        edges = [-np.inf, *b, np.inf]
-        parts = [[r for r in steps if lo <= r["step"] < hi] for lo, hi in zip(edges, edges[1:])]
-        how = f"step bounds {b}"
+        labels = pd.cut(steps["step"], [-np.inf, *b, np.inf], right=False, labels=False)
+        n, how = len(b) + 1, f"step bounds {b}"
     else:
         if n_phases < 1:
             raise ValueError(f"n_phases must be >= 1, got {n_phases}")
-        parts = split_thirds(list(steps), parts=n_phases)
-        how = f"{n_phases} equal-count pieces of the step records"
+        labels, n, how = pieces(len(steps), n_phases), n_phases, f"{n_phases} equal-count pieces of the step records"
+    parts = dict(list(steps.groupby(np.asarray(labels))))
     phases = []
-    for i, part in enumerate(parts, start=1):
-        phases.append({
-            "name": f"phase {i}",
-            "first_step": part[0]["step"] if part else None,
-            "last_step": part[-1]["step"] if part else None,
-            "n_steps": len(part),
-            **mixing(part),
-        })
-    return {"available": True, "phases": phases, "how": how}
+    for i in range(n):
+        part = parts.get(i, steps.iloc[:0])
+        phases.append({"name": f"phase {i + 1}", "n_steps": len(part),
+                       "first_step": part["step"].iloc[0] if len(part) else None,
+                       "last_step": part["step"].iloc[-1] if len(part) else None, **mixing(part)})
+    return sanitize({"available": True, "phases": phases, "how": how})

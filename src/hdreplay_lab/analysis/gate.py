@@ -1,178 +1,150 @@
-"""Gate behaviour over training (report sections 1-3): acceptance, budget fill, rejections, replay KL,
-scan depth and the share of accepted replay recovered from the top of the scan-ordered buffer.
+"""Gate behaviour over training (report sections 1-3): acceptance, budget fill, rejections, replay KL, scan
+depth and the share of accepted replay recovered from the top of the scan-ordered buffer.
 
-Inputs are steps.jsonl records (dicts, sorted by step).  Definitions:
-    update         a step whose pre-step buffer was non-empty (``buffer_size > 0``): selection ran.
-                   Means "per update" and the early/middle/final intervals are over updates.
-    rejections     gate rejections of the step = scanned - accepted_gate (0 when nothing was scanned).
-    filled         the scan reached the replay target: accepted_gate >= k_rep (before truncation to u).
-    prefix rank    1-based position of an accepted group in the scan order; for Headroom selectors
-                   the scan order is the cached-Headroom order of the whole pre-step buffer, so
-                   rank / buffer_size is the relative depth in the Headroom-ordered buffer.
+Input: a :func:`~hdreplay_lab.analysis.load.step_frame` (StepRecord columns, one row per step).  Definitions:
+    update       a step whose pre-step buffer was non-empty (``buffer_size > 0``): selection ran.  Means "per
+                 update" and the early/middle/final intervals are over updates.
+    rejections   gate rejections of the step = scanned - accepted_gate (0 when nothing was scanned).
+    filled       the scan reached the replay target: accepted_gate >= k_rep (before truncation to u).
+    prefix rank  1-based position of a replayed group in the scan order; for Headroom selectors the scan order is
+                 the cached-Headroom order of the whole pre-step buffer, so rank / buffer_size is the relative
+                 depth in the Headroom-ordered buffer.
 """
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
+import pandas as pd
 
-from .stats import interval_means, mean, num, ratio, running_mean, unavailable
+from .stats import interval_means, numeric, opt, ratio, running_mean, sanitize, unavailable
 
-#: relative prefix depths at which the cumulative accepted share is summarised
+#: relative prefix depths at which the cumulative accepted share is summarised, and the curve's grid
 PREFIX_POINTS = (0.05, 0.1, 0.25, 0.5)
-#: the grid (101 points, 0..1) of the cumulative-share curve
 PREFIX_GRID = tuple(i / 100 for i in range(101))
 HEADROOM_SELECTORS = ("headroom_drift", "headroom_only")
 
 
-def is_update(rec: dict) -> bool:
-    size = num(rec.get("buffer_size"))
-    if size is not None:
-        return size > 0
-    return (num(rec.get("scanned")) or 0) > 0 or (num(rec.get("accepted")) or 0) > 0
+def col(df: pd.DataFrame, name: str) -> pd.Series:
+    """Column ``name`` as float64 with missing / non-finite values NaN."""
+    return numeric(df[name]) if name in df else pd.Series(np.nan, index=df.index)
 
 
-def rejections(rec: dict) -> int:
-    """Gate rejections at one step (scanned - accepted_gate, never negative)."""
-    scanned = int(num(rec.get("scanned")) or 0)
-    if scanned == 0:
-        return 0
-    return max(scanned - int(num(rec.get("accepted_gate")) or 0), 0)
+def updates(steps: pd.DataFrame) -> pd.DataFrame:
+    """The steps whose pre-step buffer was non-empty (without buffer_size: anything scanned or replayed)."""
+    size = col(steps, "buffer_size")
+    busy = (col(steps, "scanned").fillna(0) > 0) | (col(steps, "accepted").fillna(0) > 0)
+    return steps[size.gt(0) | (size.isna() & busy)]
 
 
-def acceptance(steps: Sequence[dict]) -> dict[str, Any]:
+def rejections(steps: pd.DataFrame) -> pd.Series:
+    """Gate rejections per step (scanned - accepted_gate, never negative, 0 when nothing was scanned)."""
+    scanned = col(steps, "scanned").fillna(0)
+    return (scanned - col(steps, "accepted_gate").fillna(0)).clip(lower=0).where(scanned > 0, 0).astype(int)
+
+
+def acceptance(steps: pd.DataFrame) -> dict[str, Any]:
     """Acceptance rate, budget fill and gate rejections.
 
-    Returns {"series": {step, accept_rate, budget_fill, rejections}, "n_steps", "n_updates",
-    "mean_accept_rate" (mean of per-step rates), "pooled_accept_rate" (sum accepted_gate / sum scanned),
-    "mean_budget_fill", "mean_rejections" (per update), "by_interval": {metric: {early, middle, final}}}.
+    Returns {"series": {step, accept_rate, budget_fill, rejections}, "n_steps", "n_updates", "mean_accept_rate"
+    (mean of per-step rates), "pooled_accept_rate" (sum accepted_gate / sum scanned), "mean_budget_fill",
+    "mean_rejections" (per update), "by_interval": {metric: {early, middle, final}}}.
     """
-    if not steps:
+    if not len(steps):
         return unavailable("no replay step records")
-    upd = [r for r in steps if is_update(r)]
-    scanned = sum(int(num(r.get("scanned")) or 0) for r in upd)
-    passed = sum(int(num(r.get("accepted_gate")) or 0) for r in upd if (num(r.get("scanned")) or 0) > 0)
-    cols = {
-        "accept_rate": [num(r.get("accept_rate")) for r in upd],
-        "budget_fill": [num(r.get("budget_fill")) for r in upd],
-        "rejections": [rejections(r) for r in upd],
-    }
-    return {
+    upd = updates(steps)
+    scanned = col(upd, "scanned").fillna(0)
+    cols = {"accept_rate": col(upd, "accept_rate"), "budget_fill": col(upd, "budget_fill"),
+            "rejections": rejections(upd)}
+    return sanitize({
         "available": True,
-        "series": {
-            "step": [r["step"] for r in steps],
-            "accept_rate": [num(r.get("accept_rate")) for r in steps],
-            "budget_fill": [num(r.get("budget_fill")) for r in steps],
-            "rejections": [rejections(r) for r in steps],
-        },
-        "n_steps": len(steps),
-        "n_updates": len(upd),
-        "mean_accept_rate": mean(cols["accept_rate"]),
-        "pooled_accept_rate": passed / scanned if scanned else None,
-        "mean_budget_fill": mean(cols["budget_fill"]),
-        "mean_rejections": mean(cols["rejections"]),
+        "series": {"step": steps["step"], "accept_rate": col(steps, "accept_rate"),
+                   "budget_fill": col(steps, "budget_fill"), "rejections": rejections(steps)},
+        "n_steps": len(steps), "n_updates": len(upd),
+        "mean_accept_rate": opt(cols["accept_rate"].mean()),
+        "pooled_accept_rate": ratio(float(col(upd, "accepted_gate").fillna(0)[scanned > 0].sum()),
+                                    float(scanned.sum())),
+        "mean_budget_fill": opt(cols["budget_fill"].mean()),
+        "mean_rejections": opt(cols["rejections"].mean()),
         "by_interval": {k: interval_means(v) for k, v in cols.items()},
-    }
+    })
 
 
-def replay_kl(steps: Sequence[dict], *, window: int = 15) -> dict[str, Any]:
-    """Replay KL (k3 estimate over accepted replay tokens) over steps.
+def replay_kl(steps: pd.DataFrame, *, window: int = 15) -> dict[str, Any]:
+    """Replay KL (k3 estimate over replayed tokens) over steps.
 
-    Returns {"series": {step, replay_kl}, "running": {step, replay_kl} (trailing mean over the last
-    ``window`` available points), "window", "mean", "by_interval": {early, middle, final} (over
-    updates), "final_over_early"}.  Steps without replay have no replay KL and are skipped.
+    Returns {"series": {step, replay_kl}, "running": {step, replay_kl} (trailing mean over the last ``window``
+    available points), "window", "mean", "by_interval" (over updates), "final_over_early"}.  Steps without
+    replay have no replay KL and are skipped.
     """
-    if not steps:
+    if not len(steps):
         return unavailable("no replay step records")
-    vals = [num(r.get("replay_kl")) for r in steps]
-    if all(v is None for v in vals):
-        return unavailable("no step has a replay KL (nothing replayed, or an unscored selector "
-                           "without diagnose_ungated=True)")
-    rx, ry = running_mean([r["step"] for r in steps], vals, window)
-    by = interval_means([num(r.get("replay_kl")) for r in steps if is_update(r)])
-    return {
-        "available": True,
-        "series": {"step": [r["step"] for r in steps], "replay_kl": vals},
-        "running": {"step": rx, "replay_kl": ry},
-        "window": window,
-        "mean": mean(vals),
-        "by_interval": by,
-        "final_over_early": ratio(by["final"], by["early"]),
-    }
+    kl = col(steps, "replay_kl")
+    if kl.isna().all():
+        return unavailable("no step has a replay KL (nothing replayed, or an unscored selector without "
+                           "diagnose_ungated=True)")
+    run = running_mean(steps["step"], kl, window)
+    by = interval_means(col(updates(steps), "replay_kl"))
+    return sanitize({"available": True, "series": {"step": steps["step"], "replay_kl": kl},
+                     "running": {"step": run["step"], "replay_kl": run["value"]}, "window": window,
+                     "mean": opt(kl.mean()), "by_interval": by, "final_over_early": ratio(by["final"], by["early"])})
 
 
-def scan_order(selector: Any) -> str:
-    return "headroom" if selector in HEADROOM_SELECTORS else "recency"
+def scan(steps: pd.DataFrame) -> dict[str, Any]:
+    """Scan depth, filled vs underfilled updates, scan-budget stops and the prefix concentration of replay.
 
-
-def accepted_ranks(rec: dict) -> list[int]:
-    """1-based scan positions of the groups replayed at this step (gate passes, truncation-kept prefix)."""
-    kept = int(num(rec.get("accepted")) or 0)
-    ranks = [i + 1 for i, ok in enumerate(rec.get("scan_pass") or []) if ok]
-    return ranks[:kept]
-
-
-def scan(steps: Sequence[dict]) -> dict[str, Any]:
-    """Scan depth, filled vs underfilled steps, and the prefix concentration of accepted replay.
-
-    Returns {"series": {step, scanned, filled}, "mean_scan_depth", "scan_depth_by_interval",
-    "n_filled", "n_underfilled" (over updates), "order": "headroom" | "recency",
-    "prefix": {"grid", "cumulative_share", "share_at": {"0.05": ..}, "share_within_k_rep",
-    "n_accepted"} or an unavailable marker}.
+    Returns {"series": {step, scanned, filled}, "mean_scan_depth", "scan_depth_by_interval", "n_filled",
+    "n_underfilled", "n_scan_capped" (over updates), "order": "headroom" | "recency", "prefix": see
+    :func:`prefix_share`}.
     """
-    if not steps:
+    if not len(steps):
         return unavailable("no replay step records")
-    upd = [r for r in steps if is_update(r)]
-    if not any((num(r.get("scanned")) or 0) > 0 for r in upd):
-        return unavailable(f"no step scanned the buffer (selector {steps[-1].get('selector')!r} "
-                           "replays without re-scoring)")
-    filled = [_filled(r) for r in upd]
-    by_step = {r["step"]: f for r, f in zip(upd, filled)}
-    return {
+    upd = updates(steps)
+    depth = col(upd, "scanned")
+    if not depth.gt(0).any():
+        return unavailable(f"no step scanned the buffer (selector {steps['selector'].iloc[-1]!r} replays "
+                           "without re-scoring)")
+    k = col(upd, "k_rep")
+    filled = (col(upd, "accepted_gate").fillna(0) >= k).astype(object).where(k.fillna(0) > 0, None)
+    by_step = dict(zip(upd["step"], filled))
+    return sanitize({
         "available": True,
-        "series": {"step": [r["step"] for r in steps],
-                   "scanned": [int(num(r.get("scanned")) or 0) for r in steps],
-                   "filled": [by_step.get(r["step"]) for r in steps]},
-        "mean_scan_depth": mean(num(r.get("scanned")) for r in upd),
-        "scan_depth_by_interval": interval_means([num(r.get("scanned")) for r in upd]),
-        "n_filled": sum(1 for f in filled if f),
-        "n_underfilled": sum(1 for f in filled if f is False),
-        "order": scan_order(steps[-1].get("selector")),
+        "series": {"step": steps["step"], "scanned": col(steps, "scanned").fillna(0).astype(int),
+                   "filled": [by_step.get(s) for s in steps["step"]]},
+        "mean_scan_depth": opt(depth.mean()), "scan_depth_by_interval": interval_means(depth),
+        "n_filled": int((filled == True).sum()), "n_underfilled": int((filled == False).sum()),  # noqa: E712
+        "n_scan_capped": int(upd["scan_capped"].eq(True).sum()),
+        "order": "headroom" if steps["selector"].iloc[-1] in HEADROOM_SELECTORS else "recency",
         "prefix": prefix_share(steps),
-    }
+    })
 
 
-def _filled(rec: dict) -> bool | None:
-    k = num(rec.get("k_rep"))
-    if not k:
-        return None
-    return (num(rec.get("accepted_gate")) or 0) >= k
+def accepted_ranks(steps: pd.DataFrame) -> pd.DataFrame:
+    """One row per replayed group with a scan position: step, rank (1-based), buffer_size, k_rep.  A step's
+    replayed groups are its first ``accepted`` gate passes (truncation keeps the highest-priority prefix)."""
+    df = steps.assign(buffer_size=col(steps, "buffer_size"), k_rep=col(steps, "k_rep").fillna(0),
+                      accepted=col(steps, "accepted").fillna(0))
+    ex = df[df["buffer_size"] > 0][["step", "buffer_size", "k_rep", "accepted", "scan_pass"]]
+    ex = ex.explode("scan_pass").reset_index(drop=True)
+    ex["rank"] = ex.groupby("step").cumcount() + 1
+    ex = ex[ex["scan_pass"].eq(True)]
+    return ex[ex.groupby("step").cumcount() < ex["accepted"]]
 
 
-def prefix_share(steps: Sequence[dict]) -> dict[str, Any]:
-    """Cumulative share of all replayed groups whose relative scan depth rank / buffer_size <= q."""
-    rel: list[float] = []
-    within_k: list[bool] = []
-    for r in steps:
-        size = num(r.get("buffer_size"))
-        if not size:
-            continue
-        k = num(r.get("k_rep")) or 0
-        for rank in accepted_ranks(r):
-            rel.append(rank / size)
-            within_k.append(rank <= k)
-    if not rel:
+def prefix_share(steps: pd.DataFrame) -> dict[str, Any]:
+    """Cumulative share of all replayed groups whose relative scan depth rank / buffer_size <= q.
+
+    Returns {"grid", "cumulative_share" (on the grid), "share_at": {"0.05": ...}, "share_within_k_rep"
+    (rank <= k_rep), "n_accepted"}."""
+    ranks = accepted_ranks(steps)
+    if not len(ranks):
         return unavailable("no replayed group has a recorded scan position")
-    a = np.sort(np.asarray(rel))
-    cum = np.searchsorted(a, np.asarray(PREFIX_GRID) + 1e-12, side="right") / a.size
-    at = np.searchsorted(a, np.asarray(PREFIX_POINTS) + 1e-12, side="right") / a.size
-    return {
-        "available": True,
-        "grid": list(PREFIX_GRID),
-        "cumulative_share": cum.tolist(),
-        "share_at": {f"{q:g}": float(v) for q, v in zip(PREFIX_POINTS, at)},
-        "share_within_k_rep": sum(within_k) / len(within_k),
-        "n_accepted": len(rel),
-    }
+    rel = (ranks["rank"] / ranks["buffer_size"]).to_numpy(dtype=float)
 
+    def cum(qs):
+        return (rel[:, None] <= np.asarray(qs) + 1e-12).mean(axis=0)
+
+    return sanitize({"available": True, "grid": list(PREFIX_GRID), "cumulative_share": cum(PREFIX_GRID),
+                     "share_at": {f"{q:g}": v for q, v in zip(PREFIX_POINTS, cum(PREFIX_POINTS))},
+                     "share_within_k_rep": (ranks["rank"] <= ranks["k_rep"]).mean(), "n_accepted": len(rel)})

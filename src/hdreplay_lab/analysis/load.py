@@ -1,15 +1,14 @@
-"""Loading run directories: JSONL with a bad-line policy, run metadata, replay diagnostics.
+"""Run directories -> DataFrames, with a bad-line policy.  A run directory holds any of::
 
-Run directory contract (what the sandbox and the TRL trainer write)::
-
-    RUN_DIR/run.json               {"method", "seed", "task", "replay": ReplayConfig dict | null, ...}  optional
-    RUN_DIR/train_log.jsonl        one trainer log entry per logging step ("step", "reward", "entropy", ...)
-    RUN_DIR/replay/steps.jsonl     per-step replay records (hdreplay.diagnostics), replay methods only
-    RUN_DIR/replay/groups.jsonl    per-group lifetime records, replay methods only
-    RUN_DIR/metrics.json           final evaluation, optional
-
-A bare diagnostics directory (``steps.jsonl`` directly inside, as ``ReplayController(diagnostics_dir=...)``
-writes it) is accepted too.  Nothing here computes statistics; see the section modules.
+    run.json                  {"method", "seed", "task", "replay": ReplayConfig dict | null, ...}
+    train_log.jsonl           one trainer log entry per logging step ("step", "reward", "entropy", ...), as the
+                              sandbox and hdreplay.integrations.trl.callback.HDRLogCallback write it; else, in a
+                              plain TRL output directory, trainer_state.json's log_history (its own or the newest
+                              checkpoint-*'s), else TensorBoard scalars ("train/reward" -> "reward")
+    replay/steps.jsonl        per-step replay records (hdreplay.diagnostics.StepRecord); replay/groups.jsonl: per-group
+                              lifetime records; a bare diagnostics directory (steps.jsonl inside) is a run too
+    metrics.json              final evaluation
+Nothing here computes statistics.
 """
 
 from __future__ import annotations
@@ -17,14 +16,20 @@ from __future__ import annotations
 import json
 import warnings
 from dataclasses import dataclass, field
+from io import StringIO
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
+import pandas as pd
+
+from hdreplay.diagnostics import STEP_FIELDS, StepRecord
 from hdreplay.errors import ReplayError
 
 ON_BAD_LINE = ("skip", "stop")
-RUN_MARKERS = ("run.json", "train_log.jsonl", "replay/steps.jsonl", "steps.jsonl")
-_STEP_LISTS = ("scan_age", "scan_drift", "scan_pass", "scan_cached_headroom", "scan_headroom")
+STEP_LISTS = ("accepted_ages", "scan_age", "scan_drift", "scan_pass", "scan_cached_headroom", "scan_headroom")
+GROUP_FIELDS = ("group_id", "insertion_id", "birth_step", "evicted_step", "ref_headroom", "replay_count", "exposure")
+FILES = ("run.json", "train_log.jsonl", "replay/steps.jsonl", "steps.jsonl", "trainer_state.json", "metrics.json",
+         "replay/groups.jsonl", "groups.jsonl")
 
 
 class AnalysisInputError(ReplayError, ValueError):
@@ -43,176 +48,166 @@ def check_step_record(rec: dict) -> str | None:
     """Why a parsed steps.jsonl object is unusable, or None if it is fine."""
     if not _is_int(rec.get("step")) or rec["step"] < 0:
         return f"'step' must be an int >= 0, got {rec.get('step')!r}"
-    for key in ("accepted_ages", *_STEP_LISTS):
-        if key in rec and not isinstance(rec[key], list):
-            return f"{key!r} must be a list, got {type(rec[key]).__name__}"
-    lens = {k: len(rec[k]) for k in _STEP_LISTS if k in rec}
-    if len(set(lens.values())) > 1:
-        return f"scan lists have different lengths {lens}"
-    return None
+    bad = next((k for k in STEP_LISTS if k in rec and not isinstance(rec[k], list)), None)
+    lens = {k: len(rec[k]) for k in STEP_LISTS[1:] if k in rec and not bad}
+    return (f"{bad!r} must be a list, got {type(rec[bad]).__name__}" if bad
+            else f"scan lists have different lengths {lens}" if len(set(lens.values())) > 1 else None)
 
 
 def check_group_record(rec: dict) -> str | None:
     """Why a parsed groups.jsonl object is unusable, or None if it is fine."""
-    for key in ("birth_step", "replay_count"):
-        if not _is_int(rec.get(key)):
-            return f"{key!r} must be an int, got {rec.get(key)!r}"
-    if not isinstance(rec.get("ref_headroom"), (int, float)) or isinstance(rec.get("ref_headroom"), bool):
-        return f"'ref_headroom' must be a number, got {rec.get('ref_headroom')!r}"
-    ev = rec.get("evicted_step")
-    if ev is not None and not _is_int(ev):
-        return f"'evicted_step' must be an int or null, got {ev!r}"
-    return None
+    bad = next((k for k in ("birth_step", "replay_count") if not _is_int(rec.get(k))), None)
+    h, ev = rec.get("ref_headroom"), rec.get("evicted_step")
+    return (f"{bad!r} must be an int, got {rec.get(bad)!r}" if bad
+            else f"'ref_headroom' must be a number, got {h!r}" if isinstance(h, bool) or not isinstance(h, (int, float))
+            else f"'evicted_step' must be an int or null, got {ev!r}" if ev is not None and not _is_int(ev) else None)
 
 
-def read_jsonl(
-    path: str | Path,
-    *,
-    on_bad_line: str = "skip",
-    check: Callable[[dict], str | None] | None = None,
-    problems: list[str] | None = None,
-) -> list[dict]:
-    """Parse a JSONL file into a list of objects.
-
-    Blank lines are ignored.  A line that is not JSON, not a JSON object, or that ``check`` rejects
-    is a *bad line*: with ``on_bad_line="skip"`` it is dropped and ``"<file>:<line>: <reason>"`` is
-    appended to ``problems``; with ``"stop"`` an :class:`AnalysisInputError` with that text is raised.
-    """
+def read_jsonl(path: str | Path, *, on_bad_line: str = "skip", check: Callable[[dict], str | None] | None = None,
+               problems: list[str] | None = None) -> pd.DataFrame:
+    """A JSONL file as a DataFrame, one row per good line.  A line that is not JSON, not an object, or that
+    ``check`` rejects is dropped with ``"<file>:<line>: <reason>"`` appended to ``problems`` (``on_bad_line="skip"``)
+    or raises :class:`AnalysisInputError` with that text (``"stop"``).  Blank lines are ignored."""
     if on_bad_line not in ON_BAD_LINE:
         raise AnalysisInputError(f"on_bad_line must be one of {ON_BAD_LINE}, got {on_bad_line!r}")
-    path = Path(path)
-    out: list[dict] = []
+    good = []
     with open(path, encoding="utf-8", errors="replace") as f:
         for n, line in enumerate(f, start=1):
             if not line.strip():
                 continue
-            reason = None
             try:
                 obj = json.loads(line)
+                reason = (f"expected a JSON object, got {type(obj).__name__}" if not isinstance(obj, dict)
+                          else check(obj) if check else None)
             except json.JSONDecodeError as e:
                 reason = f"not valid JSON ({e.msg}; truncated line?)"
-            else:
-                if not isinstance(obj, dict):
-                    reason = f"expected a JSON object, got {type(obj).__name__}"
-                elif check is not None:
-                    reason = check(obj)
             if reason is None:
-                out.append(obj)
-                continue
-            msg = f"{path}:{n}: {reason}"
-            if on_bad_line == "stop":
-                raise AnalysisInputError(msg + " (use --on-bad-line skip to skip bad lines)")
-            if problems is not None:
-                problems.append(msg + " -- line skipped")
-    return out
+                good.append(line.strip())
+            elif on_bad_line == "stop":
+                raise AnalysisInputError(f"{path}:{n}: {reason} (use --on-bad-line skip to skip bad lines)")
+            elif problems is not None:
+                problems.append(f"{path}:{n}: {reason} -- line skipped")
+    return pd.read_json(StringIO("\n".join(good)), lines=True, dtype=False) if good else pd.DataFrame()
 
 
-def _read_json(path: Path, on_bad_line: str, problems: list[str]) -> dict | None:
-    try:
-        obj = json.loads(path.read_text(encoding="utf-8", errors="replace"))
-    except json.JSONDecodeError as e:
-        reason = f"{path}: not valid JSON ({e.msg})"
-    else:
-        if isinstance(obj, dict):
-            return obj
-        reason = f"{path}: expected a JSON object, got {type(obj).__name__}"
-    if on_bad_line == "stop":
-        raise AnalysisInputError(reason + " (use --on-bad-line skip to ignore it)")
-    problems.append(reason + " -- file ignored")
-    return None
+def step_frame(records: pd.DataFrame | Iterable[StepRecord | dict] = ()) -> pd.DataFrame:
+    """Step records (StepRecords, dicts or a frame) -> one row per step, sorted, with every StepRecord column
+    (a repeated step keeps its last record; missing lists are [], other missing values NaN)."""
+    if not isinstance(records, pd.DataFrame):
+        records = pd.DataFrame([r.to_json() if isinstance(r, StepRecord) else r for r in records])
+    df = records.reindex(columns=list(dict.fromkeys([*STEP_FIELDS, *records.columns])))
+    for k in STEP_LISTS:
+        df[k] = [v if isinstance(v, list) else [] for v in df[k]]
+    return df.drop_duplicates("step", keep="last").sort_values("step", kind="stable").reset_index(drop=True)
+
+
+def group_frame(records: pd.DataFrame | Iterable[dict] = ()) -> pd.DataFrame:
+    """Group lifetime records with every column the sections read (missing ones NaN)."""
+    df = records if isinstance(records, pd.DataFrame) else pd.DataFrame(list(records))
+    return df.reindex(columns=list(dict.fromkeys([*GROUP_FIELDS, *df.columns])))
 
 
 @dataclass
 class RunData:
-    """Everything loaded from one run directory (raw records, no statistics).
-
-    steps:     steps.jsonl records sorted by step, one per step (the last one kept if repeated)
-    groups:    groups.jsonl lifetime records
-    train_log: train_log.jsonl entries, file order
-    meta:      run.json ({} if absent or unreadable)
-    metrics:   metrics.json or None
-    replay_dir: where steps.jsonl was found, or None (a run without replay)
-    problems:  human-readable notes on skipped lines / ignored files, each naming file:line
-    """
+    """One loaded run directory (raw rows, no statistics): ``steps`` / ``groups`` (:func:`step_frame` /
+    :func:`group_frame`), ``log`` (trainer log entries) and ``log_source`` (the file they came from), ``meta``
+    (run.json, {} if absent), ``metrics`` (metrics.json or None), ``replay_dir`` (where steps.jsonl was found) and
+    ``problems`` (skipped lines and ignored files, each naming file:line)."""
 
     path: Path
     label: str
     meta: dict = field(default_factory=dict)
-    steps: list[dict] = field(default_factory=list)
-    groups: list[dict] = field(default_factory=list)
-    train_log: list[dict] = field(default_factory=list)
+    steps: pd.DataFrame = field(default_factory=step_frame)
+    groups: pd.DataFrame = field(default_factory=group_frame)
+    log: pd.DataFrame = field(default_factory=pd.DataFrame)
+    log_source: str | None = None
     metrics: dict | None = None
     replay_dir: Path | None = None
     problems: list[str] = field(default_factory=list)
 
     @property
     def has_replay(self) -> bool:
-        return bool(self.steps)
+        return len(self.steps) > 0
 
     @property
     def replay_config(self) -> dict:
-        rc = self.meta.get("replay")
-        return rc if isinstance(rc, dict) else {}
+        return self.meta["replay"] if isinstance(self.meta.get("replay"), dict) else {}
 
 
-def _replay_dir(path: Path) -> Path | None:
-    if (path / "replay" / "steps.jsonl").is_file():
-        return path / "replay"
-    if (path / "steps.jsonl").is_file():
-        return path
-    return None
+def _read_json(path: Path, on_bad_line: str, problems: list[str]) -> dict:
+    try:
+        obj = json.loads(path.read_text(encoding="utf-8", errors="replace"))
+        reason = None if isinstance(obj, dict) else f"expected a JSON object, got {type(obj).__name__}"
+    except json.JSONDecodeError as e:
+        obj, reason = None, f"not valid JSON ({e.msg})"
+    if reason and on_bad_line == "stop":
+        raise AnalysisInputError(f"{path}: {reason} (use --on-bad-line skip to ignore it)")
+    problems += [f"{path}: {reason} -- file ignored"] if reason else []
+    return {} if reason else obj
 
 
-def load_run(path: str | Path, *, label: str | None = None, on_bad_line: str = "skip",
-             warn: bool = True) -> RunData:
-    """Load one run directory (see module docstring).
+def tensorboard_log(p: Path) -> pd.DataFrame:
+    """The scalars of every TensorBoard event file under ``p``, one row per step ("train/x" -> column "x")."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    Raises AnalysisInputError if ``path`` is missing, not a directory, empty or holds none of
-    run.json / train_log.jsonl / replay/steps.jsonl, or (``on_bad_line="stop"``) on the first bad line.
-    With ``warn=True`` every skipped line is also reported as a :class:`BadLineWarning`.
-    """
+    rows = []
+    for f in sorted(p.rglob("events.out.tfevents.*")):
+        acc = EventAccumulator(str(f), size_guidance={"scalars": 0})
+        acc.Reload()
+        rows += [(e.step, tag.removeprefix("train/"), e.value) for tag in acc.Tags()["scalars"] for e in acc.Scalars(tag)]
+    df = pd.DataFrame(rows, columns=["step", "key", "value"])
+    return df.pivot_table(index="step", columns="key", values="value", aggfunc="last").reset_index()
+
+
+def load_run(path: str | Path, *, label: str | None = None, on_bad_line: str = "skip", warn: bool = True) -> RunData:
+    """Load one run directory (module docstring).  Raises AnalysisInputError if ``path`` is missing, not a
+    directory, empty, holds no log, holds a directory where a log file belongs, or (``on_bad_line="stop"``) on the
+    first bad line.  With ``warn=True`` every skipped line is also a :class:`BadLineWarning`."""
     if on_bad_line not in ON_BAD_LINE:
         raise AnalysisInputError(f"--on-bad-line must be one of {ON_BAD_LINE}, got {on_bad_line!r}")
     p = Path(path)
-    if not p.exists():
-        raise AnalysisInputError(f"{p}: no such directory; pass a run directory (one holding run.json, "
-                                 "train_log.jsonl or replay/steps.jsonl)")
     if not p.is_dir():
-        raise AnalysisInputError(f"{p}: not a directory; pass the run directory, not a file inside it")
+        raise AnalysisInputError(f"{p}: not a directory; pass the run directory, not a file inside it" if p.exists()
+                                 else f"{p}: no such directory; pass a run directory (one holding run.json, "
+                                      "train_log.jsonl, trainer_state.json or replay/steps.jsonl)")
     if not any(p.iterdir()):
         raise AnalysisInputError(f"{p}: the directory is empty; did the run write its logs somewhere else?")
-    if not any((p / m).is_file() for m in RUN_MARKERS):
-        raise AnalysisInputError(f"{p}: not a run directory (none of {', '.join(RUN_MARKERS)} found in it)")
+    found = {m: p / m for m in FILES if (p / m).exists()}
+    for q in found.values():
+        if not q.is_file():
+            raise AnalysisInputError(f"{q}: expected a file, found a directory; the run directory is damaged "
+                                     f"(move {q} away or restore it)")
+    ckpts = {int(c.parent.name[11:]): c for c in p.glob("checkpoint-*/trainer_state.json") if c.parent.name[11:].isdigit()}
+    state = found.get("trainer_state.json") or (ckpts[max(ckpts)] if ckpts else None)
+    events = "train_log.jsonl" not in found and not state and next(p.rglob("events.out.tfevents.*"), None)
+    if not (set(FILES[:4]) & set(found) or state or events):
+        raise AnalysisInputError(f"{p}: not a run directory (no run.json, train_log.jsonl, trainer_state.json, "
+                                 "TensorBoard events or replay/steps.jsonl in it)")
     run = RunData(path=p, label=label or p.resolve().name or str(p))
-    if (p / "run.json").is_file():
-        run.meta = _read_json(p / "run.json", on_bad_line, run.problems) or {}
-    if (p / "metrics.json").is_file():
-        run.metrics = _read_json(p / "metrics.json", on_bad_line, run.problems)
-    if (p / "train_log.jsonl").is_file():
-        run.train_log = read_jsonl(p / "train_log.jsonl", on_bad_line=on_bad_line, problems=run.problems)
-    rdir = _replay_dir(p)
-    if rdir is not None:
-        run.replay_dir = rdir
-        steps = read_jsonl(rdir / "steps.jsonl", on_bad_line=on_bad_line, check=check_step_record,
-                           problems=run.problems)
-        run.steps = _dedupe_steps(steps, rdir / "steps.jsonl", run.problems)
-        if (rdir / "groups.jsonl").is_file():
-            run.groups = read_jsonl(rdir / "groups.jsonl", on_bad_line=on_bad_line, check=check_group_record,
-                                    problems=run.problems)
-    if warn:
-        for msg in run.problems:
-            warnings.warn(msg, BadLineWarning, stacklevel=2)
+    run.meta = _read_json(found["run.json"], on_bad_line, run.problems) if "run.json" in found else {}
+    run.metrics = _read_json(found["metrics.json"], on_bad_line, run.problems) if "metrics.json" in found else None
+    if "train_log.jsonl" in found:
+        run.log_source = str(found["train_log.jsonl"])
+        run.log = read_jsonl(found["train_log.jsonl"], on_bad_line=on_bad_line, problems=run.problems)
+    elif state:
+        history = _read_json(state, on_bad_line, run.problems).get("log_history")
+        run.log, run.log_source = pd.DataFrame(history if isinstance(history, list) else []), str(state)
+    elif events:
+        run.log, run.log_source = tensorboard_log(p), f"{p} (TensorBoard events)"
+    steps = found.get("replay/steps.jsonl") or found.get("steps.jsonl")
+    if steps:
+        run.replay_dir = steps.parent
+        raw = read_jsonl(steps, on_bad_line=on_bad_line, check=check_step_record, problems=run.problems)
+        run.steps = step_frame(raw)
+        if len(raw) > len(run.steps):
+            run.problems.append(f"{steps}: {len(raw) - len(run.steps)} repeated step record(s) (a resumed run?); "
+                                "the last record of each step is used")
+        if (run.replay_dir / "groups.jsonl").exists():
+            run.groups = group_frame(read_jsonl(run.replay_dir / "groups.jsonl", on_bad_line=on_bad_line,
+                                                check=check_group_record, problems=run.problems))
+    for msg in run.problems if warn else ():
+        warnings.warn(msg, BadLineWarning, stacklevel=2)
     return run
-
-
-def _dedupe_steps(steps: list[dict], path: Path, problems: list[str]) -> list[dict]:
-    by_step: dict[int, dict] = {}
-    for rec in steps:
-        by_step[rec["step"]] = rec
-    if len(by_step) < len(steps):
-        problems.append(f"{path}: {len(steps) - len(by_step)} repeated step record(s) (a resumed run?); "
-                        "the last record of each step is used")
-    return [by_step[s] for s in sorted(by_step)]
 
 
 def unique_labels(labels: list[str]) -> list[str]:

@@ -1,7 +1,7 @@
-"""``hdreplay report RUN_DIR [RUN_DIR ...]``: every analysis section for one or more runs, written as
-markdown + PNG figures + the numbers as JSON.
+"""``hdreplay report RUN_DIR [RUN_DIR ...]``: every analysis section for one or more runs, as markdown + PNG
+figures + the numbers as JSON.
 
-Output layout (``--out``, default ``RUN_DIR/report`` for one run, ``./hdreplay-report`` for several)::
+Output layout (default ``RUN_DIR/report`` for one run, ``./hdreplay-report`` for several)::
 
     report.md      the report (runs side by side), links the figures
     report.json    {"format": "hdreplay.report", "version": 1, "settings", "runs": {label: analysis},
@@ -9,105 +9,140 @@ Output layout (``--out``, default ``RUN_DIR/report`` for one run, ``./hdreplay-r
     figures/*.png  acceptance, replay_kl, scan, age, headroom_deciles, multiplicity, counterfactual,
                    entropy_timing, phases (a figure is omitted when no run has its data)
 
-An analysis (one run) has the keys: info, problems, training, final_metrics, entropy_timing,
-acceptance, replay_kl, scan, age_gate, staleness, mixing, headroom_deciles, multiplicity,
-counterfactual, phases.  A section a run cannot provide is {"available": false, "reason": ...}.
+An analysis (one run) has the keys: info, problems, training, final_metrics, entropy_timing, acceptance,
+replay_kl, scan, age_gate, staleness, mixing, headroom_deciles, multiplicity, counterfactual, phases.  A section
+a run cannot provide is {"available": false, "reason": ...}.
 """
 
 from __future__ import annotations
 
-from hdreplay.atomic import atomic_write_text
-
-import argparse
 import json
 import os
-import sys
-from contextlib import closing
+import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-from .age import age_gate, mixing, phase_mixture, staleness
-from .run_info import mismatches, run_info
-from .counterfactual import counterfactual
-from .entropy import EntropyThresholds, collapse_timing
-from .gate import acceptance, replay_kl, scan
-from .lifetime import headroom_deciles, multiplicity
-from .load import ON_BAD_LINE, AnalysisInputError, RunData, load_run, unique_labels
-from .progress import progress
-from .stats import sanitize, unavailable
-from .training import final_metrics, log_series, training
+from tqdm import tqdm
 
-REPORT_FORMAT = "hdreplay.report"
-REPORT_VERSION = 1
-REPLAY_SECTIONS = ("acceptance", "replay_kl", "scan", "age_gate", "staleness", "mixing",
-                   "headroom_deciles", "multiplicity", "counterfactual", "phases")
+from hdreplay.atomic import atomic_write_text
+
+from .age import age_gate, mixing, phase_mixture, staleness
+from .gate import acceptance, col, replay_kl, scan
+from .lifetime import counterfactual, headroom_deciles, multiplicity
+from .load import AnalysisInputError, RunData
+from .stats import check_settings, num, sanitize, setting, unavailable
+from .training import EntropyThresholds, collapse_timing, final_metrics, log_series, training
+
+REPORT_FORMAT, REPORT_VERSION = "hdreplay.report", 1
+REPLAY_SECTIONS = ("acceptance", "replay_kl", "scan", "age_gate", "staleness", "mixing", "headroom_deciles",
+                   "multiplicity", "counterfactual", "phases")
 
 
 @dataclass(frozen=True)
 class ReportSettings:
-    """Knobs of the report.
+    """Knobs of the report (each field's help is also its ``hdreplay report`` option)."""
 
-    kl_window:    running-average window (steps) of the replay-KL curve (paper: 15)
-    n_phases:     equal-count training phases of the phase-wise replay mixture
-    phase_bounds: explicit phase boundaries in steps (overrides n_phases), increasing
-    deciles:      bins of initial stored Headroom
-    score_key / entropy_key: train_log.jsonl keys of the training score S and policy entropy H
-    entropy:      s0, H_L, H_U and hold lengths of the entropy-collapse timing
-    """
-
-    kl_window: int = 15
-    n_phases: int = 4
-    phase_bounds: tuple[int, ...] | None = None
-    deciles: int = 10
-    score_key: str = "reward"
-    entropy_key: str = "entropy"
+    kl_window: int = setting(15, "running-average window of the replay-KL curve, in steps (paper: 15)")
+    n_phases: int = setting(4, "equal-count training phases of the phase-wise replay mixture", flag="--phases")
+    phase_bounds: tuple[int, ...] | None = setting(None, "explicit increasing phase bounds in steps, e.g. 100,200 "
+                                                         "(overrides --phases)")
+    deciles: int = setting(10, "bins of initial stored Headroom")
+    score_key: str = setting("reward", "trainer-log key of the training score S")
+    entropy_key: str = setting("entropy", "trainer-log key of the policy entropy H")
     entropy: EntropyThresholds = field(default_factory=EntropyThresholds)
 
     def __post_init__(self) -> None:
-        for name in ("kl_window", "n_phases", "deciles"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise AnalysisInputError(f"{name} must be an int >= 1, got {v!r}")
+        check_settings(self, counts=("kl_window", "n_phases", "deciles"), flags={"n_phases": "--phases"})
         b = self.phase_bounds
         if b is not None and (not b or any(y <= x for x, y in zip(b, b[1:]))):
-            raise AnalysisInputError(f"phase bounds must be a non-empty increasing list of steps, got {b}")
+            raise AnalysisInputError(f"phase bounds (--phase-bounds) must be a non-empty increasing list of steps, "
+                                     f"got {list(b)}")
 
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+
+def tau_from_label(label: str) -> float | None:
+    """The tau written in a label such as ``"tau=1e-3"``, or None."""
+    m = re.search(r"tau\s*=\s*([0-9.]+(?:[eE][-+]?[0-9]+)?)", label)
+    return num(float(m.group(1))) if m else None
+
+
+def run_info(run: RunData) -> dict[str, Any]:
+    """What a run is: label, path, method, seed, task (run.json), has_replay, selector, k_rep, tau, capacity,
+    adaptive, counterfactual (first step record, else run.json's replay, else the label for tau), replay_steps
+    and log_steps ([first, last] or None), log_source."""
+    rc, steps = run.replay_config, run.steps
+    first = sanitize(steps.iloc[0].to_dict()) if run.has_replay else {}
+    tau = next((t for t in (num(first.get("tau")), num(rc.get("tau")), tau_from_label(run.label)) if t is not None),
+               None)
+    log_steps = col(run.log, "step").dropna()
+    return sanitize({
+        "label": run.label, "path": str(run.path), "method": run.meta.get("method"), "seed": run.meta.get("seed"),
+        "task": run.meta.get("task"), "has_replay": run.has_replay,
+        "selector": first.get("selector") or rc.get("selector") or (None if run.has_replay else "none"),
+        "k_rep": first["k_rep"] if num(first.get("k_rep")) is not None else rc.get("k_rep"), "tau": tau,
+        "capacity": rc.get("capacity"),
+        "adaptive": rc.get("adaptive_tau") is not None or bool(steps["tau_action"].notna().any()),
+        "counterfactual": bool(col(steps, "cf_size").notna().any()) or bool(rc.get("counterfactual")),
+        "replay_steps": [steps["step"].iloc[0], steps["step"].iloc[-1]] if run.has_replay else None,
+        "log_steps": [int(log_steps.min()), int(log_steps.max())] if len(log_steps) else None,
+        "log_source": run.log_source,
+    })
+
+
+def mismatches(infos: Sequence[dict], *, ignore: Sequence[str] = ()) -> list[str]:
+    """Differences that limit a side-by-side comparison (empty for one run); keys in ``ignore`` (e.g. "tau" in a
+    tau sweep) are expected to differ and are not reported."""
+    if len(infos) < 2:
+        return []
+    out = []
+    rep = [i for i in infos if i["has_replay"]]
+    if rep and len(rep) < len(infos):
+        out.append(f"runs without replay diagnostics ({', '.join(i['label'] for i in infos if not i['has_replay'])}):"
+                   f" replay sections compare only {', '.join(i['label'] for i in rep)}; training curves and entropy "
+                   "timing compare all runs")
+
+    def differ(pool: Sequence[dict], key: str) -> dict[str, Any]:
+        known = {i["label"]: i[key] for i in pool if i.get(key) is not None}
+        return known if len({repr(v) for v in known.values()}) > 1 else {}
+
+    for key, what in (("task", "task"), ("selector", "selector"), ("k_rep", "replay budget k_rep"),
+                      ("capacity", "buffer capacity"), ("tau", "initial tau")):
+        d = {} if key in ignore else differ(rep if key in ("k_rep", "capacity", "tau") else infos, key)
+        if d:
+            out.append(f"{what} differs ({', '.join(f'{k}={v}' for k, v in d.items())})"
+                       + (": the runs train on different tasks, compare with care" if key == "task" else ""))
+    for key, what in (("replay_steps", "replay step range"), ("log_steps", "trainer-log step range")):
+        d = differ(infos, key)
+        if d:
+            out.append(f"{what} differs ({', '.join(f'{k}={v[0]}..{v[1]}' for k, v in d.items())}): early/middle/"
+                       "final intervals and phases cover different spans; compare per-step curves on their common steps")
+    if rep and any(i["counterfactual"] for i in rep) and not all(i["counterfactual"] for i in rep):
+        out.append("only some runs logged the same-buffer counterfactual (counterfactual=True)")
+    return out
 
 
 def analyze_run(run: RunData, settings: ReportSettings = ReportSettings()) -> dict[str, Any]:
     """Every section for one loaded run (pure: no I/O).  See the module docstring for the keys."""
     info = run_info(run)
-    out: dict[str, Any] = {"info": info, "problems": list(run.problems)}
-    out["training"] = training(run.train_log, score_key=settings.score_key, entropy_key=settings.entropy_key)
-    out["final_metrics"] = final_metrics(run.metrics)
-    if run.train_log:
-        out["entropy_timing"] = {"available": True, **collapse_timing(
-            log_series(run.train_log, settings.score_key), log_series(run.train_log, settings.entropy_key),
-            settings.entropy)}
-    else:
-        out["entropy_timing"] = unavailable("no train_log.jsonl")
+    out: dict[str, Any] = {"info": info, "problems": list(run.problems),
+                           "training": training(run.log, score_key=settings.score_key, entropy_key=settings.entropy_key),
+                           "final_metrics": final_metrics(run.metrics)}
+    out["entropy_timing"] = ({"available": True, **collapse_timing(
+        log_series(run.log, settings.score_key), log_series(run.log, settings.entropy_key), settings.entropy)}
+        if len(run.log) else unavailable("no trainer log"))
     if not run.has_replay:
         why = ("run without replay diagnostics (no replay/steps.jsonl"
                + (f"; method={info['method']!r}" if info["method"] else "") + ")")
         if run.replay_dir is not None:
             why = f"{run.replay_dir / 'steps.jsonl'} has no usable step records"
-        out.update({k: unavailable(why) for k in REPLAY_SECTIONS})
-        return out
+        return {**out, **{k: unavailable(why) for k in REPLAY_SECTIONS}}
     steps, groups = run.steps, run.groups
-    out["acceptance"] = acceptance(steps)
-    out["replay_kl"] = replay_kl(steps, window=settings.kl_window)
-    out["scan"] = scan(steps)
-    out["age_gate"] = age_gate(steps)
-    out["staleness"] = staleness(steps, groups)
-    out["mixing"] = {"available": True, **mixing(steps)}
-    out["headroom_deciles"] = headroom_deciles(groups, n_bins=settings.deciles)
-    out["multiplicity"] = multiplicity(groups)
-    out["counterfactual"] = counterfactual(steps)
-    out["phases"] = phase_mixture(steps, n_phases=settings.n_phases, bounds=settings.phase_bounds)
-    return out
+    return {**out, "acceptance": acceptance(steps), "replay_kl": replay_kl(steps, window=settings.kl_window),
+            "scan": scan(steps), "age_gate": age_gate(steps), "staleness": staleness(steps, groups),
+            "mixing": {"available": True, **mixing(steps)},
+            "headroom_deciles": headroom_deciles(groups, n_bins=settings.deciles),
+            "multiplicity": multiplicity(groups), "counterfactual": counterfactual(steps),
+            "phases": phase_mixture(steps, n_phases=settings.n_phases, bounds=settings.phase_bounds)}
 
 
 def build_report(runs: Sequence[RunData], settings: ReportSettings = ReportSettings(), *,
@@ -116,16 +151,11 @@ def build_report(runs: Sequence[RunData], settings: ReportSettings = ReportSetti
     labels = [r.label for r in runs]
     if len(set(labels)) != len(labels):
         raise AnalysisInputError(f"run labels must be unique, got {labels}")
-    with closing(progress(runs, desc="analysing runs", enabled=show_progress)) as it:
-        analyses = {r.label: analyze_run(r, settings) for r in it}
-    return sanitize({
-        "format": REPORT_FORMAT,
-        "version": REPORT_VERSION,
-        "settings": settings.to_dict(),
-        "runs": analyses,
-        "comparison": {"labels": labels, "mismatches": mismatches([a["info"] for a in analyses.values()])},
-        "figures": {},
-    })
+    with tqdm(runs, desc="analysing runs", disable=not show_progress, leave=False) as bar:
+        analyses = {r.label: analyze_run(r, settings) for r in bar}
+    return sanitize({"format": REPORT_FORMAT, "version": REPORT_VERSION, "settings": asdict(settings),
+                     "runs": analyses, "figures": {},
+                     "comparison": {"labels": labels, "mismatches": mismatches([a["info"] for a in analyses.values()])}})
 
 
 def write_report(report: dict[str, Any], out_dir: str | os.PathLike, *, figures: bool = True,
@@ -145,70 +175,3 @@ def write_report(report: dict[str, Any], out_dir: str | os.PathLike, *, figures:
     paths["json"] = atomic_write_text(out / "report.json", json.dumps(report, indent=1, allow_nan=False) + "\n")
     paths["markdown"] = atomic_write_text(out / "report.md", render_report(report))
     return paths
-
-
-def _parse_bounds(text: str) -> tuple[int, ...]:
-    try:
-        return tuple(int(x) for x in text.split(",") if x.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--phase-bounds takes comma-separated steps, e.g. 100,200; got {text!r}")
-
-
-def report_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="hdreplay report", description="Replay analytics report for one or more runs.")
-    ap.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run directories (compared side by side)")
-    ap.add_argument("--out", help="output directory (default: RUN_DIR/report for one run, ./hdreplay-report)")
-    ap.add_argument("--label", action="append", default=None,
-                    help="label of each run, in order (default: the directory names)")
-    ap.add_argument("--on-bad-line", choices=ON_BAD_LINE, default="skip",
-                    help="malformed JSONL line: skip it with a warning naming file:line (default) or stop")
-    ap.add_argument("--score-key", default="reward", help="train_log key of the training score S")
-    ap.add_argument("--entropy-key", default="entropy", help="train_log key of the policy entropy H")
-    ap.add_argument("--score-anchor", type=float, default=0.40, help="score anchor s0 (paper: 0.40)")
-    ap.add_argument("--entropy-low", type=float, default=0.03, help="low-entropy threshold H_L (paper: 0.03)")
-    ap.add_argument("--entropy-high", type=float, default=0.04, help="rebound threshold H_U (paper: 0.04)")
-    ap.add_argument("--kl-window", type=int, default=15, help="running-average window of replay KL")
-    ap.add_argument("--phases", type=int, default=4, help="number of equal-count training phases")
-    ap.add_argument("--phase-bounds", type=_parse_bounds, default=None, help="explicit phase bounds, e.g. 100,200")
-    ap.add_argument("--no-figures", action="store_true", help="write markdown and JSON only")
-    ap.add_argument("--no-progress", action="store_true", help="no progress bars")
-    return ap
-
-
-def main_report(argv: list[str] | None = None) -> int:
-    """Entry point of ``hdreplay report``; prints the output paths.  Returns 0, or 2 (message on
-    stderr) for bad input: missing / empty / non-run directories, a bad line with --on-bad-line stop,
-    invalid settings, matplotlib missing, an unwritable output directory."""
-    args = report_parser().parse_args(argv)
-    show = not args.no_progress
-    try:
-        settings = ReportSettings(
-            kl_window=args.kl_window, n_phases=args.phases, phase_bounds=args.phase_bounds,
-            score_key=args.score_key, entropy_key=args.entropy_key,
-            entropy=EntropyThresholds(score_anchor=args.score_anchor, entropy_low=args.entropy_low,
-                                      entropy_high=args.entropy_high))
-        labels = args.label or [Path(p).resolve().name or str(p) for p in args.runs]
-        if len(labels) != len(args.runs):
-            raise AnalysisInputError(f"{len(labels)} --label values for {len(args.runs)} run directories; "
-                                     "give one label per run or none")
-        labels = unique_labels(labels)
-        with closing(progress(list(zip(args.runs, labels)), desc="loading runs", enabled=show)) as it:
-            runs = [load_run(p, label=lab, on_bad_line=args.on_bad_line, warn=False) for p, lab in it]
-        for r in runs:
-            for msg in r.problems:
-                print(f"warning: {msg}", file=sys.stderr)
-        report = build_report(runs, settings, show_progress=show)
-        out = Path(args.out) if args.out else (Path(args.runs[0]) / "report" if len(runs) == 1
-                                                else Path("hdreplay-report"))
-        paths = write_report(report, out, figures=not args.no_figures, show_progress=show)
-    except (AnalysisInputError, OSError) as e:
-        print(f"hdreplay report: error: {e}", file=sys.stderr)
-        return 2
-    for msg in report["comparison"]["mismatches"]:
-        print(f"note: {msg}", file=sys.stderr)
-    print(f"report: {paths['markdown']}")
-    print(f"json:   {paths['json']}")
-    for name, p in paths.items():
-        if name.startswith("figure:"):
-            print(f"figure: {p}")
-    return 0

@@ -3,10 +3,12 @@
 Output directory layout:
     compare.json                 the comparison's settings (a different run refuses to reuse the dir)
     runs/<method>/seed<k>/       one run directory each (see runner.py)
+    signatures/<label>/          the extra mechanism-signature runs (``--signatures``), signatures/tau_sweep/
     summary.md, summary.json     tables and numbers (summary.py): held-out Best@n / Mean@n, the regime
                                  (zero-variance share, acceptance, generation share), paired differences
                                  against Headroom-Drift with bootstrap intervals, efficiency curves
-    plots/*.png                  figures (plots.py)
+    signatures.md, .json         the paper's mechanism signatures, one verdict each (signatures.py)
+    plots/*.png                  figures (plots.py, signature_plots.py)
 
 The warm start is cached once per settings hash in the shared cache directory
 (:func:`hdreplay_lab.sandbox.warmstart.default_cache_dir`), reused by demo, compare and calibrate.
@@ -20,117 +22,160 @@ prompt order (runner.py).  Runs are independent processes of ``workers`` at a ti
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from .methods import get_methods
+from hdreplay.config import ReplayConfig
+from hdreplay.errors import ReplayConfigError
+
+from ..options import arg
+from .methods import COMPARE_METHODS, METHODS, SEARCH_METHODS, Method, get_methods
 from .runner import RunSpec, is_finished
-from .tasks import get_task
+from .tasks import TASKS, get_task
 
 FORMAT = "hdreplay.compare"
+#: the sandbox's replay defaults where they differ from ReplayConfig's (tau: 1e-2 suits this tiny model's
+#: step-to-step drift; capacity: a few steps of admitted groups, the task's ``capacity_per_b`` x b, as the
+#: paper's 512 groups at b = 128..256)
+SANDBOX_TAU = 1e-2
 
 
 @dataclass
 class CompareConfig:
-    task: str = "mix"
-    methods: tuple[str, ...] = ()
-    seeds: int = 5
-    steps: int = 120
-    prompts_per_step: int = 16
-    generations: int = 8
-    lr: float = 1e-4
-    tau: float = 1e-2
-    capacity: int | None = None  # None = the task's buffer_steps x prompts_per_step (see __post_init__)
-    eval_n: int = 8
-    ingress: str = "mixed"
-    answer_threshold: float | None = None
-    model: str | None = None  # a local causal-LM checkpoint; None = the warm-started tiny model
-    latency_ms: float | None = None  # per tool call (search task); None = the task's default
-    #: modelled rollout cost (a sleep per generated token at TRL's generation seam) used while training
-    rollout_ms_per_token: float = 0.0
-    #: the per-token cost of the summary's modelled wall-clock column (computed, not slept); None = the
-    #: smallest cost that makes generation 2/3 of on-policy b's measured step (regime.cost_for_share)
-    modelled_ms_per_token: float | None = None
-    #: held-out curve every k steps on the first curve_prompts prompts per benchmark, curve_n samples each
-    eval_every: int = 20
-    curve_prompts: int = 30
-    curve_n: int = 4
-    #: accuracy for "cost to reach"; None = the final seed-mean curve value of on-policy b
-    target: float | None = None
-    #: parallel runs (one process each, one torch thread each); None = 2 on a machine with >= 2 cores
-    workers: int | None = None
-    #: also run the mechanism-signature runs (seed 0 of Headroom-Drift at tau / 10 and tau x 10, one with the
-    #: same-buffer counterfactual, hdr_l1 and hdr_advantage unless in methods) and write signatures.md
-    signatures: bool = True
+    """The paper's role-aligned comparison at small scale: every method x seed trained on one sandbox task from the
+    same warm start and prompt order, then evaluated on its held-out benchmarks."""
+
+    task: str = arg("mix", f"sandbox task: one of {sorted(TASKS)}")
+    methods: tuple[str, ...] | None = arg(
+        None, f"comma-separated methods from {list(METHODS)} (unset: {','.join(COMPARE_METHODS)}; with --task "
+              f"search: {','.join(SEARCH_METHODS)})")
+    seeds: int = arg(5, "seeds per method (>= 1)")
+    steps: int = arg(120, "optimizer steps per run (>= 1)")
+    prompts_per_step: int = arg(16, "b: fresh groups per step (even, so that b/2 and 1.5b are whole groups)")
+    generations: int = arg(8, "n: responses per group (>= 2)")
+    lr: float = arg(1e-4, "learning rate (finite, > 0)")
+    eval_n: int = arg(8, "samples per held-out prompt (Mean@n / Best@n)")
+    model: str | None = arg(None, "local causal-LM checkpoint instead of the warm-started tiny model")
+    latency_ms: float | None = arg(None, "search task: environment latency per tool call in ms (unset: the task's 5)")
+    rollout_ms_per_token: float = arg(0.0, "modelled rollout cost slept per generated token while training, ms "
+                                           "(a sleep at TRL's generation seam; 0 = native CPU sampling)")
+    modelled_ms_per_token: float | None = arg(
+        None, "per-token rollout cost (ms) of the summary's modelled wall-clock column, computed not slept (unset: "
+              "the smallest cost that makes generation 2/3 of on-policy b's measured step)")
+    eval_every: int = arg(20, "held-out curve every k steps (0 = no curve)")
+    curve_prompts: int = arg(30, "held-out prompts per benchmark for the curve")
+    curve_n: int = arg(4, "samples per prompt for the curve")
+    target: float | None = arg(None, "Mean@n the cost-to-reach columns use (unset: on-policy b's final curve value)")
+    workers: int | None = arg(None, "runs in parallel, one process and one torch thread each (unset: 2 on >= 2 "
+                                    "cores)")
+    signatures: bool = arg(True, "also run the mechanism-signature runs (seed 0 of Headroom-Drift at tau / 10 and "
+                                 "tau x 10, with the same-buffer counterfactual, hdr_l1 and hdr_advantage unless in "
+                                 "--methods) and write signatures.md")
+    #: replay settings shared by the methods (ReplayConfig knob -> value); each method sets its own selector, and
+    #: k_rep = r sets the replay budget of the b + r methods (b + 2r ones get 2r); unset: r = b/2, tau = 1e-2,
+    #: capacity = the task's capacity_per_b x b, the rest ReplayConfig's defaults
+    replay: dict = arg(default_factory=dict, knobs=True)
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         task = get_task(self.task)  # names the valid tasks
-        if self.capacity is None:
-            # The buffer should hold a few steps of *admitted* groups, as in the paper (512 groups at b = 256
-            # and b = 128). Tasks whose fresh groups are mostly mixed use 4 b; the difficulty mixture, whose
-            # groups are half zero-variance, 2 b.
-            per_b = getattr(task, "capacity_per_b", 4)
-            self.capacity = per_b * self.prompts_per_step if isinstance(self.prompts_per_step, int) else 64
+        if self.methods is None:
+            self.methods = SEARCH_METHODS if task.is_multiturn else COMPARE_METHODS
+        self.methods = tuple(self.methods)
+        if not self.methods:
+            raise ValueError(f"--methods names no method; give one or more of {list(METHODS)}, comma-separated")
+        for name in ("seeds", "steps", "prompts_per_step", "eval_n", "curve_prompts", "curve_n"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be an integer >= 1, got {v!r}")
+        if isinstance(self.generations, bool) or not isinstance(self.generations, int) or self.generations < 2:
+            raise ValueError(f"--generations must be >= 2 (a group needs several responses), got {self.generations!r}")
+        if isinstance(self.eval_every, bool) or not isinstance(self.eval_every, int) or self.eval_every < 0:
+            raise ValueError(f"--eval-every must be an integer >= 0 (0 = no curve), got {self.eval_every!r}")
         if self.workers is None:
             self.workers = min(2, os.cpu_count() or 1)
-        methods = get_methods(self.methods)  # names the valid methods
-        for m in methods:
-            m.fresh_groups(self.prompts_per_step)
-            m.replay_groups(self.prompts_per_step)
-        for name in ("seeds", "steps", "prompts_per_step", "eval_n", "capacity", "curve_prompts", "curve_n",
-                     "workers"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or v < 1:
-                raise ValueError(f"--{name.replace('_', '-')} must be an integer >= 1, got {v!r}")
-        if not isinstance(self.eval_every, int) or self.eval_every < 0:
-            raise ValueError(f"--eval-every must be an integer >= 0 (0 = no curve), got {self.eval_every!r}")
-        if not isinstance(self.generations, int) or self.generations < 2:
-            raise ValueError(f"--generations must be >= 2 (a group needs several responses), got {self.generations!r}")
-        if not (self.tau >= 0):
-            raise ValueError(f"--tau must be >= 0, got {self.tau!r}")
-        for name in ("rollout_ms_per_token", "modelled_ms_per_token"):
-            if getattr(self, name) is not None and not (getattr(self, name) >= 0):
-                raise ValueError(f"--{name.replace('_', '-')} must be >= 0 milliseconds, got {getattr(self, name)!r}")
-        if self.target is not None and not (0 < self.target <= 1):
+        if isinstance(self.workers, bool) or not isinstance(self.workers, int) or self.workers < 1:
+            raise ValueError(f"--workers must be an integer >= 1, got {self.workers!r}")
+        _finite("lr", self.lr, above=0.0)
+        _finite("rollout-ms-per-token", self.rollout_ms_per_token, at_least=0.0)
+        if self.modelled_ms_per_token is not None:
+            _finite("modelled-ms-per-token", self.modelled_ms_per_token, at_least=0.0)
+        if self.target is not None and not (isinstance(self.target, (int, float)) and 0 < self.target <= 1):
             raise ValueError(f"--target must be a Mean@n in (0, 1], got {self.target!r}")
-        if self.ingress == "answer" and self.answer_threshold is None:
-            self.answer_threshold = task.answer_threshold
-            if self.answer_threshold is None:
-                raise ValueError(f"--ingress answer needs --answer-threshold (task {task.name} has no default)")
-        if self.ingress not in ("mixed", "answer"):
-            raise ValueError(f"--ingress must be 'mixed' or 'answer', got {self.ingress!r}")
         if self.latency_ms is None:
             self.latency_ms = float(getattr(task, "default_latency_ms", 0.0))
-        if not (self.latency_ms >= 0):
-            raise ValueError(f"--latency-ms must be >= 0, got {self.latency_ms!r}")
+        _finite("latency-ms", self.latency_ms, at_least=0.0)
+        if "selector" in self.replay:
+            raise ValueError("--replay.selector: each method sets its own selector; choose methods with --methods "
+                             f"(e.g. --methods headroom_drift,drift_only; valid: {list(METHODS)})")
+        if "tau" in self.replay:
+            _finite("replay.tau", self.replay["tau"], at_least=0.0)
+        if self.replay.get("ingress") == "answer" and self.replay.get("answer_threshold") is None:
+            if task.answer_threshold is None:
+                raise ValueError(f"--ingress answer needs --answer-threshold (task {task.name} has no default)")
+            self.replay["answer_threshold"] = task.answer_threshold
+        for m in get_methods(self.methods):  # names the valid methods; checks b against each method's budget
+            self.replay_config(m)
+
+    def replay_config(self, method: Method) -> dict:
+        """Every replay setting of ``method``'s runs (validated; refusals name the --replay.<knob> option).
+
+        The method's own choices: selector and k_rep; Drift norm and Headroom weighting unless --replay.<knob> sets
+        them; tau x its ``tau_scale``.  Recency replay also re-scores what it picks (``diagnose_ungated``, unless
+        set), so gated and ungated replay KL compare."""
+        b = self.prompts_per_step
+        method.fresh_groups(b)
+        k_rep = method.replay_groups(b)  # both refuse a b that makes b/2 or 1.5b fractional
+        r = self.replay.get("k_rep")
+        if method.replay_mult and r is not None:
+            k_rep = round(2 * method.replay_mult * r) if isinstance(r, int) and not isinstance(r, bool) else r
+        per_b = getattr(get_task(self.task), "capacity_per_b", 4)
+        values = {"tau": SANDBOX_TAU, "capacity": per_b * b, "diagnose_ungated": method.selector == "recency",
+                  "drift_norm": method.drift_norm, "headroom_weighting": method.headroom_weighting,
+                  **self.replay, "selector": method.selector, "k_rep": k_rep}
+        if isinstance(values["tau"], (int, float)) and not isinstance(values["tau"], bool):
+            values["tau"] = values["tau"] * method.tau_scale
+        try:
+            cfg = ReplayConfig.from_flat(values, label=lambda n: f"--replay.{n}")
+        except ReplayConfigError as e:
+            raise ValueError(f"{e} (method {method.name})" if method.replay_mult else str(e)) from None
+        return {k: v for k, v in cfg.to_dict().items() if k != "group_size"}
+
+    @property
+    def tau(self) -> float:
+        return float(self.replay.get("tau", SANDBOX_TAU))
+
+    def spec(self, method: str, seed: int) -> RunSpec:
+        return RunSpec(task=self.task, method=method, seed=seed, steps=self.steps,
+                       prompts_per_step=self.prompts_per_step, generations=self.generations, lr=self.lr,
+                       eval_n=self.eval_n, replay=self.replay_config(METHODS[method]),
+                       rollout_ms_per_token=self.rollout_ms_per_token, eval_every=self.eval_every,
+                       curve_prompts=self.curve_prompts, curve_n=self.curve_n,
+                       extra={**self.extra, "latency_s": self.latency_ms / 1000.0})
 
     def signature_runs(self) -> dict[str, RunSpec]:
-        """label -> spec of the extra signature runs (all Headroom-Drift, seed 0; see ``signatures``)."""
+        """label -> spec of the extra signature runs (seed 0; see ``signatures``)."""
         if not self.signatures:
             return {}
-        out = {}
-        for t in (self.tau / 10, self.tau * 10):
-            out[f"tau={t:g}"] = replace(self.spec("headroom_drift", 0), tau=t)
-        out["counterfactual"] = replace(self.spec("headroom_drift", 0), counterfactual=True)
+        hdr = self.spec("headroom_drift", 0)
+        out = {f"tau={t:g}": replace(hdr, replay={**hdr.replay, "tau": t}) for t in (self.tau / 10, self.tau * 10)}
+        out["counterfactual"] = replace(hdr, replay={**hdr.replay, "counterfactual": True})
         for name in ("hdr_l1", "hdr_advantage"):
             if name not in self.methods:  # already paired over every seed when named in --methods
                 out[name] = self.spec(name, 0)
         return out
 
-    def spec(self, method: str, seed: int) -> RunSpec:
-        m = get_methods([method])[0]
-        return RunSpec(task=self.task, method=method, seed=seed, steps=self.steps,
-                       prompts_per_step=self.prompts_per_step, generations=self.generations, lr=self.lr,
-                       tau=self.tau * m.tau_scale, capacity=self.capacity, eval_n=self.eval_n, ingress=self.ingress,
-                       answer_threshold=self.answer_threshold, rollout_ms_per_token=self.rollout_ms_per_token,
-                       eval_every=self.eval_every, curve_prompts=self.curve_prompts, curve_n=self.curve_n,
-                       # recency replay re-scores what it picks, so gated and ungated replay KL can be compared
-                       diagnose_ungated=m.selector == "recency",
-                       extra={**self.extra, "latency_s": self.latency_ms / 1000.0})
+
+def _finite(name: str, v, *, above: float | None = None, at_least: float | None = None) -> None:
+    ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    ok = ok and (above is None or v > above) and (at_least is None or v >= at_least)
+    if not ok:
+        bound = f"> {above:g}" if above is not None else f">= {at_least:g}"
+        raise ValueError(f"--{name} must be a finite number {bound}, got {v!r}")
 
 
 #: settings that change no finished run (how many run at once, how many seeds / which methods / signature runs
@@ -138,58 +183,75 @@ class CompareConfig:
 RUN_NEUTRAL = ("workers", "modelled_ms_per_token", "target", "seeds", "methods", "signatures")
 
 
-def _stored(cfg: CompareConfig) -> dict:
+def _marker(cfg: CompareConfig) -> dict:
     return json.loads(json.dumps({"format": FORMAT, "config": asdict(cfg)}))  # as stored (tuples -> lists)
 
 
-def _identity(stored: dict) -> dict:
+def _identity(marker: dict) -> dict:
     """What must match for finished runs to be reused: everything but :data:`RUN_NEUTRAL`."""
-    return {**stored, "config": {k: v for k, v in stored.get("config", {}).items() if k not in RUN_NEUTRAL}}
+    return {**marker, "config": {k: v for k, v in marker.get("config", {}).items() if k not in RUN_NEUTRAL}}
+
+
+def check_out_dir(out: Path, cfg: CompareConfig, overwrite: bool) -> bool:
+    """Refuse (FileExistsError) a path that is a file, or a directory holding something else than this comparison
+    unless ``overwrite``.  Returns whether a different comparison's outputs must be cleared.  Writes nothing."""
+    if out.exists() and not out.is_dir():
+        raise FileExistsError(f"--out {out} is a file; --out takes a directory (new, or one this command wrote)")
+    if not out.exists() or not any(out.iterdir()):
+        return False
+    try:
+        have = _identity(json.loads((out / "compare.json").read_text()))
+    except (OSError, json.JSONDecodeError):
+        have = None
+    if have is None and not overwrite:
+        raise FileExistsError(f"{out} exists and is not an hdreplay comparison directory; choose another --out or "
+                              "pass --overwrite")
+    want = _identity(_marker(cfg))
+    if have is not None and have != want and not overwrite:
+        diff = sorted(k for k in set(have.get("config", {})) | set(want["config"])
+                      if have.get("config", {}).get(k) != want["config"].get(k))
+        raise FileExistsError(f"{out} holds a different comparison (differs in {diff}); choose another --out or pass "
+                              "--overwrite to replace it")
+    return have is not None and have != want
+
+
+def check_compare(cfg: CompareConfig, out: Path, overwrite: bool) -> Path | None:
+    """Everything about ``out`` and ``cfg.model`` that can be refused before anything is written; returns the
+    model directory (None: the warm-started tiny model)."""
+    model_dir = None if cfg.model is None else check_model(Path(cfg.model))
+    check_out_dir(out, cfg, overwrite)
+    return model_dir
 
 
 def prepare_out_dir(out: Path, cfg: CompareConfig, overwrite: bool) -> None:
-    """Refuse a directory holding a different run unless ``overwrite``; never delete anything else."""
-    marker = out / "compare.json"
-    stored = _stored(cfg)
-    want = _identity(stored)
-    if out.exists() and any(out.iterdir()):
-        if not marker.is_file():
-            if not overwrite:
-                raise FileExistsError(f"{out} exists and is not an hdreplay comparison directory; choose another "
-                                      "--out or pass --overwrite")
-        else:
-            have = _identity(json.loads(marker.read_text()))
-            if have != want and not overwrite:
-                diff = sorted(k for k in set(have.get("config", {})) | set(want["config"])
-                              if have.get("config", {}).get(k) != want["config"].get(k))
-                raise FileExistsError(f"{out} holds a different comparison (differs in {diff}); choose another "
-                                      "--out or pass --overwrite to replace it")
-            if have != want and overwrite:
-                for sub in ("runs", "plots"):
-                    shutil.rmtree(out / sub, ignore_errors=True)
-                for f in ("summary.md", "summary.json"):
-                    (out / f).unlink(missing_ok=True)
+    """:func:`check_out_dir`, then clear a different comparison's outputs (never anything else) and mark ``out``."""
+    if check_out_dir(out, cfg, overwrite):
+        for sub in ("runs", "signatures", "plots"):
+            shutil.rmtree(out / sub, ignore_errors=True)
+        for f in ("summary.md", "summary.json", "signatures.md", "signatures.json"):
+            (out / f).unlink(missing_ok=True)
     out.mkdir(parents=True, exist_ok=True)
-    marker.write_text(json.dumps(stored, indent=2))
+    (out / "compare.json").write_text(json.dumps(_marker(cfg), indent=2))
 
 
 def run_compare(cfg: CompareConfig, out: Path, *, overwrite: bool = False, log=print, progress: bool = True,
-                demo: bool = False) -> dict:
-    """Run every method x seed not finished yet (``cfg.workers`` at a time) and write the summary."""
+                model_dir: Path | None = None, demo: bool = False) -> dict:
+    """Run every method x seed (and signature run) not finished yet, ``cfg.workers`` at a time, and write the
+    summary.  ``model_dir``: what :func:`check_compare` returned, when the caller ran it; else it runs here."""
     from .model import load_model  # noqa: F401  (fail early if transformers is missing)
+    from .pool import run_jobs
     from .summary import write_summary
     from .warmstart import warm_start
 
     out = Path(out)
     t0 = time.perf_counter()
     load0 = os.getloadavg()
+    if model_dir is None:
+        model_dir = check_compare(cfg, out, overwrite)  # before anything is written
     prepare_out_dir(out, cfg, overwrite)
     task = get_task(cfg.task)
     methods = get_methods(cfg.methods)
-    if cfg.model is not None:
-        check_model(Path(cfg.model))
-        model_dir = Path(cfg.model)
-    else:
+    if model_dir is None:
         log("warm start (cached once per settings in the shared cache directory) ...")
         model_dir = warm_start(task, log=log)
     jobs, done = [], 0
@@ -204,8 +266,6 @@ def run_compare(cfg: CompareConfig, out: Path, *, overwrite: bool = False, log=p
         jobs.append((spec, run_dir))
     if done:
         log(f"resuming: {done} finished run(s) kept, {len(jobs)} to run")
-    from .pool import run_jobs
-
     run_jobs(cfg, jobs, model_dir, total_steps=cfg.steps * (len(jobs) + done), done_steps=cfg.steps * done,
              progress=progress)
     env = {"wall_s": time.perf_counter() - t0, "runs_trained": len(jobs), "runs_reused": done,
@@ -219,10 +279,12 @@ def run_compare(cfg: CompareConfig, out: Path, *, overwrite: bool = False, log=p
     return summary
 
 
-def check_model(path: Path) -> None:
+def check_model(path: Path) -> Path:
+    """``path`` if it loads as a causal LM; ValueError naming --model otherwise."""
     from .model import load_model
 
     try:
         load_model(path)
     except (OSError, ValueError, KeyError) as e:
         raise ValueError(f"--model {path}: not a loadable causal-LM checkpoint ({e})") from e
+    return path

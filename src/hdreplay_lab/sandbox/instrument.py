@@ -6,8 +6,8 @@
   seams that see a step's fresh rollouts: ``_generate`` (generated tokens, generation seconds, the
   modelled rollout cost) and ``_calculate_rewards`` (the prompts in order and the per-group reward
   variance).  Both post-process TRL's own result; nothing of TRL is copied.
-* :class:`Recorder`, a ``TrainerCallback``: step timing, the held-out curve every ``eval_every`` steps,
-  and one line of ``train_log.jsonl`` per step.
+* :class:`Instrument`, a ``TrainerCallback``: adds them to each step's log entry (which hdreplay's
+  ``HDRLogCallback`` writes to ``train_log.jsonl``), and runs the held-out curve every ``eval_every`` steps.
 
 Modelled rollout cost
 ---------------------
@@ -17,16 +17,15 @@ many milliseconds per generated token after TRL's ``_generate`` (the idea of ben
 A sleep uses no CPU, so the cost is exact and independent of machine load; it is recorded in
 ``run.json`` and every ``train_log.jsonl`` line carries the step's generated tokens and its cumulative
 count, so the wall-clock of the same run under any other per-token cost is
-``wall_s + (c' - c) * cum_gen_tokens`` (:func:`hdreplay_lab.sandbox.curves.wall_at_cost`).
+``train_s + (c' - c) * cum_gen_tokens`` (:func:`hdreplay_lab.sandbox.curves.wall_at_cost`).
 
-train_log.jsonl keys added here (besides TRL's own log entries)
-    step_s          seconds of this optimizer step (excluding held-out evaluation)
-    wall_s          seconds since training began, held-out evaluation time excluded
+train_log.jsonl keys added here (besides TRL's log entries and HDRLogCallback's wall_s / step_s)
+    train_s         seconds since training began, held-out evaluation time excluded
     gen_s           seconds inside ``_generate`` this step (including the modelled cost)
     gen_tokens      completion tokens generated this step; cum_gen_tokens: since step 1
     groups          fresh groups this step; zero_var_groups: those whose rewards are all equal
     zero_variance_share   zero_var_groups / groups (for every method, replay or not)
-    prompts         the fresh prompts of this step in the sampler's order (one per group)
+prompts.jsonl: {"step", "prompts"}: the fresh prompts of each step in the sampler's order (one per group)
 """
 
 from __future__ import annotations
@@ -113,33 +112,34 @@ def _prompt_key(row: dict) -> str:
     return p if isinstance(p, str) else json.dumps(p)
 
 
-class Recorder:
-    """A ``TrainerCallback``: step timing, the held-out curve, ``train_log.jsonl`` and a progress hook.
+class Instrument:
+    """A ``TrainerCallback`` placed before hdreplay's ``HDRLogCallback``: adds this step's measurements (StepStats)
+    to the step's log entry, so train_log.jsonl (and TensorBoard) carry them; writes ``prompts.jsonl``; runs the
+    held-out curve.
 
-    ``curve_fn(step)`` evaluates the current model (returns a dict) every ``eval_every`` steps and at
-    step 0; its time is excluded from ``wall_s``.  Built lazily so importing this module does not import
-    transformers.
+    ``curve_fn()`` evaluates the current model (returns a dict) every ``eval_every`` steps, at the last step and at
+    step 0; its time is excluded from ``train_s`` (and from the curve's ``wall_s``).  Built lazily so importing
+    this module does not import transformers.
     """
 
     def __new__(cls, *a, **k):
         from transformers import TrainerCallback
 
-        class _Recorder(TrainerCallback):
+        class _Instrument(TrainerCallback):
             def __init__(self, run_dir: Path, stats: StepStats, *, curve_fn: Callable[[], dict] | None = None,
-                         eval_every: int = 0, fresh_per_step: int = 0, on_step: Callable[[int], None] | None = None):
+                         eval_every: int = 0, fresh_per_step: int = 0):
                 self.stats, self.curve_fn, self.eval_every = stats, curve_fn, eval_every
-                self.fresh_per_step, self.on_step = fresh_per_step, on_step
-                self.t0 = self.t_step = None
+                self.fresh_per_step = fresh_per_step
+                self.t0 = None
                 self.eval_s = 0.0
-                self.step_times: list[float] = []
-                self.log = open(run_dir / "train_log.jsonl", "w")
+                self.prompts = open(run_dir / "prompts.jsonl", "w")
                 self.curve = open(run_dir / "curve.jsonl", "w") if curve_fn else None
 
-            def _wall(self) -> float:
+            def _train_s(self) -> float:
                 return time.perf_counter() - self.t0 - self.eval_s
 
             def _evaluate(self, step: int) -> None:
-                wall = self._wall() if step else 0.0
+                wall = self._train_s() if step else 0.0
                 t = time.perf_counter()
                 res = self.curve_fn()
                 self.eval_s += time.perf_counter() - t
@@ -153,30 +153,21 @@ class Recorder:
                 if self.curve_fn:
                     self._evaluate(0)
 
-            def on_step_begin(self, args, state, control, **kw):
-                self.t_step = time.perf_counter()
-
-            def on_step_end(self, args, state, control, **kw):
-                self.step_times.append(time.perf_counter() - self.t_step)
-                if self.on_step:
-                    self.on_step(1)
-
             def on_log(self, args, state, control, logs=None, **kw):
-                if not logs or "loss" not in logs:
+                if logs is None or "loss" not in logs:
                     return
-                rec = {"step": state.global_step, **{k: v for k, v in logs.items() if isinstance(v, (int, float))},
-                       "wall_s": self._wall(), "step_s": self.step_times[-1] if self.step_times else None,
-                       **self.stats.take()}
-                self.log.write(json.dumps(rec) + "\n")
-                self.log.flush()
-                # the curve point after this step's bookkeeping (cum_gen_tokens now includes the step)
                 step = state.global_step
+                took = self.stats.take()
+                self.prompts.write(json.dumps({"step": step, "prompts": took.pop("prompts")}) + "\n")
+                self.prompts.flush()
+                logs.update({k: v for k, v in took.items() if v is not None}, train_s=self._train_s())
+                # the curve point after this step's bookkeeping (cum_gen_tokens now includes the step)
                 if self.curve_fn and self.eval_every and (step % self.eval_every == 0 or step == args.max_steps):
                     self._evaluate(step)
 
             def close(self):
-                self.log.close()
+                self.prompts.close()
                 if self.curve:
                     self.curve.close()
 
-        return _Recorder(*a, **k)
+        return _Instrument(*a, **k)

@@ -158,10 +158,7 @@ def train_score(pdir: Path, out: Path, summary: dict, window: int = 15) -> str:
 
 
 def _running(y, w: int) -> np.ndarray:
-    y = np.asarray([np.nan if v is None else v for v in y], dtype=np.float64)
-    out = np.empty_like(y)
-    for i in range(len(y)):
-        seg = y[max(0, i - w + 1):i + 1]
-        seg = seg[np.isfinite(seg)]
-        out[i] = seg.mean() if seg.size else np.nan
-    return out
+    """Trailing mean over the last ``w`` points, missing (None / NaN) points skipped."""
+    import pandas as pd
+
+    return pd.Series([np.nan if v is None else v for v in y], dtype=float).rolling(w, min_periods=1).mean().to_numpy()

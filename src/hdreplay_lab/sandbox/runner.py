@@ -2,9 +2,10 @@
 
 Run directory layout (what ``hdreplay report`` and the comparison summary read):
     run.json          method, seed, task and every setting (incl. the modelled rollout cost, torch threads)
-    train_log.jsonl   TRL's log entries, one per step (reward, entropy, loss, replay/* ...)
-                      plus the per-step measurements of instrument.py (wall_s, step_s, generation
-                      seconds and tokens, zero-variance share, the step's prompts)
+    train_log.jsonl   TRL's log entries, one per step (reward, entropy, loss, replay/* ...), written by
+                      hdreplay's HDRLogCallback (wall_s, step_s), plus the per-step measurements of
+                      instrument.py (train_s, generation seconds and tokens, zero-variance share)
+    prompts.jsonl     the fresh prompts of each step in the sampler's order (instrument.py)
     curve.jsonl       held-out macro Mean@n on a prompt subset every ``eval_every`` steps (and step 0)
     replay/           steps.jsonl, groups.jsonl (replay methods only)
     trl/runs/         TensorBoard event files written through TRL's report_to
@@ -28,7 +29,7 @@ from typing import Callable
 from hdreplay.atomic import atomic_write_text
 
 from ..env import configure_threads, offline_env
-from .instrument import Recorder, StepStats, sandbox_trainer_class
+from .instrument import Instrument, StepStats, sandbox_trainer_class
 from .methods import Method
 from .tasks import Task
 
@@ -46,13 +47,9 @@ class RunSpec:
     prompts_per_step: int = 16  # b
     generations: int = 8  # n
     lr: float = 1e-4
-    tau: float = 1e-3
-    capacity: int = 512
     eval_n: int = 8
-    ingress: str = "mixed"
-    answer_threshold: float | None = None
-    counterfactual: bool = False
-    adaptive_tau: dict | None = None
+    #: every ReplayConfig knob of the run (selector and k_rep included), as CompareConfig.replay_config gives them
+    replay: dict = field(default_factory=dict)
     #: modelled rollout cost, milliseconds per generated token (instrument.py); 0 = native CPU sampling
     rollout_ms_per_token: float = 0.0
     #: held-out curve every ``eval_every`` steps (0 = off) on the first ``curve_prompts`` prompts of each
@@ -60,8 +57,6 @@ class RunSpec:
     eval_every: int = 0
     curve_prompts: int = 50
     curve_n: int = 4
-    #: also re-score what recency replay picks, so its replay KL is recorded (ungated diagnostics)
-    diagnose_ungated: bool = False
     #: training prompts in the dataset; None = 3 x steps x prompts_per_step, the same for every method
     dataset_prompts: int | None = None
     extra: dict = field(default_factory=dict)
@@ -70,17 +65,38 @@ class RunSpec:
         return self.dataset_prompts or max(3 * self.steps * self.prompts_per_step, 256)
 
 
+def trainer_args(spec: RunSpec, method: Method, task: Task, run_dir: Path):
+    """The run's HDRGRPOConfig: the sandbox's TRL settings plus one ``replay_<knob>`` per entry of ``spec.replay``."""
+    offline_env()
+    from hdreplay.config import knobs
+    from hdreplay.integrations.trl import HDRGRPOConfig
+
+    b, n = method.fresh_groups(spec.prompts_per_step), spec.generations
+    if getattr(task, "is_multiturn", False):
+        width = 56 * task.max_tool_calls + 16
+    else:
+        width = max(len(p.answer) for p in task.train_problems(spec.num_dataset_prompts(), seed=spec.seed)) + 2
+    replay = {f"replay_{k.name}": spec.replay[k.name] for k in knobs() if k.name in spec.replay}
+    return HDRGRPOConfig(
+        output_dir=str(run_dir / "trl"), use_cpu=True, bf16=False, activation_checkpointing=False,
+        report_to=["tensorboard"], logging_steps=1, save_strategy="no", max_steps=spec.steps,
+        per_device_train_batch_size=b * n, gradient_accumulation_steps=1, num_generations=n,
+        max_completion_length=width, temperature=1.0, learning_rate=spec.lr, lr_scheduler_type="constant",
+        warmup_steps=0, loss_type=method.loss_type, epsilon_high=method.epsilon_high, beta=0.0, seed=spec.seed,
+        disable_tqdm=True, disable_dropout=True, dataloader_num_workers=0,
+        **{"replay_diagnose_ungated": False, **replay}, replay_diagnostics_dir=str(run_dir / "replay"),
+        max_tool_calling_iterations=getattr(task, "max_tool_calls", None),
+    )
+
+
 def build_trainer(spec: RunSpec, method: Method, task: Task, model_dir: Path, run_dir: Path, callbacks=(),
                   stats: StepStats | None = None):
     """The sandbox trainer of one run (``HDRGRPOTrainer`` with the measuring seams of instrument.py)."""
     offline_env()
     from datasets import Dataset
 
-    from hdreplay.integrations.trl import HDRGRPOConfig
     from .model import load_model
 
-    b, n = method.fresh_groups(spec.prompts_per_step), spec.generations
-    k_rep = method.replay_groups(spec.prompts_per_step)
     model, tok = load_model(model_dir)
     problems = task.train_problems(spec.num_dataset_prompts(), seed=spec.seed)
     ds = Dataset.from_dict({"prompt": [p.prompt for p in problems], "answer": [p.answer for p in problems]})
@@ -92,26 +108,9 @@ def build_trainer(spec: RunSpec, method: Method, task: Task, model_dir: Path, ru
         SearchEnv.latency_s = float(spec.extra.get("latency_s", 0.0))
         env_kwargs = {"environment_factory": SearchEnv}
         ds = ds.add_column("question", [p.question for p in problems])
-        width = 56 * task.max_tool_calls + 16
-    else:
-        width = max(len(p.answer) for p in problems) + 2
-    args = HDRGRPOConfig(
-        output_dir=str(run_dir / "trl"), use_cpu=True, bf16=False, activation_checkpointing=False,
-        report_to=["tensorboard"], logging_steps=1, save_strategy="no", max_steps=spec.steps,
-        per_device_train_batch_size=b * n, gradient_accumulation_steps=1, num_generations=n,
-        max_completion_length=width, temperature=1.0, learning_rate=spec.lr, lr_scheduler_type="constant",
-        warmup_steps=0, loss_type=method.loss_type, epsilon_high=method.epsilon_high, beta=0.0, seed=spec.seed,
-        disable_tqdm=True, disable_dropout=True, dataloader_num_workers=0,
-        replay_selector=method.selector, replay_k_rep=k_rep, replay_tau=spec.tau, replay_capacity=spec.capacity,
-        replay_ingress=spec.ingress, replay_answer_threshold=spec.answer_threshold,
-        replay_diagnostics_dir=str(run_dir / "replay"), replay_diagnose_ungated=spec.diagnose_ungated,
-        replay_drift_norm=method.drift_norm, replay_headroom_weighting=method.headroom_weighting,
-        replay_counterfactual=spec.counterfactual, replay_adaptive_tau=spec.adaptive_tau,
-        max_tool_calling_iterations=getattr(task, "max_tool_calls", None),
-    )
     trainer = sandbox_trainer_class()(
-        model=model, reward_funcs=task.reward_func(), args=args, train_dataset=ds, processing_class=tok,
-        callbacks=list(callbacks), stats=stats if stats is not None else StepStats(),
+        model=model, reward_funcs=task.reward_func(), args=trainer_args(spec, method, task, run_dir), train_dataset=ds,
+        processing_class=tok, callbacks=list(callbacks), stats=stats if stats is not None else StepStats(),
         rollout_ms_per_token=spec.rollout_ms_per_token, **env_kwargs)
     # the comparison shows one progress bar; the per-step log dicts go to train_log.jsonl and TensorBoard
     from transformers.trainer_callback import PrinterCallback
@@ -129,15 +128,15 @@ def run_one(spec: RunSpec, method: Method, task: Task, model_dir: Path, run_dir:
     """
     import torch
 
+    from hdreplay.integrations.trl.callback import HDRLogCallback
+
     from .evaluate import evaluate
 
     threads = configure_threads()
     run_dir.mkdir(parents=True, exist_ok=True)
     atomic_write_text(run_dir / "run.json", json.dumps(
         {**asdict(spec), "label": method.label, "model": str(model_dir), "loss_type": method.loss_type,
-         "selector": method.selector, "drift_norm": method.drift_norm,
-         "headroom_weighting": method.headroom_weighting, "torch_threads": threads,
-         "dataset_prompts": spec.num_dataset_prompts()}, indent=2))
+         "torch_threads": threads, "dataset_prompts": spec.num_dataset_prompts()}, indent=2))
     torch.manual_seed(spec.seed)
     stats = StepStats()
     b = method.fresh_groups(spec.prompts_per_step)
@@ -150,17 +149,18 @@ def run_one(spec: RunSpec, method: Method, task: Task, model_dir: Path, run_dir:
         return {"macro_mean_at_n": ev["macro_mean_at_n"],
                 "benchmarks": {k: v["mean_at_n"] for k, v in ev["benchmarks"].items()}}
 
-    rec = Recorder(run_dir, stats, curve_fn=curve_fn if spec.eval_every else None, eval_every=spec.eval_every,
-                   fresh_per_step=b * spec.generations, on_step=on_step)
-    trainer = holder["trainer"] = build_trainer(spec, method, task, model_dir, run_dir, callbacks=[rec],
+    inst = Instrument(run_dir, stats, curve_fn=curve_fn if spec.eval_every else None, eval_every=spec.eval_every,
+                      fresh_per_step=b * spec.generations)
+    rec = HDRLogCallback(run_dir, on_step=on_step)  # after inst: it writes the step's log with inst's additions
+    trainer = holder["trainer"] = build_trainer(spec, method, task, model_dir, run_dir, callbacks=[inst, rec],
                                                 stats=stats)
     calls0 = _env_calls()
     t0 = time.perf_counter()
     try:
         trainer.train()
     finally:
-        rec.close()
-    wall = time.perf_counter() - t0 - rec.eval_s
+        inst.close()
+    wall = time.perf_counter() - t0 - inst.eval_s
     env_calls = _env_calls() - calls0
     model = trainer.accelerator.unwrap_model(trainer.model)
     ev = evaluate(model, trainer.processing_class, task, n=spec.eval_n, seed=10_000 + spec.seed, per_prompt=True)

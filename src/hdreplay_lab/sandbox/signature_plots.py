@@ -28,7 +28,7 @@ def _tau(path: Path, s: dict, summary: dict, out: Path) -> str:
     plt = _plt()
     fig, (a0, a1) = plt.subplots(1, 2, figsize=(11, 4))
     for label in s["runs"]:
-        d = (out / "runs" / "headroom_drift" / "seed0" if label == f"tau={summary['config']['tau']:g}"
+        d = (out / "runs" / "headroom_drift" / "seed0" if label == f"tau={summary['tau']:g}"
              else out / "signatures" / label)
         steps = load_run(d, warn=False).steps
         acc, kl = acceptance(steps), replay_kl(steps)

@@ -51,6 +51,7 @@ def _prompt_scores(runs: list[dict]) -> dict[str, np.ndarray]:
 
 def summarize(out: Path, cfg, methods, task, *, reps: int = 4000) -> dict:
     res = {"format": "hdreplay.compare.summary/2", "config": asdict(cfg), "task": task.name, "n": cfg.eval_n,
+           "tau": cfg.tau,
            "multiturn": bool(getattr(task, "is_multiturn", False)),
            "benchmarks": {b.name: b.size for b in task.benchmarks}, "methods": {},
            "reference": REFERENCE if any(m.name == REFERENCE for m in methods) else None}
@@ -102,7 +103,9 @@ def prompt_order(out: Path, cfg, names: list[str]) -> dict:
     for s in range(cfg.seeds):
         streams = {}
         for n in names:
-            with open(_run_dir(out, n, s) / "train_log.jsonl") as f:
+            d = _run_dir(out, n, s)
+            path = d / "prompts.jsonl" if (d / "prompts.jsonl").is_file() else d / "train_log.jsonl"  # older runs
+            with open(path) as f:
                 streams[n] = [p for line in f for p in json.loads(line).get("prompts", [])]
         longest = max(streams.values(), key=len)
         bad += [f"{n} seed {s}" for n, st in streams.items() if not st or st != longest[:len(st)]]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from ..analysis.markdown import table
+
 
 def _f(x, spec: str = ".3f", none: str = "n/a") -> str:
     return none if x is None else format(x, spec)
@@ -24,17 +26,14 @@ def render_markdown(summary: dict) -> str:
     lines = [f"# hdreplay compare: task `{summary['task']}`", "",
              f"Each cell: Best@{n} / Mean@{n} on the held-out benchmark"
              + (f", mean ± standard deviation over {seeds} seeds." if seeds > 1 else f", {seeds} seed."), ""]
-    lines.append("| Metric | " + " | ".join(ms[k]["label"] for k in names) + " |")
-    lines.append("|---|" + "---|" * len(names))
-    for b, size in summary["benchmarks"].items():
-        lines.append(f"| {b} (n={size}) | " + " | ".join(
-            _cell(ms[k]["benchmarks"][b]["best_at_n"], ms[k]["benchmarks"][b]["mean_at_n"]) for k in names) + " |")
-    lines.append("| Macro Avg | " + " | ".join(_cell(ms[k]["macro_best_at_n"], ms[k]["macro_mean_at_n"])
-                                               for k in names) + " |")
-    lines.append("| Weighted Avg | " + " | ".join(_cell(ms[k]["weighted_best_at_n"], ms[k]["weighted_mean_at_n"])
-                                                  for k in names) + " |")
-    lines.append("| Fresh responses | " + " | ".join(f"{ms[k]['fresh_responses']:,}" for k in names) + " |")
-    lines.append("| Step time (s) | " + " | ".join(_f(ms[k]["mean_step_s"]["mean"]) for k in names) + " |")
+    cells = lambda fn: [fn(ms[k]) for k in names]  # noqa: E731
+    rows = [[f"{b} (n={size})", *cells(lambda e: _cell(e["benchmarks"][b]["best_at_n"], e["benchmarks"][b]["mean_at_n"]))]
+            for b, size in summary["benchmarks"].items()]
+    rows += [["Macro Avg", *cells(lambda e: _cell(e["macro_best_at_n"], e["macro_mean_at_n"]))],
+             ["Weighted Avg", *cells(lambda e: _cell(e["weighted_best_at_n"], e["weighted_mean_at_n"]))],
+             ["Fresh responses", *cells(lambda e: f"{e['fresh_responses']:,}")],
+             ["Step time (s)", *cells(lambda e: _f(e["mean_step_s"]["mean"]))]]
+    lines.append(table(["Metric", *(ms[k]["label"] for k in names)], rows))
     if summary.get("multiturn"):
         lines += _tool_table(summary)
     lines += _gate(summary) + _regime(summary) + _paired(summary, seeds) + _efficiency(summary)
@@ -48,7 +47,7 @@ def _gate(summary: dict) -> list[str]:
     if not hdr:
         return []
     out = ["", "## What did the gate do?", ""]
-    out.append(f"* **Acceptance.** The Drift gate (tau = {summary['config']['tau']:g}) passed "
+    out.append(f"* **Acceptance.** The Drift gate (tau = {summary['tau']:g}) passed "
                f"{_pct(hdr['acceptance'])} of the buffered groups it re-scored, scanning "
                f"{_f(hdr['scanned_per_step'], '.1f')} groups per step in Headroom order to fill "
                f"{_pct(hdr['budget_fill'])} of the replay budget.")
@@ -80,16 +79,17 @@ def _regime(summary: dict) -> list[str]:
            "token added" + (f" (the smallest round cost making generation >= 2/3 of "
                              f"{ms[summary['modelled_from']]['label']}'s step here)" if summary.get("modelled_from") else "")
            + ".", "",
-           "| Method | Zero-variance share (in band) | Acceptance (in band) | Budget fill | Scanned / step | "
-           f"Replay KL | Generation share native / at {c:g} ms/token |", "|---|---|---|---|---|---|---|"]
+           ]
+    rows = []
     for k, e in ms.items():
         r = e["regime"]
         acc = "-" if r.get("acceptance") is None else f"{_pct(r['acceptance'])} ({_pct(r.get('acceptance_in_band'))})"
-        out.append(f"| {e['label']} | {_pct(r.get('zero_variance_share'))} ({_pct(r.get('zero_variance_in_band'))}) | "
-                   f"{acc} | {_pct(r.get('budget_fill')) if r.get('budget_fill') is not None else '-'} | "
-                   f"{_f(r.get('scanned'), '.1f', '-')} | {_f(r.get('replay_kl'), '.4f', '-')} | "
-                   f"{_pct(r.get('generation_share_native'))} / {_pct(r.get('generation_share_modelled'))} |")
-    return out
+        rows.append([e["label"], f"{_pct(r.get('zero_variance_share'))} ({_pct(r.get('zero_variance_in_band'))})", acc,
+                     _pct(r.get("budget_fill")) if r.get("budget_fill") is not None else "-",
+                     _f(r.get("scanned"), ".1f", "-"), _f(r.get("replay_kl"), ".4f", "-"),
+                     f"{_pct(r.get('generation_share_native'))} / {_pct(r.get('generation_share_modelled'))}"])
+    return out + [table(["Method", "Zero-variance share (in band)", "Acceptance (in band)", "Budget fill",
+                         "Scanned / step", "Replay KL", f"Generation share native / at {c:g} ms/token"], rows)]
 
 
 def _paired(summary: dict, seeds: int) -> list[str]:
@@ -110,13 +110,13 @@ def _paired(summary: dict, seeds: int) -> list[str]:
            "(crossed, paired: same seeds, warm start, prompt order and held-out prompts for both). Half-width "
            "parts: seeds only / prompts only. Last column: seeds a half-width of 0.01 would need at this "
            "step count (n/a: the prompt part alone exceeds it)." + order, "",
-           "| Method | Difference | 95 % interval | Excludes 0 | Half-width (seeds / prompts) | Seeds for ±0.01 |",
-           "|---|---|---|---|---|---|"]
-    for _, e in rows:
-        p = e["paired"]
-        out.append(f"| {e['label']} | {p['diff']:+.4f} | [{p['lo']:+.4f}, {p['hi']:+.4f}] | "
-                   f"{'yes' if p['excludes_zero'] else 'no'} | {p['half_width']:.4f} ({p['seed_half_width']:.4f} / "
-                   f"{p['prompt_half_width']:.4f}) | {_f(p['seeds_for_target'], 'd')} |")
+           ]
+    out.append(table(["Method", "Difference", "95 % interval", "Excludes 0", "Half-width (seeds / prompts)",
+                      "Seeds for ±0.01"],
+                     [[e["label"], f"{p['diff']:+.4f}", f"[{p['lo']:+.4f}, {p['hi']:+.4f}]",
+                       "yes" if p["excludes_zero"] else "no",
+                       f"{p['half_width']:.4f} ({p['seed_half_width']:.4f} / {p['prompt_half_width']:.4f})",
+                       _f(p["seeds_for_target"], "d")] for p, e in ((e["paired"], e) for _, e in rows)]))
     better = [e["label"] for _, e in rows if e["paired"]["excludes_zero"] and e["paired"]["diff"] > 0]
     worse = [e["label"] for _, e in rows if e["paired"]["excludes_zero"] and e["paired"]["diff"] < 0]
     hw = max(e["paired"]["half_width"] for _, e in rows)
@@ -139,19 +139,19 @@ def _efficiency(summary: dict) -> list[str]:
            + ". AUC: mean of the curve over training (trapezoid). Cost to reach the target, linearly interpolated "
            f"between evaluation points; wall-clock natively and with {summary['modelled_ms_per_token']:g} ms per "
            "generated token of modelled rollout cost.", "",
-           "| Method | AUC | AUC - HDR [95 %] | Steps | Fresh responses | Wall-clock (s) | Wall-clock modelled (s) |",
-           "|---|---|---|---|---|---|---|"]
+           ]
+    rows = []
     for k, e in ms.items():
         cv = e.get("curve")
         if not cv:
             continue
-        t = cv["to_target"]
-        ap = cv.get("auc_paired")
-        apc = "-" if not ap else f"{ap['diff']:+.4f} [{ap['lo']:+.4f}, {ap['hi']:+.4f}]"
-        out.append(f"| {e['label']} | {_f(cv['auc']['mean'], '.4f')} | {apc} | {_f(t['step'], '.0f', 'not reached')} | "
-                   f"{_f(t['fresh_responses'], ',.0f', 'not reached')} | {_f(t['wall_s'], '.0f', 'not reached')} | "
-                   f"{_f(t['wall_s_modelled'], '.0f', 'not reached')} |")
-    return out
+        t, ap, nr = cv["to_target"], cv.get("auc_paired"), "not reached"
+        rows.append([e["label"], _f(cv["auc"]["mean"], ".4f"),
+                     "-" if not ap else f"{ap['diff']:+.4f} [{ap['lo']:+.4f}, {ap['hi']:+.4f}]",
+                     _f(t["step"], ".0f", nr), _f(t["fresh_responses"], ",.0f", nr), _f(t["wall_s"], ".0f", nr),
+                     _f(t["wall_s_modelled"], ".0f", nr)])
+    return out + [table(["Method", "AUC", "AUC - HDR [95 %]", "Steps", "Fresh responses", "Wall-clock (s)",
+                         "Wall-clock modelled (s)"], rows)]
 
 
 def _environment(summary: dict) -> list[str]:
@@ -170,12 +170,10 @@ def _environment(summary: dict) -> list[str]:
 def _tool_table(summary: dict) -> list[str]:
     ms = summary["methods"]
     names = list(ms)
-    out = ["", f"Mean per-step wall-clock time (environment latency {ms[names[0]]['env_latency_ms']:g} ms "
-               "per tool call), fastest first, like the paper's step-time table:", "",
-           "| Method | Step time (s) | Tool calls / step | Fresh responses | Macro Mean@n | Macro Best@n |",
-           "|---|---|---|---|---|---|"]
-    for k in sorted(names, key=lambda k: ms[k]["mean_step_s"]["mean"] or 0):
-        e = ms[k]
-        out.append(f"| {e['label']} | {_f(e['mean_step_s']['mean'])} | {e['env_calls_per_step']['mean']:.1f} | "
-                   f"{e['fresh_responses']:,} | {_f(e['macro_mean_at_n']['mean'])} | {_f(e['macro_best_at_n']['mean'])} |")
-    return out
+    fastest = sorted(names, key=lambda k: ms[k]["mean_step_s"]["mean"] or 0)
+    return ["", f"Mean per-step wall-clock time (environment latency {ms[names[0]]['env_latency_ms']:g} ms per tool "
+                "call), fastest first, like the paper's step-time table:", "",
+            table(["Method", "Step time (s)", "Tool calls / step", "Fresh responses", "Macro Mean@n", "Macro Best@n"],
+                  [[e["label"], _f(e["mean_step_s"]["mean"]), f"{e['env_calls_per_step']['mean']:.1f}",
+                    f"{e['fresh_responses']:,}", _f(e["macro_mean_at_n"]["mean"]), _f(e["macro_best_at_n"]["mean"])]
+                   for e in (ms[k] for k in fastest)])]

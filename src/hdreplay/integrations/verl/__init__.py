@@ -1,13 +1,16 @@
-"""Headroom-Drift Replay recipe for verl (tested with verl 0.9.1, the v0 ``RayPPOTrainer`` path).
+"""Headroom-Drift Replay recipe for verl (tested with verl 0.9.1).
 
     python -m hdreplay.integrations.verl.main <verl overrides> hdr.k_rep=128 hdr.tau=1e-3
 
-or, from Python::
+runs verl's v1 ``PPOTrainer`` (``trainer.use_v1=true``, the default; :mod:`.v1_trainer`) or, with
+``trainer.use_v1=false``, the v0 ``RayPPOTrainer`` (:mod:`.trainer`).  From Python::
 
-    from hdreplay.integrations.verl import HDRRayPPOTrainer   # drop-in for RayPPOTrainer
+    from hdreplay.integrations.verl import HDRPPOTrainerSync  # v1: verl's PPOTrainerSync + replay
+    from hdreplay.integrations.verl import HDRRayPPOTrainer   # v0: drop-in for RayPPOTrainer
 
 The replay settings are the ``hdr`` section of ``config/hdr_trainer.yaml``; everything else
-is verl's own ``ppo_trainer.yaml``.  See ``docs/verl.md``.
+is verl's own ``ppo_trainer.yaml``.  See ``docs/verl.md``.  The v1 trainers need TransferQueue
+(part of the ``[verl]`` extra); they are imported on first use.
 """
 
 from __future__ import annotations
@@ -33,8 +36,23 @@ if getattr(_verl, "__version__", None) != TESTED_VERL:  # pragma: no cover
     )
 
 from .settings import HDRSettings, validate_verl_config, verl_truncate_multiple  # noqa: E402
-from .trainer import STATE_DIR, HDRRayPPOTrainer  # noqa: E402
+from ..common import STATE_DIR  # noqa: E402
+from .trainer import HDRRayPPOTrainer  # noqa: E402
+
+#: the v1 names, imported from .v1_trainer on first access (it needs TransferQueue)
+_V1 = ("HDRPPOTrainerSync", "HDRPPOTrainerColocateAsync", "HDRPPOTrainerSeparateAsync", "HDRTaskRunnerV1",
+       "HDR_TRAINERS")
+
+
+def __getattr__(name: str):
+    if name in _V1:
+        from . import v1_trainer
+
+        return getattr(v1_trainer, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "HDRRayPPOTrainer", "HDRSettings", "STATE_DIR", "TESTED_VERL", "validate_verl_config", "verl_truncate_multiple",
+    *_V1,
 ]

@@ -1,16 +1,9 @@
-"""The actor batch ``[replay ; fresh]`` arranged for verl's dispatch and mini-batch iteration.
+"""The v0 actor batch ``[replay ; fresh]`` as one ``DataProto``, laid out by :mod:`.minibatches`.
 
-How verl 0.9.1 trains an actor batch of N rows (``RayPPOTrainer._update_actor`` ->
-``update_actor`` nd-dispatch -> ``TrainingWorker.train_mini_batch``):
-
-1. the batch is cut into ``dp`` contiguous slices; rank r gets rows ``[r*N/dp, (r+1)*N/dp)``;
-2. each rank iterates its slice in order (``actor.shuffle=false``) in mini-batches of
-   ``m/dp`` rows, m = ``ppo_mini_batch_size * rollout.n``; global mini-batch k = the k-th
-   mini-batch of every rank, one optimizer step each.
-
-:func:`actor_order` permutes the rows so that the rows rank r trains in global mini-batch k are
-exactly ``hdreplay.layout.minibatch_layout(...)[k][r]``: mini-batches are consecutive slices of
-``[replay ; fresh]`` (replay fills the first ones), each balanced over the ranks by token count.
+``RayPPOTrainer._update_actor`` (verl's v0 path) receives the fresh batch as a padded ``DataProto``;
+:func:`build_actor_batch` prepends the replay rows (same keys, re-padded to common widths) and
+permutes the rows with :func:`.minibatches.actor_order` so that replay fills the first mini-batches
+on every rank.  The v0 recipe adds replay in whole mini-batches (no padding rows).
 """
 
 from __future__ import annotations
@@ -21,53 +14,9 @@ import numpy as np
 import torch
 from verl import DataProto
 
-from ...layout import minibatch_layout
 from ...record import GroupRecord
 from .dataproto import REPLAY_FLAG, pad_batch_tensors, replay_rows
-
-
-def actor_order(replay_lengths: Sequence[int], fresh_lengths: Sequence[int], *, minibatch_rows: int,
-                dp: int) -> tuple[np.ndarray, list[list[list[int]]]]:
-    """Row permutation of ``[replay ; fresh]`` for verl's contiguous dispatch + sequential mini-batches.
-
-    Args:
-        replay_lengths: (Rr,) tokens per replay row; fresh_lengths: (F,) tokens per fresh row.
-        minibatch_rows: m, rows per global mini-batch; dp: data-parallel ranks (m % dp == 0).
-    Returns:
-        (order, layout): ``order`` (N,) int64 with ``actor_batch = concat[order]``; ``layout[k][r]``
-        = rows (indices into ``[replay ; fresh]``) that rank r trains in global mini-batch k.
-    """
-    n = len(replay_lengths) + len(fresh_lengths)
-    if dp < 1 or minibatch_rows % dp:
-        raise RuntimeError(f"mini-batch of {minibatch_rows} rows cannot be split over dp={dp} ranks; verl needs "
-                           "ppo_mini_batch_size * rollout.n to be a multiple of the actor's data-parallel size")
-    if n % minibatch_rows:
-        raise RuntimeError(f"{n} actor rows do not fill whole mini-batches of {minibatch_rows}; replay rows must be "
-                           "a multiple of the mini-batch (this is a bug in hdreplay's truncation unit, please report)")
-    layout = minibatch_layout(list(replay_lengths), list(fresh_lengths), num_minibatches=n // minibatch_rows, parts=dp)
-    order = [i for r in range(dp) for mb in layout for i in mb[r]]
-    return np.asarray(order, dtype=np.int64), layout
-
-
-def rank_minibatches(order: Sequence[int], *, minibatch_rows: int, dp: int) -> list[list[list[int]]]:
-    """What verl trains given ``order``: ``[k][r]`` = original row indices of rank r's k-th mini-batch
-    (contiguous dp slices, then sequential slices of m/dp rows; mirrors the worker path)."""
-    order = list(order)
-    per_rank, per_mb = len(order) // dp, minibatch_rows // dp
-    return [[order[r * per_rank + k * per_mb: r * per_rank + (k + 1) * per_mb] for r in range(dp)]
-            for k in range(per_rank // per_mb)]
-
-
-def layout_metrics(layout: list[list[list[int]]], lengths: Sequence[int], num_replay_rows: int) -> dict[str, float]:
-    """Flat metrics: the largest per-mini-batch gap between the most and least loaded rank (tokens),
-    and how many global mini-batches hold replay rows."""
-    gap, replay_mbs = 0, 0
-    for mb in layout:
-        loads = [sum(int(lengths[i]) for i in part) for part in mb]
-        gap = max(gap, max(loads) - min(loads))
-        replay_mbs += any(i < num_replay_rows for part in mb for i in part)
-    return {"replay/layout_token_gap": float(gap), "replay/minibatches_with_replay": float(replay_mbs),
-            "replay/actor_minibatches": float(len(layout))}
+from .minibatches import actor_order, layout_metrics
 
 
 def build_actor_batch(groups: Sequence[GroupRecord], fresh: DataProto, *, minibatch_rows: int, dp: int,

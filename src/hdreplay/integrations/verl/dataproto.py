@@ -85,8 +85,14 @@ def row_rewards(batch: DataProto) -> torch.Tensor:
 
 def response_advantages(batch: DataProto, *, estimator: str = "?") -> torch.Tensor:
     """(B,) A_i: the advantage of each row, checked to be constant over its response_mask tokens."""
-    adv = batch.batch["advantages"].float().cpu()
-    mask = batch.batch["response_mask"].bool().cpu()
+    return response_level(batch.batch["advantages"], batch.batch["response_mask"], estimator=estimator)
+
+
+def response_level(advantages: torch.Tensor, mask: torch.Tensor, *, estimator: str = "?") -> torch.Tensor:
+    """(B,) one advantage per row from right-padded ``advantages`` / ``mask`` (B, R), checked to be constant
+    over the row's mask tokens (0 for a row without any)."""
+    adv = advantages.float().cpu()
+    mask = mask.bool().cpu()
     first = torch.where(mask.any(dim=1), mask.float().argmax(dim=1), torch.zeros(len(adv), dtype=torch.long))
     value = adv.gather(1, first[:, None]).squeeze(1) * mask.any(dim=1)
     dev = ((adv - value[:, None]).abs() * mask).amax(dim=1) if adv.numel() else adv.new_zeros(len(adv))

@@ -1,9 +1,14 @@
 """Entry point of the verl recipe: ``python -m hdreplay.integrations.verl.main <hydra overrides>``.
 
-Composes ``config/hdr_trainer.yaml`` (verl's ``ppo_trainer.yaml`` + the ``hdr`` section), checks
-the configuration before Ray starts, and runs verl's own ``run_ppo`` with :class:`HDRTaskRunner`:
-verl's v0 ``TaskRunner.run`` (datasets, workers, ``init_workers``, ``fit``) unchanged except that
-it builds :class:`HDRRayPPOTrainer` instead of ``RayPPOTrainer``.
+Composes ``config/hdr_trainer.yaml`` (verl's ``ppo_trainer.yaml`` + the ``hdr`` section), checks the
+configuration before Ray starts, and runs verl's own ``run_ppo`` with a task runner that builds the
+recipe's trainer and is otherwise verl's:
+
+* ``trainer.use_v1=true`` (default): :class:`~.v1_trainer.HDRTaskRunnerV1` = verl's ``TaskRunnerV1.run``
+  (TransferQueue, ``trainer.init()``, agent loop manager, ``fit``) with ``get_trainer_cls(trainer_mode)``
+  answering the recipe's trainer for that mode;
+* ``trainer.use_v1=false``: :class:`HDRTaskRunner` = verl's v0 ``TaskRunner.run`` building
+  :class:`~.trainer.HDRRayPPOTrainer` instead of ``RayPPOTrainer``.
 """
 
 from __future__ import annotations
@@ -14,6 +19,8 @@ import hydra
 import ray
 import verl.trainer.main_ppo_v0 as _v0
 from verl.trainer.main_ppo import run_ppo
+from verl.trainer.ppo.utils import need_critic, need_reference_policy
+from verl.utils.config import validate_config
 from verl.utils.device import auto_set_device
 
 from .schema import register_hdr_schema
@@ -44,11 +51,23 @@ class HDRTaskRunner(_v0.BaseTaskRunner):
             return _STOCK_TASK_RUNNER.run(self, config)
 
 
+def task_runner(config) -> type:
+    """The Ray task-runner class for ``config`` (what ``run_ppo`` starts)."""
+    if config.trainer.use_v1:
+        from .v1_trainer import HDRTaskRunnerV1
+
+        return ray.remote(num_cpus=1)(HDRTaskRunnerV1)
+    return ray.remote(num_cpus=1)(HDRTaskRunner)
+
+
 @hydra.main(config_path="config", config_name="hdr_trainer", version_base=None)
 def _main(config) -> None:
     auto_set_device(config)
     validate_verl_config(config)  # fail before Ray and the GPUs are touched
-    run_ppo(config, task_runner_class=ray.remote(num_cpus=1)(HDRTaskRunner))
+    if config.trainer.use_v1:  # verl's own main validates here for v1 (v0's TaskRunner validates itself)
+        validate_config(config=config, use_reference_policy=need_reference_policy(config),
+                        use_critic=need_critic(config))
+    run_ppo(config, task_runner_class=task_runner(config))
 
 
 def main() -> None:

@@ -67,10 +67,12 @@ def register_hdr_schema() -> None:
 def checked_section(hdr: Any) -> dict[str, Any]:
     """Validate an ``hdr`` section (DictConfig or mapping) against the schema; plain dict of every knob.
 
-    Raises ReplayConfigError naming ``hdr.<key>`` for an unknown key or a value of the wrong type."""
+    Raises ReplayConfigError naming ``hdr.<key>`` for an unknown key or a value of the wrong type.
+    Interpolations (the packaged ``diagnostics_dir: ${trainer.default_local_dir}/...``) are resolved
+    against the full config the section belongs to, before the merge detaches it."""
     try:
-        node = OmegaConf.merge(OmegaConf.structured(hdr_schema()),
-                               hdr if isinstance(hdr, DictConfig) else OmegaConf.create(dict(hdr)))
+        raw = OmegaConf.to_container(hdr, resolve=True) if isinstance(hdr, DictConfig) else dict(hdr)
+        node = OmegaConf.merge(OmegaConf.structured(hdr_schema()), OmegaConf.create(raw))
         values = OmegaConf.to_container(node, resolve=True)
     except OmegaConfBaseException as e:
         key = getattr(e, "full_key", None) or getattr(e, "key", None) or "?"

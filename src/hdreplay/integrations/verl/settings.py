@@ -3,7 +3,9 @@
 ``hdr`` keys are the :class:`hdreplay.ReplayConfig` knobs plus the integration knobs
 (``diagnostics_dir``, ``resume_without_state``), declared once in the core and turned into an
 OmegaConf structured schema by :mod:`.schema`.  :func:`validate_verl_config` rejects verl settings the replay
-layout cannot honour, with errors that name the config key to change.
+layout cannot honour, with errors that name the config key to change.  ``trainer.use_v1`` picks the recipe:
+``true`` (verl's default) the v1 ``PPOTrainer`` recipe (:mod:`.v1_trainer`), ``false`` the v0
+``RayPPOTrainer`` recipe (:mod:`.trainer`).
 """
 
 from __future__ import annotations
@@ -56,7 +58,9 @@ class HDRSettings:
 
     replay_config:         the core ReplayConfig (``truncate_multiple`` = lcm(hdr.truncate_multiple, u_verl),
                            ``group_size`` = rollout.n)
-    unit:                  u_verl, groups per whole set of mini-batches (see :func:`verl_truncate_multiple`)
+    unit:                  u_verl, the recipe's truncation unit in groups: 1 on v1 (the last mini-batch is
+                           completed with zero-loss rows), whole mini-batches on v0 (:func:`verl_truncate_multiple`)
+    v1:                    ``trainer.use_v1``: which recipe runs
     diagnostics_dir:       where steps.jsonl / groups.jsonl go (None = off)
     resume_without_state:  allow resuming from a checkpoint without ``hdreplay/`` state
     """
@@ -65,6 +69,7 @@ class HDRSettings:
     unit: int
     diagnostics_dir: str | None
     resume_without_state: bool
+    v1: bool = True
 
     @property
     def active(self) -> bool:
@@ -85,7 +90,8 @@ class HDRSettings:
         values = checked_section(hdr)
         n = int(_get(config, "actor_rollout_ref.rollout.n", 1))
         mbs = int(_get(config, f"{ACTOR}.ppo_mini_batch_size", 1))
-        unit = verl_truncate_multiple(ppo_mini_batch_size=mbs, n=n, dp=dp)
+        v1 = bool(_get(config, "trainer.use_v1", True))
+        unit = 1 if v1 else verl_truncate_multiple(ppo_mini_batch_size=mbs, n=n, dp=dp)
         recipe = {k.name: values.pop(k.name) for k in INTEGRATION_KNOBS}
         user_u = values.get("truncate_multiple", 1)
         if isinstance(user_u, int) and not isinstance(user_u, bool) and user_u >= 1:
@@ -94,7 +100,11 @@ class HDRSettings:
         rc = ReplayConfig.from_flat(values, label=lambda k: f"hdr.{k}", where="hdr")
         diag = recipe["diagnostics_dir"]
         return cls(replay_config=rc, unit=unit, diagnostics_dir=str(diag) if diag else None,
-                   resume_without_state=bool(recipe["resume_without_state"]))
+                   resume_without_state=bool(recipe["resume_without_state"]), v1=v1)
+
+
+#: verl v1 trainer modes the recipe has a trainer for (``trainer.v1.trainer_mode``)
+V1_MODES = ("sync", "colocate_async", "separate_async")
 
 
 def validate_verl_config(config: Any) -> HDRSettings:
@@ -102,7 +112,10 @@ def validate_verl_config(config: Any) -> HDRSettings:
 
     Raises ReplayConfigError listing every problem, each naming the key to change.  With
     ``hdr.selector=none`` (or ``hdr.k_rep=0``) only the ``hdr`` section is checked: the trainer is
-    then plain verl.
+    then plain verl.  Left alone on purpose (orthogonal to replay, see docs/verl.md): verl's staleness
+    bound ``trainer.v1.sampler.max_off_policy_*``, DAPO's ``algorithm.filter_groups`` (v1), and rollout
+    rejection sampling ``algorithm.rollout_correction.rollout_rs`` (v1: acts on the fresh rows' mask before
+    the seam; replay stores the mask it produced).
     """
     problems: list[str] = []
     try:
@@ -110,13 +123,20 @@ def validate_verl_config(config: Any) -> HDRSettings:
     except ReplayConfigError as e:
         settings = None
         problems.append(str(e))
-    if _get(config, "trainer.use_v1", False):
-        problems.append("trainer.use_v1=true: the recipe subclasses the v0 RayPPOTrainer; set trainer.use_v1=false")
+    v1 = bool(_get(config, "trainer.use_v1", True))
     active = settings.active if settings is not None else (
         _get(config, "hdr.selector", "none") != "none" and _get(config, "hdr.k_rep", 0) != 0)
     if not active:
         _raise(problems)
         return settings
+    problems += _common_problems(config, v1=v1)
+    problems += _v1_problems(config) if v1 else _v0_problems(config, settings)
+    _raise(problems)
+    return settings
+
+
+def _common_problems(config: Any, *, v1: bool) -> list[str]:
+    problems = []
     if _get(config, f"{ACTOR}.shuffle", False):
         problems.append(f"{ACTOR}.shuffle=true: replay rows must fill the first mini-batches in order, and verl "
                         "shuffles each rank's rows; set it to false")
@@ -132,9 +152,12 @@ def validate_verl_config(config: Any) -> HDRSettings:
     if _get(config, "critic.enable", None):
         problems.append("critic.enable=true: replayed groups carry no values/returns for a critic; disable the critic")
     rc = _get(config, "algorithm.rollout_correction")
-    if rc is not None and (_get(rc, "rollout_is") or _get(rc, "rollout_rs") or _get(rc, "bypass_mode", False)):
-        problems.append("algorithm.rollout_correction (rollout_is / rollout_rs / bypass_mode) is set: replayed rows "
-                        "have no rollout importance weights; set rollout_is=null, rollout_rs=null, bypass_mode=false")
+    if rc is not None and (_get(rc, "rollout_is") or _get(rc, "bypass_mode", False) or (not v1 and _get(rc, "rollout_rs"))):
+        keys = "rollout_is / bypass_mode" if v1 else "rollout_is / rollout_rs / bypass_mode"
+        problems.append(f"algorithm.rollout_correction ({keys}) is set: replayed rows have no rollout importance "
+                        "weights (and with bypass_mode Drift would be measured against the inference engine's "
+                        "log-probs, never 0 even at unchanged weights); set rollout_is=null, bypass_mode=false"
+                        + ("" if v1 else ", rollout_rs=null"))
     if _get(config, f"{ACTOR}.use_prefix_grouper", False):
         problems.append(f"{ACTOR}.use_prefix_grouper=true: it keeps uid groups together on ranks, which conflicts "
                         "with the per-mini-batch row balancing of the replay layout; set it to false")
@@ -144,6 +167,22 @@ def validate_verl_config(config: Any) -> HDRSettings:
     if n < 2:
         problems.append(f"actor_rollout_ref.rollout.n={n}: a GRPO group needs n >= 2 responses to be mixed; "
                         "raise rollout.n")
+    return problems
+
+
+def _v1_problems(config: Any) -> list[str]:
+    mode = _get(config, "trainer.v1.trainer_mode", "sync")
+    if mode not in V1_MODES:
+        return [f"trainer.v1.trainer_mode={mode}: the recipe has trainers for {list(V1_MODES)}; pick one of them "
+                "or run with hdr.selector=none"]
+    return []
+
+
+def _v0_problems(config: Any, settings: HDRSettings | None) -> list[str]:
+    problems = []
+    if _get(config, "algorithm.filter_groups.enable", False):
+        problems.append("algorithm.filter_groups.enable=true with trainer.use_v1=false: verl's v0 RayPPOTrainer "
+                        "ignores DAPO dynamic sampling (it runs only in the v1 trainer); set trainer.use_v1=true")
     tbs = _get(config, "data.train_batch_size")
     mbs = _get(config, f"{ACTOR}.ppo_mini_batch_size")
     if isinstance(tbs, int) and isinstance(mbs, int) and mbs > 0 and tbs % mbs:
@@ -154,9 +193,8 @@ def validate_verl_config(config: Any) -> HDRSettings:
         problems.append(f"hdr.k_rep={k} is smaller than the replay unit u={u} groups (lcm of "
                         f"{ACTOR}.ppo_mini_batch_size={mbs} and hdr.truncate_multiple): accepted groups are cut to "
                         "a multiple of u, so nothing could ever be replayed; raise hdr.k_rep or lower "
-                        "ppo_mini_batch_size")
-    _raise(problems)
-    return settings
+                        "ppo_mini_batch_size (or use the v1 recipe, trainer.use_v1=true, whose unit is 1 group)")
+    return problems
 
 
 def _raise(problems: list[str]) -> None:

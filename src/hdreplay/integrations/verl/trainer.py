@@ -14,9 +14,10 @@ What it overrides, and why (everything else, including ``fit``'s step body, is v
        rank trains replay in the first mini-batches with balanced token loads, and calls verl's own
        ``_update_actor`` on it;
     4. commits (refresh scanned caches, append ingress, evict FIFO) and merges ``replay/*`` metrics.
-* ``_save_checkpoint``: writes the controller to ``global_step_N/hdreplay`` *before* verl writes
-  ``latest_checkpointed_iteration.txt``; prunes states of checkpoints verl no longer keeps.
-* ``_load_checkpoint``: restores ``hdreplay/`` from the checkpoint verl resumes from.
+* ``_save_checkpoint`` / ``_load_checkpoint`` (:class:`.checkpoints.ReplayCheckpoints`, shared with the
+  v1 recipe): writes the controller to ``global_step_N/hdreplay`` *before* verl writes
+  ``latest_checkpointed_iteration.txt``, prunes states of checkpoints verl no longer keeps, restores
+  ``hdreplay/`` from the checkpoint verl resumes from.
 * ``fit``: writes the final per-group lifetime records.
 
 With ``hdr.selector=none`` (or ``hdr.k_rep=0``) none of this runs and the trainer is RayPPOTrainer.
@@ -24,24 +25,21 @@ With ``hdr.selector=none`` (or ``hdr.k_rep=0``) none of this runs and the traine
 
 from __future__ import annotations
 
-import os
-import shutil
-
 from verl import DataProto
 from verl.protocol import pad_dataproto_to_divisor, unpad_dataproto
 from verl.trainer.ppo.ray_trainer import RayPPOTrainer
-from verl.utils.checkpoint.checkpoint_manager import find_latest_ckpt_path
 
 from ...controller import ReplayController
-from ..common import STATE_DIR, restore
 from .settings import validate_verl_config, verl_truncate_multiple
 from .actor_batch import build_actor_batch
+from .checkpoints import ReplayCheckpoints
 from .dataproto import groups_from_batch, scoring_batch
 
 
-
-class HDRRayPPOTrainer(RayPPOTrainer):
+class HDRRayPPOTrainer(ReplayCheckpoints, RayPPOTrainer):
     """``RayPPOTrainer`` with Headroom-Drift Replay; configured by the ``hdr`` config section."""
+
+    RESUME_HONOURS_HDFS = True  # v0's _load_checkpoint does not resume when trainer.default_hdfs_dir is set
 
     def __init__(self, *args, **kwargs):
         config = kwargs["config"] if "config" in kwargs else args[0]
@@ -118,52 +116,6 @@ class HDRRayPPOTrainer(RayPPOTrainer):
         out.meta_info.setdefault("metrics", {}).update({k: v for k, v in metrics.items() if v == v})  # drop NaN
         self.last_replay = {"step": step, "selection": sel, "problems": problems, **info}
         return out
-
-    # ------------------------------------------------------------------ checkpointing
-    def _step_dir(self, step: int) -> str:
-        return os.path.join(self.config.trainer.default_local_dir, f"global_step_{step}")
-
-    def _save_checkpoint(self):
-        if self.replay_active:  # before super() writes latest_checkpointed_iteration.txt
-            self.replay.save(os.path.join(self._step_dir(self.global_steps), STATE_DIR), allow_open_step=True)
-        super()._save_checkpoint()
-        if self.replay_active:
-            self._prune_states()
-
-    def _prune_states(self) -> None:
-        """Keep ``hdreplay/`` only in the newest ``trainer.max_actor_ckpt_to_keep`` step folders
-        (verl prunes its own actor folders but never extra directories)."""
-        keep = self.config.trainer.get("max_actor_ckpt_to_keep", None)
-        if self.config.trainer.get("remove_previous_ckpt_in_save", False):
-            keep = 1
-        root = self.config.trainer.default_local_dir
-        if not keep or keep <= 0 or not os.path.isdir(root):
-            return
-        steps = sorted(int(d.split("global_step_")[-1]) for d in os.listdir(root)
-                       if d.startswith("global_step_") and d.split("global_step_")[-1].isdigit()
-                       and os.path.isdir(os.path.join(root, d, STATE_DIR)))
-        for s in steps[:-keep]:
-            shutil.rmtree(os.path.join(self._step_dir(s), STATE_DIR), ignore_errors=True)
-
-    def _resume_folder(self) -> str | None:
-        """The ``global_step_N`` folder verl's ``_load_checkpoint`` resumes from (None: fresh start)."""
-        tr = self.config.trainer
-        if tr.resume_mode == "disable" or tr.default_hdfs_dir is not None:
-            return None
-        if tr.resume_mode == "resume_path":
-            path = tr.resume_from_path
-            return path if os.path.isabs(path) else os.path.join(os.getcwd(), path)
-        root = tr.default_local_dir
-        root = root if os.path.isabs(root) else os.path.join(os.getcwd(), root)
-        return find_latest_ckpt_path(root)
-
-    def _load_checkpoint(self):
-        folder = self._resume_folder() if self.replay_active else None
-        result = super()._load_checkpoint()
-        if folder is None:
-            return result
-        restore(self.replay, folder, allow_missing=self.hdr.resume_without_state, option="hdr.resume_without_state")
-        return result
 
     def fit(self):
         result = super().fit()

@@ -1,0 +1,83 @@
+"""Where the replay state lives in a verl checkpoint directory (shared by the v0 and v1 recipes).
+
+verl writes ``<default_local_dir>/global_step_N/{actor,critic,data.pt[,transfer_queue]}`` and then the
+marker ``<default_local_dir>/latest_checkpointed_iteration.txt`` = N, which ``resume_mode=auto`` reads.
+The recipes write the controller to ``global_step_N/hdreplay/`` *before* calling verl's save, so a crash
+mid-save leaves the previous checkpoint as the latest one, and restore it from the folder verl resumes from.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from typing import Any
+
+from verl.utils.checkpoint.checkpoint_manager import find_latest_ckpt_path
+
+from ..common import STATE_DIR, restore
+
+
+def step_dir(trainer_config: Any, step: int) -> str:
+    """``<trainer.default_local_dir>/global_step_<step>`` (as verl names it)."""
+    return os.path.join(trainer_config.default_local_dir, f"global_step_{step}")
+
+
+def _absolute(path: str) -> str:
+    return path if os.path.isabs(path) else os.path.join(os.getcwd(), path)
+
+
+def resume_folder(trainer_config: Any, *, honours_hdfs: bool) -> str | None:
+    """The ``global_step_N`` folder verl's ``_load_checkpoint`` resumes from (None: fresh start).
+
+    ``honours_hdfs``: the v0 trainer skips resuming when ``trainer.default_hdfs_dir`` is set; the v1
+    trainer ignores that key.
+    """
+    tr = trainer_config
+    if tr.resume_mode == "disable" or (honours_hdfs and tr.get("default_hdfs_dir", None) is not None):
+        return None
+    if tr.resume_mode == "resume_path":
+        return _absolute(tr.resume_from_path)
+    return find_latest_ckpt_path(_absolute(tr.default_local_dir))
+
+
+def prune_states(trainer_config: Any) -> None:
+    """Keep ``hdreplay/`` only in the newest ``trainer.max_actor_ckpt_to_keep`` step folders
+    (verl prunes its own actor folders but never extra directories)."""
+    tr = trainer_config
+    keep = 1 if tr.get("remove_previous_ckpt_in_save", False) else tr.get("max_actor_ckpt_to_keep", None)
+    root = tr.default_local_dir
+    if not keep or keep <= 0 or not os.path.isdir(root):
+        return
+    steps = sorted(int(d.split("global_step_")[-1]) for d in os.listdir(root)
+                   if d.startswith("global_step_") and d.split("global_step_")[-1].isdigit()
+                   and os.path.isdir(os.path.join(root, d, STATE_DIR)))
+    for s in steps[:-keep]:
+        shutil.rmtree(os.path.join(step_dir(tr, s), STATE_DIR), ignore_errors=True)
+
+
+class ReplayCheckpoints:
+    """``_save_checkpoint`` / ``_load_checkpoint`` of a verl trainer (v0 or v1) extended with the replay state.
+
+    Mixed in before the verl trainer class; uses the recipe trainer's ``replay`` (controller),
+    ``replay_active`` and ``hdr`` (settings).  ``RESUME_HONOURS_HDFS``: see :func:`resume_folder`.
+    """
+
+    RESUME_HONOURS_HDFS = False
+
+    def _save_checkpoint(self):
+        if self.replay_active:  # before verl writes latest_checkpointed_iteration.txt
+            # the state as of the last commit (no step is open when verl saves, after the update)
+            self.replay.save(os.path.join(step_dir(self.config.trainer, self.global_steps), STATE_DIR),
+                             allow_open_step=True)
+        super()._save_checkpoint()
+        if self.replay_active:
+            prune_states(self.config.trainer)
+
+    def _load_checkpoint(self):
+        folder = resume_folder(self.config.trainer, honours_hdfs=self.RESUME_HONOURS_HDFS) if self.replay_active \
+            else None
+        result = super()._load_checkpoint()
+        if folder is not None:
+            restore(self.replay, folder, allow_missing=self.hdr.resume_without_state,
+                    option="hdr.resume_without_state")
+        return result
