@@ -105,7 +105,7 @@ def regime(pdir: Path, summary: dict, window: int = 10) -> str:
         if "zero_variance_share" in s:
             a0.plot(s["zero_variance_share"]["step"], _running(s["zero_variance_share"]["mean"], window),
                      label=e["label"])
-        if "acceptance" in s and e["regime"].get("acceptance") is not None and "gate" in _selector(summary, name):
+        if "acceptance" in s and e["regime"].get("acceptance") is not None and e.get("gated"):
             a1.plot(s["acceptance"]["step"], _running(s["acceptance"]["mean"], window), label=e["label"])
     a0.axhspan(0.4, 0.6, color="green", alpha=0.08)
     a1.axhspan(0.3, 0.5, color="green", alpha=0.08)
@@ -117,10 +117,6 @@ def regime(pdir: Path, summary: dict, window: int = 10) -> str:
         if ax.lines:
             ax.legend(fontsize=7)
     return _save(fig, pdir / "regime.png")
-
-
-def _selector(summary: dict, name: str) -> str:
-    return "gate" if name in ("headroom_drift", "drift_only", "hdr_l1", "hdr_advantage") else "none"
 
 
 def paired(pdir: Path, summary: dict) -> str:

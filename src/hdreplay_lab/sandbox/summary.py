@@ -30,6 +30,8 @@ from .regime import cost_for_share, method_regime, run_regime
 from .stats import components, paired_bootstrap, paired_differences, seed_bootstrap, seeds_needed
 
 REFERENCE = "headroom_drift"
+#: selectors with a Drift gate: their acceptance is a gate pass rate (recency / Headroom-only replay all they scan)
+GATED = ("headroom_drift", "drift_only")
 #: the half-width the comparison is designed for (issue 16)
 TARGET_HALF_WIDTH = 0.01
 
@@ -65,7 +67,8 @@ def summarize(out: Path, cfg, methods, task, *, reps: int = 4000) -> dict:
     for m in methods:
         runs = [json.loads((_run_dir(out, m.name, s) / "metrics.json").read_text()) for s in range(cfg.seeds)]
         metrics[m.name] = runs
-        entry = {"label": m.label, "seeds": len(runs), "benchmarks": {}}
+        entry = {"label": m.label, "seeds": len(runs), "benchmarks": {},
+                 "gated": m.selector in GATED}  # a Drift gate decides what is replayed
         for b in task.benchmarks:
             entry["benchmarks"][b.name] = {
                 "mean_at_n": _stats(r["benchmarks"][b.name]["mean_at_n"] for r in runs),

@@ -83,7 +83,12 @@ def _regime(summary: dict) -> list[str]:
     rows = []
     for k, e in ms.items():
         r = e["regime"]
-        acc = "-" if r.get("acceptance") is None else f"{_pct(r['acceptance'])} ({_pct(r.get('acceptance_in_band'))})"
+        if r.get("acceptance") is None:
+            acc = "-"
+        elif not e.get("gated", True):  # no Drift gate: everything scanned is replayed
+            acc = "ungated"
+        else:
+            acc = f"{_pct(r['acceptance'])} ({_pct(r.get('acceptance_in_band'))})"
         rows.append([e["label"], f"{_pct(r.get('zero_variance_share'))} ({_pct(r.get('zero_variance_in_band'))})", acc,
                      _pct(r.get("budget_fill")) if r.get("budget_fill") is not None else "-",
                      _f(r.get("scanned"), ".1f", "-"), _f(r.get("replay_kl"), ".4f", "-"),
