@@ -1,7 +1,7 @@
 """Core benchmark: storage density and selection bookkeeping cost.
 
     python benchmarks/core.py            # full run (a few minutes)
-    python benchmarks/core.py --quick    # under 30 s
+    python benchmarks/core.py --quick    # fewer repeats (a few minutes: filling 65,536 groups dominates)
 
 Writes benchmarks/results/core.json with
     bytes_per_response_token          buffer bytes / stored response tokens at full capacity (C = 512)
@@ -13,6 +13,12 @@ Writes benchmarks/results/core.json with
                                       per buffer capacity 512 / 8192 / 65536
     select_scaling_ratio              select_ms[65536] / select_ms[512]  (target <= 3)
     commit_ms                         median ms of commit() (refresh, counters, append 64 groups, evict)
+    commit_after_load_ratio           at 65536 groups: the first commit right after a load (median over a few
+                                      loads) / the steady commit of the same controller (target <= 1.5);
+                                      beside it load_s, save_s and the checkpoint size
+    get_copy_us_per_group             what handing out copies costs: ReplayBuffer.get of K_rep = 64 groups
+                                      (copies, the only way groups leave the buffer) vs the same groups as
+                                      views of the storage (what 0.1 returned), per group, at 65536 groups
 """
 
 from __future__ import annotations
@@ -33,6 +39,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from hdreplay import GroupRecord, ReplayBuffer, ReplayConfig, ReplayController, select_replay  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
+#: the clock timings use: wall (perf_counter) by default; --clock cpu (process_time) on a shared machine
+clock = time.perf_counter
 
 
 def make_groups(k: int, *, n: int, step: int, rng: np.random.Generator, len_median: float, len_max: int,
@@ -100,56 +108,117 @@ def storage(capacity: int, per_step: int, rng) -> dict:
     }
 
 
-def select_timing(capacity: int, *, k_rep: int, repeats: int, rng) -> dict:
+def select_timing(capacity: int, *, k_rep: int, repeats: int, rng) -> tuple[dict, ReplayController]:
+    """Selection and steady commit cost on a full buffer; returns the controller for the load measurements."""
     cfg = ReplayConfig(capacity=capacity, k_rep=k_rep, tau=1e-3)
-    buf = ReplayBuffer(capacity)
-    step, per = 0, max(k_rep, capacity // 16)
-    while len(buf) < capacity:
+    ctrl = ReplayController(cfg)
+    buf, step, per = ctrl.buffer, 0, max(k_rep, capacity // 16)
+    while len(buf) < capacity:  # large appends: the buffer cuts them into blocks of BLOCK_GROUPS groups
         batch = make_groups(per, n=8, step=step, rng=rng, len_median=48, len_max=256, prompt_range=(16, 64),
                             start=buf.next_insertion_id)
         buf.append(batch, ref_headroom=rng.random(len(batch)), step=step)
         step += 1
+    ctrl.last_step = step - 1
     scorer = lambda groups: [g.logprobs for g in groups]  # noqa: E731  trivial: Drift 0
     times = []
     for _ in range(repeats):
-        t0 = time.perf_counter()
+        t0 = clock()
         sel = select_replay(buf, cfg, scorer, step=step, acceptance_rate=1.0)
-        times.append((time.perf_counter() - t0) * 1e3)
+        times.append((clock() - t0) * 1e3)
     assert len(sel.accepted) == k_rep
     # commit cost through the controller: refresh + counters + append k_rep groups + evict
-    ctrl = ReplayController(cfg)
-    ctrl.buffer = buf
     ctimes = []
-    for r in range(repeats):
-        fresh = make_groups(k_rep, n=8, step=step, rng=rng, len_median=48, len_max=256, prompt_range=(16, 64),
-                            start=10**9 + r * k_rep)
-        ctrl.select(step=step, scorer=scorer)
-        ctrl.stage(fresh, step=step)
-        t0 = time.perf_counter()
-        ctrl.commit()
-        ctimes.append((time.perf_counter() - t0) * 1e3)
+    for _ in range(repeats):
+        ctimes.append(timed_commit(ctrl, step, scorer, rng, k_rep=k_rep))
         step += 1
     return {"select_ms": statistics.median(times), "select_ms_p90": float(np.percentile(times, 90)),
-            "commit_ms": statistics.median(ctimes), "scanned": len(sel.scanned)}
+            "commit_ms": statistics.median(ctimes), "scanned": len(sel.scanned), "steady_commits_ms": ctimes}, ctrl
+
+
+def timed_commit(ctrl: ReplayController, step: int, scorer, rng, *, k_rep: int) -> float:
+    fresh = make_groups(k_rep, n=8, step=step, rng=rng, len_median=48, len_max=256, prompt_range=(16, 64),
+                        start=10**9 + step * k_rep)
+    ctrl.select(step=step, scorer=scorer)
+    ctrl.stage(fresh, step=step)
+    t0 = clock()
+    ctrl.commit()
+    return (clock() - t0) * 1e3
+
+
+def commit_after_load(ctrl: ReplayController, steady: list[float], *, loads: int, rng) -> dict:
+    """The first commit right after a load of ``ctrl``'s checkpoint vs its ``steady`` commits (ms)."""
+    import tempfile
+
+    cfg, k_rep, step = ctrl.config, ctrl.config.k_rep, ctrl.last_step + 1
+    scorer = lambda groups: [g.logprobs for g in groups]  # noqa: E731
+    first, later, load_s = [], [], []
+    with tempfile.TemporaryDirectory() as tmp:
+        t0 = time.perf_counter()  # wall: a save waits for fsync
+        ctrl.save(Path(tmp) / "ck")
+        save_s = time.perf_counter() - t0
+        size = sum(f.stat().st_size for f in (Path(tmp) / "ck").rglob("*") if f.is_file())
+        for _ in range(loads):
+            fresh_ctrl = ReplayController(cfg)
+            t0 = time.perf_counter()
+            fresh_ctrl.load(Path(tmp) / "ck")
+            load_s.append(time.perf_counter() - t0)
+            first.append(timed_commit(fresh_ctrl, step, scorer, rng, k_rep=k_rep))
+            later += [timed_commit(fresh_ctrl, step + i, scorer, rng, k_rep=k_rep) for i in range(1, 4)]
+            del fresh_ctrl
+    steady_ms = statistics.median(steady)
+    return {"steady_commit_ms": steady_ms, "first_commit_after_load_ms": statistics.median(first),
+            "first_commits_after_load_ms": first, "next_commits_after_load_ms": statistics.median(later),
+            "commit_after_load_ratio": statistics.median(first) / steady_ms, "load_s": statistics.median(load_s),
+            "save_s": save_s, "checkpoint_mb": size / 2**20, "groups": len(ctrl.buffer)}
+
+
+def copy_cost(buf: ReplayBuffer, *, k_rep: int, repeats: int) -> dict:
+    """ReplayBuffer.get (copies) vs views of the same groups, per group."""
+    ids = buf.order_by_cached_headroom(k_rep).tolist()
+
+    def views():
+        return [(lambda b, j: b.view(j))(*buf._locate(i)) for i in ids]
+
+    out = {}
+    for name, fn in (("copy", lambda: buf.get(ids)), ("view", views)):
+        ts = []
+        for _ in range(repeats):
+            t0 = clock()
+            fn()
+            ts.append((clock() - t0) * 1e6 / len(ids))
+        out[name] = statistics.median(ts)
+    return {"get_copy_us_per_group": out["copy"], "get_view_us_per_group": out["view"]}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="fewer repeats, smaller storage run (< 30 s)")
     ap.add_argument("--out", default=str(RESULTS / "core.json"))
+    ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                    help="cpu: time with this process's CPU time (process_time), robust on a machine shared with "
+                         "other jobs; wall: perf_counter")
     args = ap.parse_args()
+    global clock
+    clock = time.process_time if args.clock == "cpu" else time.perf_counter
     torch.set_num_threads(1)
     rng = np.random.default_rng(0)
-    t0 = time.perf_counter()
+    t_start = time.perf_counter()
     st = storage(512, 64 if not args.quick else 128, rng)
     print(f"storage: {st['bytes_per_response_token']:.2f} B/token (padded dense: "
           f"{st['padded_bytes_per_response_token']:.2f})", flush=True)
     repeats = 15 if args.quick else 60
     sel = {}
     for cap in (512, 8192, 65536):
-        sel[cap] = select_timing(cap, k_rep=64, repeats=repeats, rng=rng)
+        sel[cap], ctrl = select_timing(cap, k_rep=64, repeats=repeats, rng=rng)
         print(f"capacity {cap:6d}: select {sel[cap]['select_ms']:.2f} ms, commit {sel[cap]['commit_ms']:.2f} ms",
               flush=True)
+    cal = commit_after_load(ctrl, sel[65536].pop("steady_commits_ms"), loads=2 if args.quick else 5, rng=rng)
+    print(f"commit after load at 65536 groups: {cal['first_commit_after_load_ms']:.2f} ms vs steady "
+          f"{cal['steady_commit_ms']:.2f} ms (ratio {cal['commit_after_load_ratio']:.2f}); load {cal['load_s']:.2f} s",
+          flush=True)
+    cc = copy_cost(ctrl.buffer, k_rep=64, repeats=repeats)
+    print(f"get: {cc['get_copy_us_per_group']:.1f} us/group as copies, {cc['get_view_us_per_group']:.1f} as views",
+          flush=True)
     result = {
         "bytes_per_response_token": st["bytes_per_response_token"],
         "padded_bytes_per_response_token": st["padded_bytes_per_response_token"],
@@ -157,7 +226,11 @@ def main() -> None:
         "select_scaling_ratio": sel[65536]["select_ms"] / sel[512]["select_ms"],
         "commit_ms": {str(c): v["commit_ms"] for c, v in sel.items()},
         "select_ms_p90": {str(c): v["select_ms_p90"] for c, v in sel.items()},
-        "targets": {"bytes_per_response_token": "<= 10", "select_scaling_ratio": "<= 3"},
+        "commit_after_load_ratio": cal["commit_after_load_ratio"],
+        "commit_after_load": cal,
+        **cc,
+        "targets": {"bytes_per_response_token": "<= 10", "select_scaling_ratio": "<= 3",
+                    "commit_after_load_ratio": "<= 1.5"},
         "storage_workload": {k: v for k, v in st.items() if k not in ("bytes_per_response_token",
                                                                      "padded_bytes_per_response_token")}
         | {"completion_length": "lognormal median 350, sigma 0.8, cap 2048", "prompt_length": "U[64, 512)",
@@ -165,16 +238,18 @@ def main() -> None:
         "select_workload": {"k_rep": 64, "n": 8, "completion_length": "lognormal median 48, cap 256",
                             "scorer": "returns stored log-probs (no model)", "repeats": repeats},
         "quick": args.quick,
+        "clock": args.clock,
         "torch": torch.__version__,
         "python": platform.python_version(),
         "machine": platform.machine(),
-        "wall_s": time.perf_counter() - t0,
+        "wall_s": time.perf_counter() - t_start,
     }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps({k: result[k] for k in ("bytes_per_response_token", "padded_bytes_per_response_token",
-                                             "select_ms", "select_scaling_ratio")}, indent=2))
+                                             "select_ms", "select_scaling_ratio", "commit_after_load_ratio",
+                                             "get_copy_us_per_group", "get_view_us_per_group")}, indent=2))
     print(f"wrote {out} in {result['wall_s']:.1f} s")
 
 

@@ -22,8 +22,8 @@ wrapping the trainer's own methods:
     generation     TRL's ``_generate`` (sampling + decoding)
     rescoring      the replay scan's forward passes (``_replay_scorer``)
     bookkeeping    everything replay adds outside model forward/backward: selection, row building,
-                   gathering, ingress records, commit
-    train          forward + backward of the loss (``training_step`` minus the replay commit)
+                   gathering, ingress records, commit (after the optimizer step)
+    train          forward + backward of the loss (``training_step`` minus input preparation)
 
 Writes benchmarks/results/trl_step.json with
     step_s                    median seconds per optimizer step per configuration
@@ -104,11 +104,11 @@ class TimedTrainer(HDRGRPOTrainer):
     def _replay_scorer(self, groups):
         return self._timed("rescoring", super()._replay_scorer, groups)
 
-    def _with_replay(self, out):
-        return self._timed("with_replay", super()._with_replay, out)
+    def _select(self, step):
+        return self._timed("with_replay", super()._select, step)
 
-    def _commit_replay(self):
-        return self._timed("commit", super()._commit_replay)
+    def _commit_step(self):
+        return self._timed("commit", super()._commit_step)
 
     def _prepare_inputs(self, batch):
         return self._timed("prepare", super()._prepare_inputs, batch)
@@ -136,7 +136,7 @@ class StepClock(TrainerCallback):
             "step": total, "generation": c["generation"], "rescoring": c["rescoring"],
             # replay bookkeeping: replay code outside model forward/backward
             "bookkeeping": rep_inner + c["commit"] + max(0.0, c["prepare"] - c["gen_and_score"]),
-            "train": c["training_step"] - c["commit"] - c["prepare"],
+            "train": c["training_step"] - c["prepare"],
             "scanned": getattr(self.tr.replay.last_record, "scanned", 0) if self.tr.replay_active else 0,
             "accepted": getattr(self.tr.replay.last_record, "accepted", 0) if self.tr.replay_active else 0,
         })

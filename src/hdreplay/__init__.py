@@ -12,6 +12,11 @@ Core API (framework-agnostic; importing it never imports TRL or verl):
     pad_groups, PaddedGroups, group_scores            helpers for writing scorers
     balanced_partition, minibatch_layout, truncate_to_multiple   batch layout
 
+Reliability contract: every public call checks all of its arguments before it changes anything
+(errors: ReplayInputError / ReplayConfigError / ReplayProtocolError / CheckpointError, all
+ReplayError); what the buffer hands out are copies; ``ReplayController.save`` is crash-safe and
+``load`` is all-or-nothing (see ``hdreplay.checkpoint`` and ``hdreplay.checkpoint_schema``).
+
 Integrations live in ``hdreplay.integrations.trl`` and ``hdreplay.integrations.verl``.
 """
 
@@ -26,10 +31,11 @@ from .errors import (
     ReplayError,
     ReplayInputError,
     ReplayProtocolError,
+    ReplayResumeWarning,
     ReplayStarvedWarning,
 )
 from .ingress import AnswerBased, MixedOutcome, make_ingress_rule
-from .layout import balanced_partition, minibatch_layout, replay_prefix_order, truncate_to_multiple
+from .layout import balanced_partition, minibatch_layout, truncate_to_multiple
 from .padding import PaddedGroups, pad_groups
 from .scores import (
     GroupScores, drift, group_scores, headroom, reference_headroom, replay_kl, replay_kl_per_group, token_headroom,
@@ -42,8 +48,8 @@ __version__ = "0.1.0"
 __all__ = [
     "AdaptiveTau", "TauState", "update_tau", "AnswerBased", "CheckpointError", "DiagnosticsWriter", "GroupRecord", "GroupScores", "METRIC_KEYS", "STEP_FIELDS", "StepRecord",
     "MixedOutcome", "PaddedGroups", "ReplayBuffer", "ReplayConfig", "ReplayConfigError", "ReplayController",
-    "ReplayError", "ReplayInputError", "ReplayProtocolError", "ReplayStarvedWarning", "SELECTORS", "Scorer", "Selection",
+    "ReplayError", "ReplayInputError", "ReplayProtocolError", "ReplayResumeWarning", "ReplayStarvedWarning", "SELECTORS", "Scorer", "Selection",
     "balanced_partition", "drift", "group_scores", "headroom", "make_ingress_rule", "metrics_from_record",
     "minibatch_layout", "pad_groups", "reference_headroom", "replay_kl", "replay_kl_per_group",
-    "replay_prefix_order", "select_replay", "token_headroom", "truncate_to_multiple", "__version__",
+    "select_replay", "token_headroom", "truncate_to_multiple", "__version__",
 ]

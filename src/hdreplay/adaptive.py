@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, fields
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import Any, Mapping
 
-if TYPE_CHECKING:  # pragma: no cover
-    from .diagnostics import StepRecord
+from .diagnostics import StepRecord
+from .errors import ReplayConfigError, ReplayInputError
+from .validate import MAX_STEP, check_real, is_int, is_real
 
-from .errors import ReplayConfigError
+TAU_ACTIONS = ("hold", "loosen", "tighten")
 
 
 @dataclass(frozen=True)
@@ -41,11 +42,11 @@ class AdaptiveTau:
     def __post_init__(self) -> None:
         for f in fields(self):
             v = getattr(self, f.name)
-            ok = (isinstance(v, int) and not isinstance(v, bool)) if f.type in ("int", int) else (
-                isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v))
+            ok = (type(v) is int and 0 <= v < MAX_STEP) if f.type in ("int", int) else (
+                type(v) in (int, float) and math.isfinite(v))
             if not ok:
-                raise _err(f"adaptive_tau.{f.name} must be a finite {'int' if f.type in ('int', int) else 'number'}, "
-                           f"got {v!r}")
+                what = "an int in [0, 2**53)" if f.type in ("int", int) else "a finite number"
+                raise _err(f"adaptive_tau.{f.name} must be {what}, got {v!r}")
         if not (0 < self.tau_min <= self.tau_max):
             raise _err(f"needs 0 < tau_min <= tau_max, got [{self.tau_min}, {self.tau_max}]")
         if not self.factor > 1:
@@ -74,6 +75,21 @@ class TauState:
     since_change: int = 0
     last_action: str = "hold"
 
+    def __post_init__(self) -> None:
+        check_real("tau_state.tau", self.tau, lo=0.0, lo_open=True, err=ReplayConfigError)
+        for name in ("accept_ema", "kl_fast", "kl_slow"):
+            v = getattr(self, name)
+            if v is not None:
+                check_real(f"tau_state.{name}", v, lo=0.0, err=ReplayConfigError)
+        for name in ("steps", "since_change"):
+            v = getattr(self, name)
+            if not is_int(v) or not 0 <= v < MAX_STEP:
+                raise ReplayConfigError(f"tau_state.{name}: must be an int in [0, 2**53), got {v!r}",
+                                        field=f"tau_state.{name}")
+        if self.last_action not in TAU_ACTIONS:
+            raise ReplayConfigError(f"tau_state.last_action: must be one of {list(TAU_ACTIONS)}, "
+                                    f"got {self.last_action!r}", field="tau_state.last_action")
+
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
@@ -85,8 +101,19 @@ def _ema(old: float | None, new: float, w: float) -> float:
 def update_tau(state: TauState, record: "StepRecord | Mapping[str, Any]", cfg: AdaptiveTau) -> TauState:
     """The next state after a committed step (``record``: its :class:`~hdreplay.diagnostics.StepRecord`,
     or the same as a dict read back from ``steps.jsonl``)."""
-    if not isinstance(record, Mapping):
+    if not isinstance(state, TauState):
+        raise ReplayInputError(f"state: must be a TauState, got {type(state).__name__}")
+    if not isinstance(cfg, AdaptiveTau):
+        raise ReplayInputError(f"cfg: must be an AdaptiveTau, got {type(cfg).__name__}")
+    if isinstance(record, StepRecord):
         record = vars(record)
+    if not isinstance(record, Mapping):
+        raise ReplayInputError(f"record: must be a StepRecord or a mapping, got {type(record).__name__}")
+    for key, hi in (("accept_rate", 1.0), ("budget_fill", None), ("replay_kl", None)):
+        v = record.get(key)
+        if v is not None and not (is_real(v) and math.isfinite(v) and 0 <= v and (hi is None or v <= hi)):
+            raise ReplayInputError(f"record[{key!r}]: must be None or a finite number >= 0"
+                                   f"{' and <= 1' if hi else ''}, got {v!r}")
     s = TauState(**state.to_dict())
     s.steps += 1
     s.since_change += 1

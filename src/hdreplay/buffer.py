@@ -2,153 +2,52 @@
 
 The buffer *stores*: it never decides what to replay (see :mod:`hdreplay.selection`).
 
-Storage.  Groups appended in one call form a *block* of flat tensors with no
-padding: int32 token ids, float32 log-probs, a bool loss mask (omitted when it is
-all ones, the single-turn case), int32 response lengths, float32 advantages and
-rewards.  Because eviction is FIFO, blocks leave from the front; a partly evicted
-front block is compacted, so stored bytes track the live groups exactly.
+Storage.  Groups live in ragged blocks (:mod:`hdreplay.storage`); what the buffer hands out
+(:meth:`ReplayBuffer.get`, :meth:`ReplayBuffer.state_dict`) are copies, so nothing a caller does to
+them changes the stored state.
 
-Per-group mutable state lives in slot arrays indexed by ``insertion_id % capacity``:
-cached Headroom, reference Headroom, last refresh step, birth step, lifetime
-replay count N_rep and exposure W.  Insertion ids are consecutive; the live ids
-are always ``[next_id - size, next_id)``, oldest first.
+Per-group mutable state lives in slot arrays indexed by ``insertion_id % L``: cached Headroom,
+reference Headroom, last refresh step, birth step, lifetime replay count N_rep, exposure W and the
+loss-token count.  Insertion ids are consecutive, so the live ids ``[next_id - size, next_id)``
+(oldest first) map to distinct slots whenever ``L >= size``; ``L`` grows geometrically up to the
+capacity as the buffer fills, so a large capacity costs nothing until it is used.
+
+Every public method checks all of its arguments before it changes anything: a refused call leaves
+the buffer exactly as it was.
 """
 
 from __future__ import annotations
 
 import bisect
 import os
-from dataclasses import dataclass
-from typing import Any, Iterable, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 import torch
 
-from .checkpoint import read_checkpoint_dir, require_keys, write_checkpoint_dir
+from .checkpoint import read_checkpoint_dir, write_checkpoint_dir
+from .checkpoint_schema import BufferState, parse_buffer_state
 from .errors import CheckpointError, ReplayConfigError, ReplayInputError
 from .record import GroupRecord
+from .storage import BLOCK_GROUPS, Block, copy_groups
+from .validate import (
+    MAX_CAPACITY, MAX_COUNT, MAX_STEP, check_ids, check_int, check_real, check_reals, check_sequence, check_step,
+    check_path, check_str,
+)
 
 BUFFER_FORMAT = "hdreplay.buffer"
-BUFFER_VERSION = 1
-
-
-@dataclass
-class _Block:
-    """Flat storage of groups with consecutive insertion ids ``first_id .. first_id + k - 1``."""
-
-    first_id: int
-    group_ids: list
-    birth_steps: list[int]
-    prompt: torch.Tensor  # (sum P,) int32
-    prompt_off: np.ndarray  # (k+1,) int64
-    tokens: torch.Tensor  # (sum T,) int32
-    logprobs: torch.Tensor  # (sum T,) float32
-    loss_mask: torch.Tensor | None  # (sum T,) bool, None == all ones
-    tok_off: np.ndarray  # (k+1,) int64
-    resp_len: torch.Tensor  # (sum n,) int64
-    advantages: torch.Tensor  # (sum n,) float32
-    rewards: torch.Tensor  # (sum n,) float32
-    resp_off: np.ndarray  # (k+1,) int64
-    extras: dict[str, torch.Tensor]  # name -> (sum T,) float32
-
-    @property
-    def count(self) -> int:
-        return len(self.group_ids)
-
-    @property
-    def nbytes(self) -> int:
-        ts = [self.prompt, self.tokens, self.logprobs, self.resp_len, self.advantages, self.rewards,
-              *self.extras.values()]
-        if self.loss_mask is not None:
-            ts.append(self.loss_mask)
-        offsets = self.prompt_off.nbytes + self.tok_off.nbytes + self.resp_off.nbytes
-        return sum(t.numel() * t.element_size() for t in ts) + offsets
-
-    @classmethod
-    def build(cls, first_id: int, records: Sequence[GroupRecord]) -> "_Block":
-        def off(lengths: Iterable[int]) -> np.ndarray:
-            return np.concatenate([[0], np.cumsum(list(lengths), dtype=np.int64)]).astype(np.int64)
-
-        masks = [r.loss_mask for r in records]
-        all_ones = all(bool(m.all()) for m in masks)
-        keys = sorted(records[0].extras) if records else []
-        return cls(
-            first_id=first_id,
-            group_ids=[r.group_id for r in records],
-            birth_steps=[r.birth_step for r in records],
-            prompt=torch.cat([r.prompt_ids for r in records]),
-            prompt_off=off(r.prompt_ids.numel() for r in records),
-            tokens=torch.cat([r.completion_ids for r in records]),
-            logprobs=torch.cat([r.logprobs for r in records]),
-            loss_mask=None if all_ones else torch.cat(masks),
-            tok_off=off(r.num_tokens for r in records),
-            resp_len=torch.cat([r.response_lengths for r in records]),
-            advantages=torch.cat([r.advantages for r in records]),
-            rewards=torch.cat([r.rewards for r in records]),
-            resp_off=off(r.num_responses for r in records),
-            extras={k: torch.cat([r.extras[k] for r in records]) for k in keys},
-        )
-
-    def record(self, j: int) -> GroupRecord:
-        """Materialise group j as a GroupRecord (views into this block's tensors; no validation)."""
-        t0, t1 = int(self.tok_off[j]), int(self.tok_off[j + 1])
-        r0, r1 = int(self.resp_off[j]), int(self.resp_off[j + 1])
-        p0, p1 = int(self.prompt_off[j]), int(self.prompt_off[j + 1])
-        mask = _ones(t1 - t0) if self.loss_mask is None else self.loss_mask[t0:t1]
-        rec = object.__new__(GroupRecord)
-        fields = dict(
-            group_id=self.group_ids[j],
-            prompt_ids=self.prompt[p0:p1],
-            completion_ids=self.tokens[t0:t1],
-            response_lengths=self.resp_len[r0:r1],
-            loss_mask=mask,
-            logprobs=self.logprobs[t0:t1],
-            advantages=self.advantages[r0:r1],
-            rewards=self.rewards[r0:r1],
-            birth_step=self.birth_steps[j],
-            extras={k: v[t0:t1] for k, v in self.extras.items()},
-        )
-        for k, v in fields.items():
-            object.__setattr__(rec, k, v)
-        return rec
-
-    def tail(self, start: int) -> "_Block":
-        """A compacted copy holding groups ``start..count-1`` (the front ones evicted)."""
-        t0, r0, p0 = int(self.tok_off[start]), int(self.resp_off[start]), int(self.prompt_off[start])
-        return _Block(
-            first_id=self.first_id + start,
-            group_ids=self.group_ids[start:],
-            birth_steps=self.birth_steps[start:],
-            prompt=self.prompt[p0:].clone(),
-            prompt_off=self.prompt_off[start:] - p0,
-            tokens=self.tokens[t0:].clone(),
-            logprobs=self.logprobs[t0:].clone(),
-            loss_mask=None if self.loss_mask is None else self.loss_mask[t0:].clone(),
-            tok_off=self.tok_off[start:] - t0,
-            resp_len=self.resp_len[r0:].clone(),
-            advantages=self.advantages[r0:].clone(),
-            rewards=self.rewards[r0:].clone(),
-            resp_off=self.resp_off[start:] - r0,
-            extras={k: v[t0:].clone() for k, v in self.extras.items()},
-        )
-
-
-_ONES = torch.ones(0, dtype=torch.bool)
-
-
-def _ones(n: int) -> torch.Tensor:
-    """A read-only-by-convention all-True mask of length n (a view of one shared tensor)."""
-    global _ONES
-    if _ONES.numel() < n:
-        _ONES = torch.ones(max(n, 2 * _ONES.numel(), 4096), dtype=torch.bool)
-    return _ONES[:n]
+#: 2: manifest layout (see :mod:`hdreplay.checkpoint`); 1: the legacy two-file layout (still read)
+BUFFER_VERSION = 2
+BUFFER_VERSIONS = (1, 2)
+#: slot arrays start this small and double as the buffer fills
+INITIAL_SLOTS = 64
 
 
 class ReplayBuffer:
     """FIFO buffer of at most ``capacity`` groups.
 
     Args:
-        capacity:   C >= 1, the maximum number of groups held.
+        capacity:   C in [1, 2**24], the maximum number of groups held.
         group_size: if set, every appended group must have exactly this many responses.
     """
 
@@ -159,24 +58,37 @@ class ReplayBuffer:
     }
 
     def __init__(self, capacity: int, *, group_size: int | None = None) -> None:
-        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
-            raise ReplayConfigError(f"capacity must be an int >= 1 (groups), got {capacity!r}")
-        if group_size is not None and (not isinstance(group_size, int) or group_size < 1):
-            raise ReplayConfigError(f"group_size must be None or an int >= 1, got {group_size!r}")
-        self.capacity = capacity
-        self.group_size = group_size
-        self._reset()
+        self.capacity = check_int("capacity", capacity, lo=1, hi=MAX_CAPACITY, err=ReplayConfigError)
+        self.group_size = None if group_size is None else check_int(
+            "group_size", group_size, lo=1, hi=MAX_COUNT, err=ReplayConfigError)
+        self._install([], self._new_slots(min(self.capacity, INITIAL_SLOTS)), 0, 0, None)
 
-    def _reset(self) -> None:
-        C = self.capacity
-        self._slots = {k: np.zeros(C, dtype=dt) for k, dt in self._SLOT_FIELDS.items()}
-        self._slots["insertion_id"][:] = -1
-        self._blocks: list[_Block] = []
-        self._block_first: list[int] = []
-        self._next_id = 0
-        self._size = 0
-        self._extras_keys: tuple[str, ...] | None = None
-        self._id_of_group: dict[Any, int] = {}
+    def _install(self, blocks: list[Block], slots: dict[str, np.ndarray], next_id: int, size: int,
+                 extras_keys: tuple[str, ...] | None) -> None:
+        """Replace the whole state at once (construction and loads)."""
+        self._blocks = blocks
+        self._block_first = [b.first_id for b in blocks]
+        self._slots = slots
+        self._next_id, self._size, self._extras_keys = next_id, size, extras_keys
+        self._id_of_group = {g: b.first_id + j for b in blocks for j, g in enumerate(b.group_ids)}
+
+    @classmethod
+    def _new_slots(cls, n: int) -> dict[str, np.ndarray]:
+        slots = {k: np.zeros(n, dtype=dt) for k, dt in cls._SLOT_FIELDS.items()}
+        slots["insertion_id"][:] = -1
+        return slots
+
+    def _grow(self, needed: int) -> None:
+        """Make the slot arrays hold at least ``needed`` live groups (re-placing the live ones)."""
+        L = len(self._slots["insertion_id"])
+        if needed <= L:
+            return
+        new_len = min(self.capacity, max(needed, 2 * L))
+        new = self._new_slots(new_len)
+        ids = self.insertion_ids()
+        for k, a in self._slots.items():
+            new[k][ids % new_len] = a[ids % L]
+        self._slots = new
 
     # ------------------------------------------------------------------ basic views
     def __len__(self) -> int:
@@ -190,41 +102,43 @@ class ReplayBuffer:
         """(size,) int64 live insertion ids, oldest first."""
         return np.arange(self._next_id - self._size, self._next_id, dtype=np.int64)
 
-    def _slot(self, ids) -> np.ndarray:
-        ids = np.asarray(ids, dtype=np.int64)
+    def _slot(self, ids: np.ndarray) -> np.ndarray:
         lo = self._next_id - self._size
         if ids.size and (ids.min() < lo or ids.max() >= self._next_id):
             raise ReplayInputError(
                 f"insertion ids must be live ([{lo}, {self._next_id})), got range [{ids.min()}, {ids.max()}]"
             )
-        return ids % self.capacity
+        return ids % len(self._slots["insertion_id"])
 
     def slot_values(self, name: str, ids) -> np.ndarray:
-        """Per-group state for ``ids``: one of insertion_id, birth_step, cached_headroom,
+        """Per-group state for ``ids`` (a copy): one of insertion_id, birth_step, cached_headroom,
         ref_headroom, refresh_step, replay_count, exposure, num_loss_tokens."""
-        if name not in self._slots:
-            raise ReplayInputError(f"unknown slot field {name!r}; valid: {sorted(self._slots)}")
-        return self._slots[name][self._slot(ids)].copy()
+        name = check_str("name", name, self._SLOT_FIELDS)
+        return self._slots[name][self._slot(check_ids("ids", ids, unique=False))].copy()
 
     def group_id(self, insertion_id: int):
         """The caller's group id of a live insertion id."""
-        self._slot([insertion_id])
-        blk, j = self._locate(int(insertion_id))
+        i = check_int("insertion_id", insertion_id, hi=MAX_STEP)
+        self._slot(np.asarray([i]))
+        blk, j = self._locate(i)
         return blk.group_ids[j]
 
-    def _locate(self, insertion_id: int) -> tuple[_Block, int]:
+    def group_ids(self, ids) -> list:
+        """The caller's group ids of live insertion ids (in the order given)."""
+        arr = check_ids("ids", ids, unique=False)
+        self._slot(arr)
+        return [blk.group_ids[j] for blk, j in map(self._locate, arr.tolist())]
+
+    def _locate(self, insertion_id: int) -> tuple[Block, int]:
         b = bisect.bisect_right(self._block_first, insertion_id) - 1
         blk = self._blocks[b]
         return blk, insertion_id - blk.first_id
 
-    def get(self, ids: Sequence[int]) -> list[GroupRecord]:
-        """Materialise live groups as read-only :class:`GroupRecord` views."""
-        self._slot(ids)  # range check
-        out = []
-        for i in ids:
-            blk, j = self._locate(int(i))
-            out.append(blk.record(j))
-        return out
+    def get(self, ids) -> list[GroupRecord]:
+        """Live groups as :class:`GroupRecord` copies (editing them never changes the buffer)."""
+        arr = check_ids("ids", ids, unique=False)
+        self._slot(arr)
+        return copy_groups([self._locate(i) for i in arr.tolist()])
 
     def nbytes(self) -> int:
         """Bytes held: block tensors plus per-slot state arrays."""
@@ -238,11 +152,11 @@ class ReplayBuffer:
         """The first ``limit`` live ids by cached Headroom, descending; ties: older (smaller id) first.
 
         Cost O(C + m log m) for m = limit (a partial selection, not a full sort)."""
-        m = min(int(limit), self._size)
+        m = min(check_int("limit", limit, hi=MAX_STEP), self._size)
         if m <= 0:
             return np.zeros(0, dtype=np.int64)
         ids = self.insertion_ids()
-        key = self._slots["cached_headroom"][ids % self.capacity]
+        key = self._slots["cached_headroom"][self._slot(ids)]
         if m < self._size:
             kth = np.partition(key, self._size - m)[self._size - m]
             cand = np.flatnonzero(key >= kth)
@@ -253,7 +167,7 @@ class ReplayBuffer:
 
     def order_by_recency(self, limit: int) -> np.ndarray:
         """The newest ``limit`` live ids, newest first."""
-        m = min(int(limit), self._size)
+        m = min(check_int("limit", limit, hi=MAX_STEP), self._size)
         return np.arange(self._next_id - 1, self._next_id - 1 - m, -1, dtype=np.int64)
 
     # ------------------------------------------------------------------ mutation
@@ -261,9 +175,9 @@ class ReplayBuffer:
         """Raise if ``records`` cannot be appended; the buffer is not modified."""
         seen = set()
         keys = self._extras_keys
-        for r in records:
+        for r in check_sequence("records", records):
             if not isinstance(r, GroupRecord):
-                raise ReplayInputError(f"expected GroupRecord, got {type(r).__name__}")
+                raise ReplayInputError(f"records: expected GroupRecord, got {type(r).__name__}")
             if self.group_size is not None and r.num_responses != self.group_size:
                 raise ReplayInputError(
                     f"group {r.group_id!r} has {r.num_responses} responses; this buffer holds groups of "
@@ -281,36 +195,33 @@ class ReplayBuffer:
                     "every group must carry the same extras"
                 )
 
-    def append(
-        self, records: Sequence[GroupRecord], *, ref_headroom: Sequence[float], step: int
-    ) -> list[dict[str, Any]]:
+    def append(self, records: Sequence[GroupRecord], *, ref_headroom, step: int) -> list[dict[str, Any]]:
         """Append groups (oldest first) with their reference Headroom; evict beyond capacity (FIFO).
 
         Args:
-            records:      groups to store, in the order they should age.
-            ref_headroom: (k,) H_ref(g) = Headroom(g; pi_gen), the initial cached priority.
+            records:      groups to store (a list), in the order they should age; they are copied.
+            ref_headroom: (k,) H_ref(g) = Headroom(g; pi_gen), the initial cached priority (finite).
             step:         the step the append happens at (recorded as the refresh step).
         Returns:
             lifetime records of the evicted groups (see :meth:`lifetime_record`).
         """
-        records = list(records)
-        ref = np.asarray(ref_headroom, dtype=np.float64).reshape(-1)
-        if ref.size != len(records):
-            raise ReplayInputError(f"{len(records)} groups but {ref.size} ref_headroom values")
-        if ref.size and not np.isfinite(ref).all():
-            raise ReplayInputError("ref_headroom has non-finite values")
+        records = check_sequence("records", records)
+        ref = check_reals("ref_headroom", ref_headroom, len(records))
+        step = check_step("step", step)
         self.validate(records)
         if not records:
             return []
         if len(records) > self.capacity:  # only the newest C can survive
             records, ref = records[-self.capacity:], ref[-self.capacity:]
-        evicted = self._evict(self._size + len(records) - self.capacity, step)
         first = self._next_id
-        blk = _Block.build(first, records)
-        self._blocks.append(blk)
-        self._block_first.append(first)
+        blocks = [Block.build(first + i, records[i:i + BLOCK_GROUPS])  # the copies; nothing has changed yet
+                  for i in range(0, len(records), BLOCK_GROUPS)]
+        self._grow(min(self.capacity, self._size + len(records)))
+        evicted = self._evict(self._size + len(records) - self.capacity, step)
+        self._blocks.extend(blocks)
+        self._block_first.extend(b.first_id for b in blocks)
         ids = np.arange(first, first + len(records), dtype=np.int64)
-        sl = ids % self.capacity
+        sl = ids % len(self._slots["insertion_id"])
         s = self._slots
         s["insertion_id"][sl] = ids
         s["birth_step"][sl] = [r.birth_step for r in records]
@@ -332,10 +243,10 @@ class ReplayBuffer:
         if k <= 0:
             return []
         ids = self.insertion_ids()[:k]
-        out = [self.lifetime_record(int(i), evicted_step=step) for i in ids]
+        out = [self._lifetime(int(i), step) for i in ids]
         for rec in out:
             del self._id_of_group[rec["group_id"]]
-        self._slots["insertion_id"][ids % self.capacity] = -1
+        self._slots["insertion_id"][self._slot(ids)] = -1
         self._size -= k
         lo = self._next_id - self._size
         while self._blocks and self._blocks[0].first_id + self._blocks[0].count <= lo:
@@ -346,27 +257,36 @@ class ReplayBuffer:
             self._block_first[0] = lo
         return out
 
-    def refresh(self, ids: Sequence[int], values: Sequence[float], *, step: int) -> None:
-        """Set the cached Headroom of ``ids`` to ``values`` (runtime Headroom at ``step``)."""
-        sl = self._slot(ids)
-        v = np.asarray(values, dtype=np.float64).reshape(-1)
-        if v.size != sl.size or (v.size and not np.isfinite(v).all()):
-            raise ReplayInputError(f"refresh needs {sl.size} finite values, got {v.tolist()}")
+    def refresh(self, ids, values, *, step: int) -> None:
+        """Set the cached Headroom of ``ids`` (distinct, live) to ``values`` (runtime Headroom at ``step``)."""
+        arr = check_ids("ids", ids)
+        sl = self._slot(arr)
+        v = check_reals("values", values, arr.size)
+        step = check_step("step", step)
         self._slots["cached_headroom"][sl] = v
         self._slots["refresh_step"][sl] = step
 
-    def record_use(self, ids: Sequence[int], *, weight: float) -> None:
-        """Count one replay of each id (N_rep += 1) and add ``weight`` = 1/|A_t| to its exposure."""
-        sl = self._slot(ids)
+    def record_use(self, ids, *, weight: float) -> None:
+        """Count one replay of each id (N_rep += 1) and add ``weight`` = 1/|A_t| in (0, 1] to its exposure."""
+        sl = self._slot(check_ids("ids", ids))
+        weight = check_real("weight", weight, lo=0.0, lo_open=True, hi=1.0)
         self._slots["replay_count"][sl] += 1
         self._slots["exposure"][sl] += weight
 
-    def add_exposure(self, ids: Sequence[int], weight: float) -> None:
-        self._slots["exposure"][self._slot(ids)] += weight
+    def add_exposure(self, ids, weight: float) -> None:
+        """Add ``weight`` in (0, 1] to the exposure W of ``ids`` (distinct, live)."""
+        sl = self._slot(check_ids("ids", ids))
+        weight = check_real("weight", weight, lo=0.0, lo_open=True, hi=1.0)
+        self._slots["exposure"][sl] += weight
 
     def lifetime_record(self, insertion_id: int, *, evicted_step: int | None = None) -> dict[str, Any]:
         """Per-group lifetime record: birth step, H_ref, N_rep, exposure W, last cached Headroom."""
-        sl = int(self._slot([insertion_id])[0])
+        i = check_int("insertion_id", insertion_id, hi=MAX_STEP)
+        self._slot(np.asarray([i]))
+        return self._lifetime(i, None if evicted_step is None else check_step("evicted_step", evicted_step))
+
+    def _lifetime(self, insertion_id: int, evicted_step: int | None) -> dict[str, Any]:
+        sl = int(self._slot(np.asarray([insertion_id]))[0])
         s = self._slots
         blk, j = self._locate(insertion_id)
         return {
@@ -382,99 +302,59 @@ class ReplayBuffer:
 
     # ------------------------------------------------------------------ checkpointing
     def state_dict(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-        """(tensors, meta): plain tensors plus a JSON-able dict; exact (cached values in float64)."""
+        """(tensors, meta): new tensors (copies) plus a JSON-able dict; exact (cached values in float64)."""
         ids = self.insertion_ids()
-        recs = self.get(ids.tolist()) if len(ids) else []
-        blk = _Block.build(int(ids[0]) if len(ids) else self._next_id, recs) if recs else None
-        sl = ids % self.capacity
+        sl = self._slot(ids)
         tensors = {f"slot.{k}": torch.from_numpy(a[sl].copy()) for k, a in self._slots.items()}
+        blk = Block.concat(self._blocks) if self._blocks else None
         if blk is not None:
-            tensors.update({
-                "prompt": blk.prompt, "prompt_off": torch.from_numpy(blk.prompt_off), "tokens": blk.tokens,
-                "logprobs": blk.logprobs, "tok_off": torch.from_numpy(blk.tok_off), "resp_len": blk.resp_len,
-                "advantages": blk.advantages, "rewards": blk.rewards, "resp_off": torch.from_numpy(blk.resp_off),
-            })
-            tensors["loss_mask"] = (torch.ones(blk.tokens.numel(), dtype=torch.bool)
-                                    if blk.loss_mask is None else blk.loss_mask).to(torch.uint8)
-            tensors.update({f"extra.{k}": v for k, v in blk.extras.items()})
+            tensors.update(blk.to_tensors())
         meta = {
             "capacity": self.capacity,
             "group_size": self.group_size,
             "next_id": self._next_id,
             "size": self._size,
-            "group_ids": [] if blk is None else blk.group_ids,
-            "birth_steps": [] if blk is None else blk.birth_steps,
+            "group_ids": [] if blk is None else list(blk.group_ids),
+            "birth_steps": [] if blk is None else list(blk.birth_steps),
             "extras_keys": None if self._extras_keys is None else list(self._extras_keys),
         }
         return tensors, meta
 
     def load_state_dict(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
-        """Restore exactly; raises CheckpointError (buffer unchanged) on inconsistent input."""
-        where = "buffer state"
-        require_keys(where, meta, ("capacity", "group_size", "next_id", "size", "group_ids", "birth_steps",
-                                   "extras_keys"))
-        if meta["capacity"] != self.capacity:
-            raise CheckpointError(
-                f"{where}: saved with capacity {meta['capacity']}, this buffer has capacity {self.capacity}; "
-                "construct the buffer with the saved capacity"
-            )
-        size, nid = int(meta["size"]), int(meta["next_id"])
-        require_keys(where, tensors, tuple(f"slot.{k}" for k in self._SLOT_FIELDS))
-        for k in self._SLOT_FIELDS:
-            if tensors[f"slot.{k}"].numel() != size:
-                raise CheckpointError(f"{where}: slot.{k} has {tensors[f'slot.{k}'].numel()} entries, expected {size}")
-        if len(meta["group_ids"]) != size or not (0 <= size <= self.capacity) or nid < size:
-            raise CheckpointError(f"{where}: inconsistent sizes (size={size}, next_id={nid}, "
-                                  f"{len(meta['group_ids'])} group ids)")
-        ids = np.arange(nid - size, nid, dtype=np.int64)
-        if size and not np.array_equal(tensors["slot.insertion_id"].numpy(), ids):
-            raise CheckpointError(f"{where}: insertion ids are not the consecutive range ending at next_id")
-        blk = None
-        if size:
-            keys = ("prompt", "prompt_off", "tokens", "logprobs", "tok_off", "resp_len", "advantages",
-                    "rewards", "resp_off", "loss_mask")
-            require_keys(where, tensors, keys)
-            ek = meta["extras_keys"] or []
-            require_keys(where, tensors, tuple(f"extra.{k}" for k in ek))
-            lm = tensors["loss_mask"].bool()
-            blk = _Block(
-                first_id=int(ids[0]), group_ids=list(meta["group_ids"]), birth_steps=list(meta["birth_steps"]),
-                prompt=tensors["prompt"], prompt_off=tensors["prompt_off"].numpy(), tokens=tensors["tokens"],
-                logprobs=tensors["logprobs"], loss_mask=None if bool(lm.all()) else lm,
-                tok_off=tensors["tok_off"].numpy(), resp_len=tensors["resp_len"].to(torch.int64),
-                advantages=tensors["advantages"], rewards=tensors["rewards"], resp_off=tensors["resp_off"].numpy(),
-                extras={k: tensors[f"extra.{k}"] for k in ek},
-            )
-            ok = (blk.tok_off.size == size + 1 and blk.resp_off.size == size + 1
-                  and blk.prompt_off.size == size + 1 and int(blk.tok_off[-1]) == blk.tokens.numel()
-                  and blk.logprobs.numel() == blk.tokens.numel() and lm.numel() == blk.tokens.numel()
-                  and int(blk.resp_off[-1]) == blk.resp_len.numel() == blk.advantages.numel()
-                  and int(blk.prompt_off[-1]) == blk.prompt.numel())
-            if not ok:
-                raise CheckpointError(f"{where}: tensor sizes do not match their offsets; checkpoint is corrupted")
-        # all checks passed: mutate
-        self.group_size = meta["group_size"]
-        self._reset()
-        sl = ids % self.capacity
-        for k, dt in self._SLOT_FIELDS.items():
-            self._slots[k][sl] = tensors[f"slot.{k}"].numpy().astype(dt)
-        if blk is not None:
-            self._blocks, self._block_first = [blk], [blk.first_id]
-            self._id_of_group = {g: int(i) for g, i in zip(blk.group_ids, ids.tolist())}
-        self._next_id, self._size = nid, size
-        self._extras_keys = None if meta["extras_keys"] is None else tuple(meta["extras_keys"])
+        """Restore exactly; every field is validated first and a refused load leaves the buffer unchanged.
+
+        The saved groups must fit this buffer: same capacity, and ``group_size`` responses each if set.
+        Raises:
+            CheckpointError naming what is inconsistent.
+        """
+        self._apply(parse_buffer_state(tensors, meta, capacity=self.capacity, group_size=self.group_size,
+                                       slot_fields=self._SLOT_FIELDS, where="buffer state"))
+
+    def _apply(self, state: BufferState) -> None:
+        """Install a validated state (cut into small blocks that own their memory)."""
+        blocks = state.block.chunks(BLOCK_GROUPS) if state.block is not None else []
+        L = min(self.capacity, max(INITIAL_SLOTS, state.size))
+        slots = self._new_slots(L)
+        ids = np.arange(state.next_id - state.size, state.next_id, dtype=np.int64)
+        for k, a in state.slots.items():
+            slots[k][ids % L] = a
+        self._install(blocks, slots, state.next_id, state.size, state.extras_keys)
 
     def save(self, directory: str | os.PathLike) -> None:
-        """Atomically write the buffer to ``directory`` (safetensors + JSON)."""
+        """Write the buffer to ``directory`` crash-safely (see :mod:`hdreplay.checkpoint`)."""
+        check_path("save", directory)
         tensors, meta = self.state_dict()
         write_checkpoint_dir(directory, format_name=BUFFER_FORMAT, version=BUFFER_VERSION,
                              tensors=tensors, meta=meta)
 
     @classmethod
     def load(cls, directory: str | os.PathLike) -> "ReplayBuffer":
-        tensors, meta = read_checkpoint_dir(directory, format_name=BUFFER_FORMAT, versions=(BUFFER_VERSION,))
-        require_keys(str(directory), meta, ("capacity",))
-        buf = cls(int(meta["capacity"]), group_size=meta.get("group_size"))
+        """A buffer restored from ``directory`` (with the saved capacity and group size)."""
+        check_path("load", directory)
+        tensors, meta = read_checkpoint_dir(directory, format_name=BUFFER_FORMAT, versions=BUFFER_VERSIONS)
+        try:
+            buf = cls(meta.get("capacity"), group_size=meta.get("group_size"))
+        except ReplayConfigError as e:
+            raise CheckpointError(f"{directory}: buffer state holds an invalid {e.field}: {e.message}") from None
         buf.load_state_dict(tensors, meta)
         return buf
-

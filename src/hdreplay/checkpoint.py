@@ -1,14 +1,41 @@
-"""Atomic checkpoint directories: safetensors for tensors, JSON for everything else.
+"""Crash-safe checkpoint directories: safetensors for tensors, JSON for everything else.
 
-A checkpoint directory holds exactly two files:
-    tensors.safetensors   flat tensors
-    state.json            {"format": ..., "version": ..., "sha256": <of tensors file>, "meta": {...}}
+Layout (layout 2) of a checkpoint directory ``D``::
 
-Writes go to a temporary sibling directory that is fsynced and renamed into
-place, so a reader sees either the previous complete checkpoint or the new
-complete one.  Reads verify the format name, version, the tensor file's
-checksum and the presence of every expected key, and raise
-:class:`~hdreplay.errors.CheckpointError` saying what is wrong.
+    D/manifest.json                    which version is current + size and sha256 of every file
+    D/v-<16 hex>/state.json            {"format": ..., "version": ..., "meta": {...}}
+    D/v-<16 hex>/tensors.safetensors   flat tensors
+
+``manifest.json`` is ``{"format", "layout": 2, "dir": "v-...", "files": {name: {"bytes", "sha256"}},
+"sha256"}`` where the last entry is the sha256 of the canonical JSON of the others: every file of
+a checkpoint, the manifest itself and ``state.json`` included, is covered by a checksum.
+
+Save (:func:`write_checkpoint_dir`), a crash at any file-system call included:
+
+1. serialise everything in memory (a failure here writes nothing);
+2. write both files into a new hidden directory ``D/.tmp-v-...``, fsync each and the directory,
+   and rename it to ``D/v-...`` (not referenced by the manifest yet: invisible to :func:`read_checkpoint_dir`);
+3. write the new manifest to a hidden temporary file, fsync it and rename it over ``D/manifest.json``
+   -- the single commit point (``rename`` replaces atomically) -- then fsync ``D``;
+4. delete whatever the new manifest does not reference: the previous version, leftovers of
+   crashed saves (hidden temporaries, unreferenced versions), a converted legacy checkpoint, and
+   the ``.D.tmp-*`` / ``.D.old-*`` siblings that hdreplay 0.1 left when it crashed.
+
+Before the commit point the manifest names the previous complete version, which steps 1-3 never
+touch; after it, it names the new complete one.  So after a crash anywhere, a load yields exactly
+the previous state or exactly the new one, and the next save removes the leftovers.  A disk-full
+or permission error before the commit point raises :class:`~hdreplay.errors.CheckpointError`
+naming the path and leaves the previous checkpoint intact.  One writer per directory at a time; a
+load that runs while a save deletes the previous version may fail with ``CheckpointError`` (retry it).
+
+Load (:func:`read_checkpoint_dir`) follows the manifest only, verifies its own checksum, then reads
+each file's bytes once, checks size and sha256 of exactly those bytes and parses them: nothing
+stays memory-mapped.  Any mismatch raises ``CheckpointError`` saying what is wrong.
+
+Legacy layout 1 (hdreplay 0.1: ``D/state.json`` holding the tensors file's sha256, and
+``D/tensors.safetensors``, no manifest) is still loaded -- its ``state.json`` has no checksum of
+its own, so the loaders' schema checks are its only protection -- and the next save at ``D``
+converts it.
 """
 
 from __future__ import annotations
@@ -16,49 +43,101 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
-import tempfile
+import re
 import uuid
 from pathlib import Path
 from typing import Any, Mapping
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load as load_tensors
+from safetensors.torch import save as save_tensors
 
 from .errors import CheckpointError
 
 TENSORS_FILE = "tensors.safetensors"
 STATE_FILE = "state.json"
+MANIFEST_FILE = "manifest.json"
+LAYOUT = 2
+_VERSION_DIR = re.compile(r"v-[0-9a-f]{16}")
+_OURS = re.compile(r"v-[0-9a-f]{16}|\.tmp-v-[0-9a-f]{16}|\.manifest\.json\.tmp-[0-9a-f]{16}")
+_MAX_MANIFEST_BYTES = 1 << 20
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
+class _FS:
+    """Every file-system call :func:`write_checkpoint_dir` makes, in one place (tests replace
+    :data:`FS` to inject a crash or an error at each of them)."""
+
+    makedirs = staticmethod(lambda p: os.makedirs(p, exist_ok=True))
+    mkdir = staticmethod(os.mkdir)
+    open = staticmethod(os.open)
+    write = staticmethod(os.write)
+    fsync = staticmethod(os.fsync)
+    close = staticmethod(os.close)
+    rename = staticmethod(os.rename)
+    replace = staticmethod(os.replace)
+    listdir = staticmethod(os.listdir)
+    unlink = staticmethod(os.unlink)
+    rmdir = staticmethod(os.rmdir)
+    is_dir = staticmethod(lambda p: os.path.isdir(p) and not os.path.islink(p))
+
+    @staticmethod
+    def read_bytes(path: Path) -> bytes:
+        with open(path, "rb") as f:
+            return f.read()
 
 
-def _fsync_file(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
+FS = _FS()
+
+
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def _manifest_digest(manifest: Mapping[str, Any]) -> str:
+    body = {k: v for k, v in manifest.items() if k != "sha256"}
+    return _sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode())
+
+
+def _write_file(path: Path, data: bytes) -> None:
+    fd = FS.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     try:
-        os.fsync(fd)
+        view, done = memoryview(data), 0
+        while done < len(data):
+            done += FS.write(fd, view[done:])
+        FS.fsync(fd)
     finally:
-        os.close(fd)
+        FS.close(fd)
 
 
 def _fsync_dir(path: Path) -> None:
+    fd = FS.open(path, os.O_RDONLY)
     try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:  # pragma: no cover - platforms without directory fds
-        return
-    try:
-        os.fsync(fd)
-    except OSError:  # pragma: no cover
-        pass
+        FS.fsync(fd)
     finally:
-        os.close(fd)
+        FS.close(fd)
+
+
+def _remove(path: Path) -> None:
+    """Delete a file or a directory tree (through :data:`FS`)."""
+    if FS.is_dir(path):
+        for entry in FS.listdir(path):
+            _remove(path / entry)
+        FS.rmdir(path)
+    else:
+        FS.unlink(path)
+
+
+def _remove_quietly(*paths: Path) -> None:
+    for p in paths:
+        try:
+            _remove(p)
+        except OSError:
+            pass
+
+
+def _describe(e: OSError) -> str:
+    return f"{e.strerror or e}" + (f": {e.filename}" if e.filename else "")
 
 
 def write_checkpoint_dir(
@@ -69,79 +148,175 @@ def write_checkpoint_dir(
     tensors: Mapping[str, torch.Tensor],
     meta: Mapping[str, Any],
 ) -> Path:
-    """Atomically write ``tensors`` and JSON-able ``meta`` into ``directory`` (replacing it)."""
-    directory = Path(directory)
-    parent = directory.parent
-    parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.tmp-", dir=parent))
+    """Write ``tensors`` and JSON-able ``meta`` as the new current version of ``directory`` (see module doc)."""
+    d = Path(directory)
     try:
-        tpath = tmp / TENSORS_FILE
-        save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, str(tpath))
-        _fsync_file(tpath)
-        state = {"format": format_name, "version": version, "sha256": _sha256(tpath), "meta": meta}
-        spath = tmp / STATE_FILE
-        with open(spath, "w") as f:
-            json.dump(state, f, allow_nan=True)
-            f.flush()
-            os.fsync(f.fileno())
+        tbytes = save_tensors({k: v.detach().cpu().contiguous() for k, v in tensors.items()})
+        sbytes = json.dumps({"format": format_name, "version": version, "meta": meta}, allow_nan=False).encode()
+    except (TypeError, ValueError, SafetensorError) as e:
+        raise CheckpointError(f"{d}: cannot serialise the state ({e}); nothing was written") from e
+    name = f"v-{uuid.uuid4().hex[:16]}"
+    manifest: dict[str, Any] = {
+        "format": format_name, "layout": LAYOUT, "dir": name,
+        "files": {STATE_FILE: {"bytes": len(sbytes), "sha256": _sha256(sbytes)},
+                  TENSORS_FILE: {"bytes": len(tbytes), "sha256": _sha256(tbytes)}},
+    }
+    manifest["sha256"] = _manifest_digest(manifest)
+    tmp, final = d / f".tmp-{name}", d / name
+    mtmp = d / f".{MANIFEST_FILE}.tmp-{uuid.uuid4().hex[:16]}"
+    committed = False
+    try:
+        FS.makedirs(d)
+        FS.mkdir(tmp)
+        _write_file(tmp / STATE_FILE, sbytes)
+        _write_file(tmp / TENSORS_FILE, tbytes)
         _fsync_dir(tmp)
-        if directory.exists():
-            old = parent / f".{directory.name}.old-{uuid.uuid4().hex[:8]}"
-            os.rename(directory, old)
-            os.rename(tmp, directory)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.rename(tmp, directory)
-        _fsync_dir(parent)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return directory
+        FS.rename(tmp, final)
+        _fsync_dir(d)
+        _write_file(mtmp, json.dumps(manifest, sort_keys=True).encode())
+        FS.replace(mtmp, d / MANIFEST_FILE)  # the commit point
+        committed = True
+        _fsync_dir(d)
+    except OSError as e:
+        if committed:
+            raise CheckpointError(f"{d}: the new checkpoint is in place but its directory could not be synced "
+                                  f"({_describe(e)})") from e
+        _remove_quietly(tmp, final, mtmp)
+        raise CheckpointError(f"{d}: cannot write the checkpoint ({_describe(e)}); the previous checkpoint at "
+                              "this path, if any, is intact") from e
+    _clean(d, keep={MANIFEST_FILE, name})
+    return d
+
+
+def _clean(d: Path, keep: set[str]) -> None:
+    """Remove what the current manifest does not reference (best effort: the next save retries)."""
+    try:
+        entries = FS.listdir(d)
+    except OSError:
+        return
+    legacy = STATE_FILE in entries and _legacy_format(d) is not None
+    for entry in entries:
+        if entry not in keep and (_OURS.fullmatch(entry) or (legacy and entry in (STATE_FILE, TENSORS_FILE))):
+            _remove_quietly(d / entry)
+    old = re.compile(rf"\.{re.escape(d.name)}\.(tmp|old)-[A-Za-z0-9_]+")
+    try:
+        siblings = FS.listdir(d.parent)
+    except OSError:
+        return
+    for entry in siblings:
+        if old.fullmatch(entry) and FS.is_dir(d.parent / entry):
+            _remove_quietly(d.parent / entry)
+
+
+def _legacy_format(d: Path) -> str | None:
+    """The format name of a layout-1 checkpoint in ``d`` (None if ``d/state.json`` is not one)."""
+    try:
+        state = json.loads(FS.read_bytes(d / STATE_FILE))
+    except (OSError, ValueError):
+        return None
+    fmt = state.get("format") if isinstance(state, dict) else None
+    return fmt if isinstance(fmt, str) and fmt.startswith("hdreplay.") and state.get("version") == 1 else None
 
 
 def read_checkpoint_dir(
     directory: str | os.PathLike, *, format_name: str, versions: tuple[int, ...]
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """Read and verify a directory written by :func:`write_checkpoint_dir`."""
-    directory = Path(directory)
-    if not directory.is_dir():
-        raise CheckpointError(f"{directory}: not a directory; expected an hdreplay checkpoint ({format_name})")
-    spath, tpath = directory / STATE_FILE, directory / TENSORS_FILE
-    for p in (spath, tpath):
-        if not p.is_file():
-            raise CheckpointError(
-                f"{directory}: missing {p.name}; this is not a complete hdreplay checkpoint "
-                f"(expected {STATE_FILE} and {TENSORS_FILE})"
-            )
+    """Read and verify the current version of a directory written by :func:`write_checkpoint_dir`
+    (or a legacy layout-1 directory).  Returns ``(tensors, meta)``; tensors own their memory."""
+    d = Path(directory)
     try:
-        with open(spath) as f:
-            state = json.load(f)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{spath}: unreadable JSON ({e}); the checkpoint is truncated or corrupted") from e
-    if not isinstance(state, dict) or state.get("format") != format_name:
-        found = state.get("format") if isinstance(state, dict) else type(state).__name__
-        raise CheckpointError(f"{directory}: holds format {found!r}, expected {format_name!r}; wrong directory?")
+        if not d.is_dir():
+            raise CheckpointError(_missing(d, format_name))
+        if os.path.lexists(d / MANIFEST_FILE):
+            state, tbytes, where = _read_manifest_layout(d, format_name)
+        elif os.path.lexists(d / STATE_FILE):
+            state, tbytes, where = _read_legacy_layout(d, format_name)
+        else:
+            leftovers = sorted(e for e in os.listdir(d) if _OURS.fullmatch(e))
+            hint = f" (leftovers of an interrupted first save: {leftovers})" if leftovers else ""
+            raise CheckpointError(f"{d}: holds no complete hdreplay checkpoint{hint}; expected {MANIFEST_FILE}")
+    except OSError as e:
+        raise CheckpointError(f"{d}: cannot read the checkpoint ({_describe(e)})") from e
     if state.get("version") not in versions:
         raise CheckpointError(
-            f"{directory}: {format_name} version {state.get('version')!r} is not supported (supported: {list(versions)})"
-        )
-    digest = _sha256(tpath)
-    if digest != state.get("sha256"):
-        raise CheckpointError(
-            f"{tpath}: checksum mismatch (file {digest[:12]}..., recorded {str(state.get('sha256'))[:12]}...); "
-            "the tensor file is truncated or was modified"
-        )
-    try:
-        tensors = load_file(str(tpath))
-    except (SafetensorError, OSError, ValueError) as e:  # pragma: no cover - checksum catches most
-        raise CheckpointError(f"{tpath}: cannot read tensors ({e})") from e
+            f"{where}: {format_name} version {state.get('version')!r} is not supported (supported: {list(versions)})")
     meta = state.get("meta")
     if not isinstance(meta, dict):
-        raise CheckpointError(f"{spath}: missing 'meta' section")
+        raise CheckpointError(f"{where}: missing 'meta' section")
+    try:
+        tensors = load_tensors(tbytes)
+    except (SafetensorError, ValueError, RuntimeError, TypeError) as e:
+        raise CheckpointError(f"{d}: cannot read tensors ({e})") from e
     return tensors, meta
 
 
-def require_keys(where: str, mapping: Mapping[str, Any], keys: tuple[str, ...]) -> None:
-    missing = [k for k in keys if k not in mapping]
-    if missing:
-        raise CheckpointError(f"{where}: missing entries {missing}; the checkpoint is incomplete or foreign")
+def _json(data: bytes, where: Path) -> Any:
+    try:
+        return json.loads(data)
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
+        raise CheckpointError(f"{where}: unreadable JSON ({e}); the checkpoint is truncated or corrupted") from None
+
+
+def _check_format(found: Any, format_name: str, d: Path) -> None:
+    if found != format_name:
+        raise CheckpointError(f"{d}: holds format {found!r}, expected {format_name!r}; wrong directory?")
+
+
+def _read_manifest_layout(d: Path, format_name: str) -> tuple[dict, bytes, Path]:
+    mpath = d / MANIFEST_FILE
+    raw = FS.read_bytes(mpath)
+    if len(raw) > _MAX_MANIFEST_BYTES:
+        raise CheckpointError(f"{mpath}: {len(raw)} bytes is far too large for a manifest; corrupted")
+    man = _json(raw, mpath)
+    if not isinstance(man, dict) or set(man) != {"format", "layout", "dir", "files", "sha256"}:
+        raise CheckpointError(f"{mpath}: not an hdreplay manifest (entries {sorted(man) if isinstance(man, dict) else type(man).__name__})")
+    if man["sha256"] != _manifest_digest(man):
+        raise CheckpointError(f"{mpath}: checksum mismatch; the manifest is corrupted")
+    _check_format(man["format"], format_name, d)
+    files = man["files"]
+    if man["layout"] != LAYOUT or not isinstance(man["dir"], str) or not _VERSION_DIR.fullmatch(man["dir"]) \
+            or not isinstance(files, dict) or set(files) != {STATE_FILE, TENSORS_FILE}:
+        raise CheckpointError(f"{mpath}: unsupported manifest (layout {man['layout']!r}); written by a newer hdreplay?")
+    data = {}
+    for name, entry in files.items():
+        path = d / man["dir"] / name
+        if not path.is_file():
+            raise CheckpointError(f"{path}: missing; the checkpoint directory was modified")
+        blob = FS.read_bytes(path)
+        if not isinstance(entry, dict) or len(blob) != entry.get("bytes") or _sha256(blob) != entry.get("sha256"):
+            raise CheckpointError(f"{path}: checksum mismatch (size or sha256 differ from {MANIFEST_FILE}); "
+                                  "the file is truncated or was modified")
+        data[name] = blob
+    state = _json(data[STATE_FILE], d / man["dir"] / STATE_FILE)
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{d}: state.json is not an object")
+    _check_format(state.get("format"), format_name, d)
+    return state, data[TENSORS_FILE], d / man["dir"] / STATE_FILE
+
+
+def _read_legacy_layout(d: Path, format_name: str) -> tuple[dict, bytes, Path]:
+    spath, tpath = d / STATE_FILE, d / TENSORS_FILE
+    if not tpath.is_file():
+        raise CheckpointError(f"{d}: missing {TENSORS_FILE}; this is not a complete hdreplay checkpoint")
+    state = _json(FS.read_bytes(spath), spath)
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{spath}: not an hdreplay checkpoint state")
+    _check_format(state.get("format"), format_name, d)
+    if state.get("version") != 1:
+        raise CheckpointError(f"{spath}: a checkpoint without {MANIFEST_FILE} must be layout version 1, "
+                              f"got {state.get('version')!r}")
+    blob = FS.read_bytes(tpath)
+    if _sha256(blob) != state.get("sha256"):
+        raise CheckpointError(f"{tpath}: checksum mismatch; the tensor file is truncated or was modified")
+    return state, blob, spath
+
+
+def _missing(d: Path, format_name: str) -> str:
+    if d.exists():
+        return f"{d}: not a directory; expected an hdreplay checkpoint ({format_name})"
+    old = re.compile(rf"\.{re.escape(d.name)}\.old-[A-Za-z0-9_]+")
+    found = sorted(e for e in os.listdir(d.parent) if old.fullmatch(e)) if d.parent.is_dir() else []
+    if found:
+        return (f"{d}: not a directory; a save by hdreplay 0.1 was interrupted and left the previous checkpoint in "
+                f"{d.parent / found[-1]}: rename it to {d.name} to resume from it")
+    return f"{d}: not a directory; expected an hdreplay checkpoint ({format_name})"

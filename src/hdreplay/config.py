@@ -25,10 +25,7 @@ from .ingress import INGRESS_RULES, make_ingress_rule
 from .scores import DRIFT_NORMS, HEADROOM_WEIGHTINGS
 from .selection import SELECTORS
 
-#: upper bound on a buffer capacity (groups): a capacity is a promise the buffer can keep
-MAX_CAPACITY = 1 << 24
-#: upper bound on K_rep, chunk sizes and the truncation multiple
-MAX_COUNT = 1 << 24
+from .validate import MAX_CAPACITY, MAX_COUNT  # noqa: F401  (re-exported: the bounds every front end shows)
 
 
 def knob(default: Any, help: str, *, flat: type | str | None = None, choices: tuple | None = None,
@@ -72,9 +69,13 @@ def _err(name: str, msg: str) -> ReplayConfigError:
     return ReplayConfigError(f"{name}: {msg}", field=name)
 
 
-@dataclass
+@dataclass(frozen=True)
 class ReplayConfig:
-    """Configuration of Headroom-Drift Replay and its baselines (one field per knob, see :func:`knobs`)."""
+    """Configuration of Headroom-Drift Replay and its baselines (one field per knob, see :func:`knobs`).
+
+    Frozen: every value is validated once, at construction (use ``dataclasses.replace`` to derive
+    a changed configuration).  Types are strict: no value of the wrong kind is coerced (``"0.9"`` is
+    not a number, ``1`` is not ``True``, ``2.0`` is not an int)."""
 
     selector: str = knob(
         "headroom_drift",
@@ -120,22 +121,23 @@ class ReplayConfig:
         flat="json")
 
     def __post_init__(self) -> None:
-        if self.selector not in SELECTORS:
+        if not isinstance(self.selector, str) or self.selector not in SELECTORS:
             raise _err("selector", f"unknown selector {self.selector!r}; valid: {sorted(SELECTORS)}")
         if not _is_int(self.k_rep) or not 0 <= self.k_rep <= MAX_COUNT:
             raise _err("k_rep", f"the replay budget (groups per step) must be an int in [0, {MAX_COUNT}], "
                                 f"got {self.k_rep!r}")
-        if not _is_real(self.tau) or math.isnan(self.tau) or self.tau < 0:
-            raise _err("tau", f"the Drift threshold must be a number >= 0, got {self.tau!r}")
+        if not _is_real(self.tau) or not math.isfinite(self.tau) or self.tau < 0:
+            raise _err("tau", f"the Drift threshold must be a finite number >= 0 (to replay without a gate use "
+                              f"selector=headroom_only), got {self.tau!r}")
         if not _is_int(self.capacity) or not 1 <= self.capacity <= MAX_CAPACITY:
             raise _err("capacity", f"the buffer size in groups must be an int in [1, {MAX_CAPACITY}], "
                                    f"got {self.capacity!r}")
-        if self.drift_norm not in DRIFT_NORMS:
+        if not isinstance(self.drift_norm, str) or self.drift_norm not in DRIFT_NORMS:
             raise _err("drift_norm", f"unknown drift norm {self.drift_norm!r}; valid: {list(DRIFT_NORMS)}")
-        if self.headroom_weighting not in HEADROOM_WEIGHTINGS:
+        if not isinstance(self.headroom_weighting, str) or self.headroom_weighting not in HEADROOM_WEIGHTINGS:
             raise _err("headroom_weighting", f"unknown weighting {self.headroom_weighting!r}; valid: "
                                              f"{list(HEADROOM_WEIGHTINGS)}")
-        if not callable(self.ingress) and self.ingress not in INGRESS_RULES:
+        if not callable(self.ingress) and (not isinstance(self.ingress, str) or self.ingress not in INGRESS_RULES):
             raise _err("ingress", f"unknown ingress rule {self.ingress!r}; valid: {list(INGRESS_RULES)} or a callable")
         if self.answer_threshold is not None and (not _is_real(self.answer_threshold)
                                                   or not math.isfinite(self.answer_threshold)):
@@ -153,7 +155,7 @@ class ReplayConfig:
         if self.max_scan is not None and (not _is_int(self.max_scan) or not 1 <= self.max_scan <= MAX_CAPACITY):
             raise _err("max_scan", f"must be unset (auto) or an int in [1, {MAX_CAPACITY}], got {self.max_scan!r}")
         a = self.acceptance_ema
-        if not _is_real(a) or not (0 < a <= 1):
+        if not _is_real(a) or not math.isfinite(a) or not (0 < a <= 1):
             raise _err("acceptance_ema", f"must be in (0, 1], got {a!r}")
         if self.group_size is not None and (not _is_int(self.group_size) or not 1 <= self.group_size <= MAX_COUNT):
             raise _err("group_size", f"must be unset or an int >= 1, got {self.group_size!r}")
@@ -197,6 +199,10 @@ class ReplayConfig:
         Raises:
             ReplayConfigError naming ``label(field)`` and what to change.
         """
+        if not isinstance(values, Mapping) or not all(isinstance(k, str) for k in values):
+            raise ReplayConfigError(f"values: must be a mapping knob name -> value, got {type(values).__name__}")
+        if not callable(label) or not isinstance(where, str):
+            raise ReplayConfigError("from_flat: label must be a callable and where a str")
         pre = f"{where}: " if where else ""
         unknown = sorted(set(values) - set(cls.field_names()))
         if unknown:

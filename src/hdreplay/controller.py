@@ -10,12 +10,18 @@ For each training step t::
 ``select`` and ``stage`` may come in either order; staged groups enter the buffer
 only at ``commit``, so a group born at step t can never be replayed at step t.
 Steps must increase.  ``state_dict``/``save`` capture everything that influences
-later selections (buffer, running acceptance rate, last step), so a run resumed
-from a checkpoint makes exactly the selections the uninterrupted run makes.
+later selections (buffer, running acceptance rate, last step, adaptive tau), so a run
+resumed from a checkpoint makes exactly the selections the uninterrupted run makes.
+
+All-or-nothing: every call checks all of its arguments (and runs the user's scorer / ingress
+rule) before it changes anything, so a refused call leaves the controller as it was and never
+opens a step.  What a call hands out cannot change the stored state: ``sel.groups`` are copies,
+the selection's arrays are read-only, staged groups are copied when staged.
 """
 
 from __future__ import annotations
 
+import copy
 import os
 import warnings
 from typing import Any, Sequence
@@ -24,22 +30,29 @@ import numpy as np
 import torch
 
 from .adaptive import TauState, update_tau
-from .scores import reference_headroom
 from .buffer import ReplayBuffer
-from .checkpoint import read_checkpoint_dir, require_keys, write_checkpoint_dir
+from .checkpoint import read_checkpoint_dir, write_checkpoint_dir
+from .checkpoint_schema import ControllerState, parse_buffer_state, parse_controller_state
 from .config import ReplayConfig
 from .diagnostics import DiagnosticsWriter, StepRecord, metrics_from_record, step_record
-from .errors import CheckpointError, ReplayInputError, ReplayProtocolError, ReplayStarvedWarning
+from .errors import (
+    CheckpointError, ReplayConfigError, ReplayInputError, ReplayProtocolError, ReplayResumeWarning,
+    ReplayStarvedWarning,
+)
 from .ingress import make_ingress_rule
-from .selection import Scorer, Selection, select_replay
 from .record import GroupRecord
+from .scores import reference_headroom
+from .selection import Scorer, Selection, empty_selection, select_replay
+from .validate import MAX_COUNT, check_bool, check_int, check_path, check_sequence, check_step
 
 #: consecutive starved steps (budget unfilled, gate pass rate < STARVED_RATE) before a ReplayStarvedWarning
 STARVED_STEPS = 5
 STARVED_RATE = 1 / 8
 
 CONTROLLER_FORMAT = "hdreplay.controller"
-CONTROLLER_VERSION = 1
+#: 2: manifest layout (see :mod:`hdreplay.checkpoint`); 1: the legacy two-file layout (still read)
+CONTROLLER_VERSION = 2
+CONTROLLER_VERSIONS = (1, 2)
 
 
 class ReplayController:
@@ -52,7 +65,10 @@ class ReplayController:
 
     def __init__(self, config: ReplayConfig, *, diagnostics_dir: str | os.PathLike | None = None) -> None:
         if not isinstance(config, ReplayConfig):
-            raise TypeError(f"config must be a ReplayConfig, got {type(config).__name__}")
+            raise ReplayConfigError(f"config: must be a ReplayConfig, got {type(config).__name__}", field="config")
+        if diagnostics_dir is not None and not isinstance(diagnostics_dir, (str, os.PathLike)):
+            raise ReplayConfigError(f"diagnostics_dir: must be a path or None, got {type(diagnostics_dir).__name__}",
+                                    field="diagnostics_dir")
         self.config = config
         self.buffer = ReplayBuffer(config.capacity, group_size=config.group_size)
         self.ingress_rule = make_ingress_rule(config.ingress, answer_threshold=config.answer_threshold)
@@ -69,28 +85,33 @@ class ReplayController:
         self._starved_steps = 0
 
     # ------------------------------------------------------------------ protocol
-    def _open(self, step: int, what: str) -> None:
-        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-            raise ReplayInputError(f"{what}: step must be an int >= 0, got {step!r}")
+    def _check_step(self, step: int, what: str) -> int:
+        """The step ``what`` may run at (nothing changes; the caller opens it once it succeeded)."""
+        step = check_step(f"{what}: step", step)
         if self._open_step is None:
             if self.last_step is not None and step <= self.last_step:
                 raise ReplayProtocolError(
                     f"{what}(step={step}): step {self.last_step} is already committed; steps must increase"
                 )
-            self._open_step = step
         elif step != self._open_step:
             raise ReplayProtocolError(
                 f"{what}(step={step}) while step {self._open_step} is open; call commit() first"
             )
+        return step
 
     def select(self, *, step: int, scorer: Scorer | None = None) -> Selection:
-        """Choose replay groups for ``step`` from the buffer as it was before this step's ingress."""
-        self._open(step, "select")
+        """Choose replay groups for ``step`` from the buffer as it was before this step's ingress.
+
+        Returns a :class:`Selection` whose arrays are read-only and whose ``groups`` are copies."""
+        step = self._check_step(step, "select")
+        if scorer is not None and not callable(scorer):
+            raise ReplayInputError(f"select: scorer must be a callable or None, got {type(scorer).__name__}")
         if self._selection is not None:
             raise ReplayProtocolError(f"select(step={step}) called twice; one selection per step")
-        self._selection = select_replay(self.buffer, self.config, scorer, step=step,
-                                        acceptance_rate=self.acceptance_rate, tau=self.tau)
-        return self._selection
+        sel = select_replay(self.buffer, self.config, scorer, step=step,
+                            acceptance_rate=self.acceptance_rate, tau=self.tau)
+        self._open_step, self._selection = step, sel
+        return copy.copy(sel)
 
     @property
     def tau(self) -> float:
@@ -98,27 +119,40 @@ class ReplayController:
         return self.tau_state.tau if self.tau_state is not None else float(self.config.tau)
 
     def stage(self, groups: Sequence[GroupRecord], *, step: int) -> list[bool]:
-        """Offer this step's fresh groups for ingress; returns which the ingress rule admitted.
+        """Offer this step's fresh groups (a list) for ingress; returns which the ingress rule admitted.
 
-        Groups must be born at ``step``.  Nothing enters the buffer before :meth:`commit`.
-        Raises ReplayInputError (and stages nothing) if any group is malformed for this buffer.
+        Groups must be born at ``step``; admitted ones are copied (editing them later changes nothing
+        here).  Nothing enters the buffer before :meth:`commit`.  Raises ReplayInputError (and stages
+        nothing) if any group is malformed for this buffer.
         """
-        self._open(step, "stage")
-        groups = list(groups)
+        step = self._check_step(step, "stage")
+        groups = check_sequence("stage: groups", groups)
         for g in groups:
-            if isinstance(g, GroupRecord) and g.birth_step != step:
+            if not isinstance(g, GroupRecord):
+                raise ReplayInputError(f"stage: groups must be GroupRecords, got {type(g).__name__}")
+            if g.birth_step != step:
                 raise ReplayInputError(
                     f"group {g.group_id!r} has birth_step {g.birth_step} but is staged at step {step}; "
                     "stage fresh groups at the step they were generated"
                 )
         self.buffer.validate([*self._staged, *groups])
-        admitted = [bool(self.ingress_rule(g)) for g in groups]
-        chosen = [g for g, ok in zip(groups, admitted) if ok]
+        admitted = [self._admit(g) for g in groups]
+        chosen = [g.clone() for g, ok in zip(groups, admitted) if ok]
         ref = reference_headroom(chosen, weighting=self.config.headroom_weighting).tolist() if chosen else []
+        self._open_step = step
         self._staged.extend(chosen)
         self._staged_ref.extend(ref)
         self._candidates += len(groups)
         return admitted
+
+    def _admit(self, group: GroupRecord) -> bool:
+        out = self.ingress_rule(group)
+        if isinstance(out, torch.Tensor) and out.numel() == 1 and out.dtype == torch.bool:
+            out = bool(out)
+        if not isinstance(out, (bool, np.bool_)):
+            raise ReplayInputError(f"the ingress rule returned {out!r} for group {group.group_id!r}; it must "
+                                   "return a bool")
+        return bool(out)
 
     def commit(self, *, num_fresh_groups: int | None = None) -> dict[str, float]:
         """Close the open step after the policy update.
@@ -131,13 +165,13 @@ class ReplayController:
         """
         if self._open_step is None:
             raise ReplayProtocolError("commit() without an open step; call select()/stage() first")
+        fresh = self._candidates if num_fresh_groups is None else check_int(
+            "commit: num_fresh_groups", num_fresh_groups, hi=MAX_COUNT)
         step = self._open_step
-        sel = self._selection or select_replay(self.buffer, _none_config(self.config), None, step=step, tau=self.tau)
-        fresh = self._candidates if num_fresh_groups is None else int(num_fresh_groups)
-        if fresh < 0:
-            raise ReplayInputError(f"num_fresh_groups must be >= 0, got {fresh}")
+        sel = self._selection or empty_selection(step, "none", len(self.buffer), self.tau)
         actor = fresh + len(sel.accepted)
         ages = step - self.buffer.slot_values("birth_step", sel.accepted) if len(sel.accepted) else np.zeros(0)
+        # everything was validated when it was selected / staged: from here on nothing is refused
         if sel.scored and len(sel.scanned):
             self.buffer.refresh(sel.scanned, sel.scanned_headroom, step=step)
             rate = float(sel.scanned_pass.mean())
@@ -157,27 +191,31 @@ class ReplayController:
         if self.tau_state is not None:
             self.tau_state = update_tau(self.tau_state, rec, self.config.adaptive_tau)
             rec.tau_next, rec.tau_action = self.tau_state.tau, self.tau_state.last_action
-        self._watch_starvation(rec)
-        if self.diagnostics is not None:
-            self.diagnostics.write_step(rec)
-            self.diagnostics.write_groups(evicted)
+        starved = self._count_starved(rec)
         self.last_record = rec
         self.last_step = step
         self._open_step, self._selection = None, None
         self._staged, self._staged_ref, self._candidates = [], [], 0
+        if self.diagnostics is not None:  # the step is committed even if writing the log fails
+            self.diagnostics.write_step(rec)
+            self.diagnostics.write_groups(evicted)
+        if starved:
+            self._warn_starved(rec)
         return metrics_from_record(rec)
 
-    def _watch_starvation(self, rec: StepRecord) -> None:
+    def _count_starved(self, rec: StepRecord) -> bool:
         starved = (rec.k_rep > 0 and rec.buffer_size > 0 and rec.accepted < rec.k_rep
                    and rec.accept_rate is not None and rec.accept_rate < STARVED_RATE)
         self._starved_steps = self._starved_steps + 1 if starved else 0
-        if self._starved_steps == STARVED_STEPS:
-            capped = " and the scan stopped at its budget (max_scan)" if rec.scan_capped else ""
-            warnings.warn(
-                f"hdreplay: replay starved for {STARVED_STEPS} steps (through step {rec.step}): the Drift gate passed "
-                f"{rec.accept_rate:.1%} of {rec.scanned} scanned groups at tau={rec.tau:g}{capped}, replaying "
-                f"{rec.accepted} of k_rep={rec.k_rep}. Loosen tau (`hdreplay calibrate` sweeps it), or set "
-                "adaptive_tau to let it move.", ReplayStarvedWarning, stacklevel=3)
+        return self._starved_steps == STARVED_STEPS
+
+    def _warn_starved(self, rec: StepRecord) -> None:
+        capped = " and the scan stopped at its budget (max_scan)" if rec.scan_capped else ""
+        warnings.warn(
+            f"hdreplay: replay starved for {STARVED_STEPS} steps (through step {rec.step}): the Drift gate passed "
+            f"{rec.accept_rate:.1%} of {rec.scanned} scanned groups at tau={rec.tau:g}{capped}, replaying "
+            f"{rec.accepted} of k_rep={rec.k_rep}. Loosen tau (`hdreplay calibrate` sweeps it), or set "
+            "adaptive_tau to let it move.", ReplayStarvedWarning, stacklevel=3)
 
     def close(self) -> None:
         """Write lifetime records of the groups still buffered (end of training)."""
@@ -188,12 +226,13 @@ class ReplayController:
 
     # ------------------------------------------------------------------ checkpointing
     def state_dict(self, *, allow_open_step: bool = False) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-        """(tensors, meta) of everything that influences later selections.
+        """(tensors, meta) of everything that influences later selections (new tensors: copies).
 
         While a step is open the buffer still holds exactly the state of the last commit (selection
         never mutates it, staged groups are held aside), so ``allow_open_step=True`` snapshots that
         committed state; the open step's selection and staged groups are not included.
         """
+        allow_open_step = check_bool("allow_open_step", allow_open_step)
         if self._open_step is not None and not allow_open_step:
             raise ReplayProtocolError(
                 f"state_dict() while step {self._open_step} is open; checkpoint after commit() "
@@ -205,42 +244,77 @@ class ReplayController:
             "acceptance_rate": self.acceptance_rate,
             "last_step": self.last_step,
             "tau_state": None if self.tau_state is None else self.tau_state.to_dict(),
+            "starved_steps": self._starved_steps,
             "config": self.config.to_dict(),
         }
         return tensors, meta
 
     def load_state_dict(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
-        require_keys("controller state", meta, ("buffer", "acceptance_rate", "last_step", "config"))
-        saved = meta["config"]
-        if saved.get("capacity") != self.config.capacity:
-            raise CheckpointError(
-                f"controller state: saved with capacity {saved.get('capacity')}, configured {self.config.capacity}; "
-                "resume with the same capacity"
-            )
+        """Restore a :meth:`state_dict`; all of it is validated first, so a refused load changes nothing.
+
+        Raises:
+            CheckpointError if the state is malformed or was saved under a capacity / headroom
+            weighting / group size this controller cannot hold; a ReplayResumeWarning lists other
+            changed settings (see :mod:`hdreplay.checkpoint_schema`).
+        """
         if self._open_step is not None:
-            raise ReplayProtocolError("load_state_dict() while a step is open")
-        self.buffer.load_state_dict(tensors, meta["buffer"])
-        self.acceptance_rate = float(meta["acceptance_rate"])
-        self.last_step = meta["last_step"]
-        if self.tau_state is not None and meta.get("tau_state") is not None:
-            self.tau_state = TauState(**meta["tau_state"])
-        if self.diagnostics is not None and self.last_step is not None:
-            self.diagnostics.rewind(self.last_step)
+            raise ReplayProtocolError(f"load_state_dict() while step {self._open_step} is open; commit() first")
+        state = parse_controller_state(tensors, meta, config=self.config)
+        if self.diagnostics is not None and state.last_step is not None:
+            self.diagnostics.rewind(state.last_step)  # before any assignment: a failure here changes nothing
+        self._install(state)
+        if state.changes:
+            warnings.warn("hdreplay: resumed under a changed replay configuration (" + "; ".join(state.changes)
+                          + "); the resumed run will not reproduce the uninterrupted one", ReplayResumeWarning,
+                          stacklevel=3)
+
+    def _install(self, state: ControllerState) -> None:
+        self.buffer._apply(state.buffer)
+        self.acceptance_rate = state.acceptance_rate
+        self.last_step = state.last_step
+        self.tau_state = state.tau_state
+        self._starved_steps = state.starved_steps
+        self.last_record = None
 
     def save(self, directory: str | os.PathLike, *, allow_open_step: bool = False) -> None:
-        """Atomically write the controller (buffer included) to ``directory``."""
+        """Write the controller (buffer included) to ``directory`` crash-safely (see :mod:`hdreplay.checkpoint`)."""
+        check_path("save", directory)
         tensors, meta = self.state_dict(allow_open_step=allow_open_step)
         write_checkpoint_dir(directory, format_name=CONTROLLER_FORMAT, version=CONTROLLER_VERSION,
                              tensors=tensors, meta=meta)
 
     def load(self, directory: str | os.PathLike) -> None:
-        """Restore from a directory written by :meth:`save`; on error nothing changes."""
-        tensors, meta = read_checkpoint_dir(directory, format_name=CONTROLLER_FORMAT,
-                                            versions=(CONTROLLER_VERSION,))
-        self.load_state_dict(tensors, meta)
+        """Restore from a directory written by :meth:`save` (or by hdreplay 0.1); on error nothing changes."""
+        check_path("load", directory)
+        if self._open_step is not None:
+            raise ReplayProtocolError(f"load() while step {self._open_step} is open; commit() first")
+        tensors, meta = read_checkpoint_dir(directory, format_name=CONTROLLER_FORMAT, versions=CONTROLLER_VERSIONS)
+        try:
+            self.load_state_dict(tensors, meta)
+        except CheckpointError as e:
+            raise CheckpointError(f"{directory}: {e}") from None
 
+    @staticmethod
+    def verify(directory: str | os.PathLike) -> int | None:
+        """Check that ``directory`` holds a complete, intact controller checkpoint without loading it.
 
-def _none_config(config: ReplayConfig) -> ReplayConfig:
-    from dataclasses import replace
-
-    return replace(config, selector="none")
+        Returns the checkpoint's last committed step (None if saved before the first commit).
+        Raises CheckpointError saying what is missing or wrong (used to pick the newest complete
+        checkpoint when resuming)."""
+        check_path("verify", directory)
+        tensors, meta = read_checkpoint_dir(directory, format_name=CONTROLLER_FORMAT, versions=CONTROLLER_VERSIONS)
+        bmeta = meta.get("buffer")
+        cap = bmeta.get("capacity") if isinstance(bmeta, dict) else None
+        try:
+            ReplayBuffer(cap)
+        except ReplayConfigError:
+            raise CheckpointError(f"{directory}: buffer state holds an invalid capacity {cap!r}") from None
+        parse_buffer_state(tensors, bmeta, capacity=cap, group_size=None, slot_fields=ReplayBuffer._SLOT_FIELDS,
+                           where=f"{directory}: buffer state")
+        last = meta.get("last_step")
+        if last is not None:
+            try:
+                check_step("last_step", last)
+            except ReplayInputError:
+                raise CheckpointError(f"{directory}: last_step {last!r} is not a step") from None
+        return last

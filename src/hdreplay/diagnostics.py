@@ -22,7 +22,9 @@ from dataclasses import asdict, dataclass, field, fields
 import numpy as np
 
 from .atomic import atomic_write_text
+from .errors import ReplayInputError
 from .selection import Selection
+from .validate import check_step
 
 STEPS_FILE = "steps.jsonl"
 GROUPS_FILE = "groups.jsonl"
@@ -191,8 +193,17 @@ METRIC_KEYS = (
 
 def metrics_from_record(rec: "StepRecord | Mapping[str, Any]", prefix: str = "replay/") -> dict[str, float]:
     """Flat namespaced metrics; missing values (e.g. no scan this step) become NaN."""
+    if not isinstance(rec, (StepRecord, Mapping)) or not isinstance(prefix, str):
+        raise ReplayInputError(f"metrics_from_record needs a StepRecord or a mapping and a str prefix, got "
+                               f"{type(rec).__name__}, {type(prefix).__name__}")
     get = rec.get if isinstance(rec, Mapping) else (lambda k: getattr(rec, k, None))
-    return {f"{prefix}{k}": (float("nan") if get(k) is None else float(get(k))) for k in METRIC_KEYS}
+    out = {}
+    for k in METRIC_KEYS:
+        v = get(k)
+        if v is not None and not isinstance(v, (int, float, np.integer, np.floating)):
+            raise ReplayInputError(f"record[{k!r}]: must be a number or None, got {v!r}")
+        out[f"{prefix}{k}"] = float("nan") if v is None else float(v)
+    return out
 
 
 def _dumps(obj: Any) -> str:
@@ -203,13 +214,21 @@ class DiagnosticsWriter:
     """Appends step and group-lifetime records as JSON lines under ``directory``."""
 
     def __init__(self, directory: str | os.PathLike) -> None:
+        if not isinstance(directory, (str, os.PathLike)):
+            raise ReplayInputError(f"directory: must be a path, got {type(directory).__name__}")
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
         self.steps_path = self.directory / STEPS_FILE
         self.groups_path = self.directory / GROUPS_FILE
 
     def _append(self, path: Path, records: Iterable[Mapping[str, Any]]) -> None:
-        lines = "".join(_dumps(r) + "\n" for r in records)
+        records = list(records)
+        if not all(isinstance(r, Mapping) for r in records):
+            raise ReplayInputError("records: must be mappings (JSON objects)")
+        try:
+            lines = "".join(_dumps(r) + "\n" for r in records)
+        except (TypeError, ValueError) as e:
+            raise ReplayInputError(f"records: not JSON-serialisable ({e})") from None
         if lines:
             with open(path, "a") as f:
                 f.write(lines)
@@ -223,6 +242,7 @@ class DiagnosticsWriter:
     def rewind(self, step: int) -> None:
         """Drop records written after ``step`` (used when a run resumes from a checkpoint at ``step``):
         step records with ``step > step`` and group records evicted after it or written at close."""
+        step = check_step("step", step)
         self._filter(self.steps_path, lambda r: r.get("step", -1) <= step)
         self._filter(self.groups_path,
                      lambda r: r.get("evicted_step") is not None and r["evicted_step"] <= step)

@@ -37,3 +37,7 @@ class CheckpointError(ReplayError, ValueError):
 
 class ReplayStarvedWarning(UserWarning):
     """The Drift gate has starved replay for several consecutive steps (see ``ReplayController``)."""
+
+
+class ReplayResumeWarning(UserWarning):
+    """A checkpoint was loaded under a changed replay configuration (the changes are listed)."""

@@ -17,10 +17,16 @@ from typing import Callable, Union
 
 import torch
 
-from .errors import ReplayConfigError
+from .errors import ReplayConfigError, ReplayInputError
 from .record import GroupRecord
 
 IngressRule = Callable[[GroupRecord], bool]
+
+
+def _rewards(group: GroupRecord) -> torch.Tensor:
+    if not isinstance(group, GroupRecord):
+        raise ReplayInputError(f"group: must be a GroupRecord, got {type(group).__name__}")
+    return group.rewards
 INGRESS_RULES = ("mixed", "answer")
 
 
@@ -29,7 +35,7 @@ class MixedOutcome:
     """Admit iff the group's rewards are not all equal."""
 
     def __call__(self, group: GroupRecord) -> bool:
-        r = group.rewards
+        r = _rewards(group)
         return bool((r != r[0]).any())
 
 
@@ -43,11 +49,12 @@ class AnswerBased:
         if isinstance(self.threshold, bool) or not isinstance(self.threshold, (int, float)) or not math.isfinite(
             self.threshold
         ):
-            raise ReplayConfigError(f"answer_threshold must be a finite number, got {self.threshold!r}")
+            raise ReplayConfigError(f"answer_threshold: must be a finite number, got {self.threshold!r}",
+                                    field="answer_threshold")
 
     def answers(self, group: GroupRecord) -> torch.Tensor:
         """(n,) bool answer indicators a_i."""
-        return group.rewards >= self.threshold
+        return _rewards(group) >= self.threshold
 
     def __call__(self, group: GroupRecord) -> bool:
         s = int(self.answers(group).sum())
@@ -58,6 +65,9 @@ def make_ingress_rule(rule: Union[str, IngressRule], *, answer_threshold: float 
     """Resolve a rule by name ("mixed", "answer") or pass a callable through."""
     if callable(rule):
         return rule
+    if not isinstance(rule, str):
+        raise ReplayConfigError(f"ingress: must be a rule name {list(INGRESS_RULES)} or a callable, got "
+                                f"{type(rule).__name__}", field="ingress")
     if rule == "mixed":
         return MixedOutcome()
     if rule == "answer":
@@ -66,5 +76,5 @@ def make_ingress_rule(rule: Union[str, IngressRule], *, answer_threshold: float 
                 "ingress='answer' needs answer_threshold (a_i = 1[r_i >= threshold]; the paper uses 0.9 "
                 "for rewards 0/0.1/0.9/1.0)"
             )
-        return AnswerBased(float(answer_threshold))
+        return AnswerBased(answer_threshold)
     raise ReplayConfigError(f"unknown ingress rule {rule!r}; valid: {list(INGRESS_RULES)} or a callable")

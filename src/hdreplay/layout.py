@@ -1,4 +1,4 @@
-"""Actor-batch layout: replay prefix, truncation to a multiple of u, length-balanced partitioning.
+"""Actor-batch layout: truncation to a multiple of u, length-balanced partitioning, mini-batches.
 
 The paper's batch (Appendix F): ``[replay groups ; fresh groups]`` split
 sequentially into mini-batches, so replay fills the first mini-batches and is
@@ -12,26 +12,33 @@ import heapq
 from typing import Sequence
 
 import numpy as np
+import torch
 
 from .errors import ReplayInputError
+from .validate import MAX_COUNT, MAX_PARTS, MAX_STEP, check_int, check_sequence, is_int
+
+
+def _lengths(name: str, value) -> list[int]:
+    """Row lengths: a list/tuple of ints >= 0, or a 1-D integer NumPy array / torch tensor."""
+    if isinstance(value, torch.Tensor):
+        value = value.detach().cpu().numpy()
+    if isinstance(value, np.ndarray):
+        if value.ndim != 1 or (value.size and value.dtype.kind not in "iu"):
+            raise ReplayInputError(f"{name}: must be a 1-D integer array, got {value.dtype} {value.shape}")
+        value = value.tolist()
+    out = check_sequence(name, value)
+    if not all(is_int(x) and 0 <= x < MAX_STEP for x in out):
+        raise ReplayInputError(f"{name}: must hold ints >= 0 (row lengths), got {out[:8]}{'...' if len(out) > 8 else ''}")
+    return [int(x) for x in out]
 
 
 def truncate_to_multiple(items: Sequence, u: int) -> list:
-    """Keep the first ``u * floor(len / u)`` items (the highest-priority prefix)."""
-    if not isinstance(u, int) or u < 1:
-        raise ReplayInputError(f"u must be an int >= 1, got {u!r}")
-    return list(items)[: (len(items) // u) * u]
-
-
-def replay_prefix_order(num_replay_rows: int, num_fresh_rows: int) -> np.ndarray:
-    """Row order of the actor batch when replay rows are stacked before fresh rows: ``[R ; F]``.
-
-    Returns: (num_replay_rows + num_fresh_rows,) int64 — the identity, stated once so that
-    callers never shuffle across the boundary.
-    """
-    if num_replay_rows < 0 or num_fresh_rows < 0:
-        raise ReplayInputError("row counts must be >= 0")
-    return np.arange(num_replay_rows + num_fresh_rows, dtype=np.int64)
+    """Keep the first ``u * floor(len / u)`` items (the highest-priority prefix) of a list/tuple/1-D array."""
+    u = check_int("u", u, lo=1, hi=MAX_COUNT)
+    if isinstance(items, np.ndarray) and items.ndim == 1:
+        items = items.tolist()
+    items = check_sequence("items", items)
+    return items[: (len(items) // u) * u]
 
 
 def balanced_partition(lengths: Sequence[int], parts: int) -> list[list[int]]:
@@ -45,11 +52,11 @@ def balanced_partition(lengths: Sequence[int], parts: int) -> list[list[int]]:
         lengths: (N,) row lengths (e.g. prompt + completion tokens); N divisible by ``parts``.
         parts:   P >= 1.
     Returns:
-        P lists of row indices, each of length N / P.
+        P lists of row indices, each of length N / P (N = 0 gives P empty lists).
     """
+    lengths = _lengths("lengths", lengths)
+    parts = check_int("parts", parts, lo=1, hi=MAX_PARTS)
     n = len(lengths)
-    if not isinstance(parts, int) or parts < 1:
-        raise ReplayInputError(f"parts must be an int >= 1, got {parts!r}")
     if n % parts:
         raise ReplayInputError(f"{n} rows cannot be split into {parts} equal-count parts; pad or drop rows first")
     cap = n // parts
@@ -75,9 +82,11 @@ def minibatch_layout(
 
     Returns: ``layout[k][p]`` = row indices of mini-batch k on rank p.
     """
-    lengths = [*replay_lengths, *fresh_lengths]
+    lengths = [*_lengths("replay_lengths", replay_lengths), *_lengths("fresh_lengths", fresh_lengths)]
+    num_minibatches = check_int("num_minibatches", num_minibatches, lo=1, hi=MAX_COUNT)
+    check_int("parts", parts, lo=1, hi=MAX_PARTS)
     n = len(lengths)
-    if num_minibatches < 1 or n % num_minibatches:
+    if n % num_minibatches:
         raise ReplayInputError(
             f"{n} rows cannot be cut into {num_minibatches} equal mini-batches; "
             "truncate replay to a multiple of the mini-batch size (truncate_multiple)"

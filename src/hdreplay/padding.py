@@ -17,6 +17,7 @@ from torch.nn.utils.rnn import pad_sequence
 
 from .errors import ReplayInputError
 from .record import GroupRecord
+from .validate import MAX_TOKEN_ID, check_int, check_sequence
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,8 @@ class PaddedGroups:
 
     def split_by_group(self, values: torch.Tensor) -> list[torch.Tensor]:
         """(R, L') per-row values (L' >= longest completion) -> list of G flat ``(T_g,)`` tensors."""
+        if not isinstance(values, torch.Tensor):
+            raise ReplayInputError(f"values: must be a torch.Tensor (R, L'), got {type(values).__name__}")
         if values.dim() != 2 or values.shape[0] != self.num_rows or values.shape[1] < max(self.response_lengths):
             raise ReplayInputError(
                 f"expected per-row values of shape ({self.num_rows}, >= {max(self.response_lengths)}), "
@@ -68,10 +71,20 @@ class PaddedGroups:
 
 
 def pad_groups(groups: Sequence[GroupRecord], *, pad_token_id: int) -> PaddedGroups:
-    """Lay ``groups`` out as rows (each group's n responses consecutive, in order)."""
+    """Lay ``groups`` (a non-empty list of GroupRecords with the same extras) out as rows (each group's
+    n responses consecutive, in order); ``pad_token_id`` is an int in [0, 2**31)."""
+    groups = check_sequence("groups", groups)
     if not groups:
         raise ReplayInputError("pad_groups needs at least one group")
-    prompts, comps, masks, lps, rows_g, lens, keys = [], [], [], [], [], [], sorted(groups[0].extras)
+    if not all(isinstance(g, GroupRecord) for g in groups):
+        raise ReplayInputError("groups: must hold GroupRecords only")
+    pad_token_id = check_int("pad_token_id", pad_token_id, hi=MAX_TOKEN_ID - 1)
+    keys = sorted(groups[0].extras)
+    for g in groups:
+        if sorted(g.extras) != keys:
+            raise ReplayInputError(f"group {g.group_id!r} carries extras {sorted(g.extras)} but group "
+                                   f"{groups[0].group_id!r} carries {keys}; padded groups must carry the same extras")
+    prompts, comps, masks, lps, rows_g, lens = [], [], [], [], [], []
     extras = {k: [] for k in keys}
     for gi, g in enumerate(groups):
         pieces = g.responses()

@@ -21,13 +21,13 @@ positions they carry no meaning and are stored as 0.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
 import torch
 
 from .errors import ReplayInputError
+from .validate import MAX_TOKEN_ID, check_step
 
 #: log-probs may exceed 0 by this much through float round-off of log_softmax.
 LOGPROB_POSITIVE_TOLERANCE = 1e-4
@@ -35,13 +35,47 @@ LOGPROB_POSITIVE_TOLERANCE = 1e-4
 _INT_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
 
 
+def _tensor(name: str, value, gid) -> torch.Tensor:
+    """``value`` as a tensor (tensors, NumPy arrays and nested lists of numbers are accepted)."""
+    if isinstance(value, (str, bytes, Mapping)) or value is None:
+        raise ReplayInputError(f"group {gid!r}: `{name}` must be a tensor or a sequence of numbers, "
+                               f"got {type(value).__name__}")
+    try:
+        t = torch.as_tensor(value)
+    except (TypeError, ValueError, RuntimeError, OverflowError) as e:
+        raise ReplayInputError(f"group {gid!r}: `{name}` is not a tensor of numbers ({e})") from None
+    if t.is_complex():
+        raise ReplayInputError(f"group {gid!r}: `{name}` must be real, got dtype {t.dtype}")
+    return t
+
+
+def _seq(name: str, value, gid) -> list:
+    if not isinstance(value, (list, tuple)):
+        raise ReplayInputError(f"group {gid!r}: `{name}` must be a list of per-response tensors, "
+                               f"got {type(value).__name__}")
+    return list(value)
+
+
 def _as_1d(name: str, value, dtype: torch.dtype, gid) -> torch.Tensor:
-    t = torch.as_tensor(value)
+    t = _tensor(name, value, gid)
     if t.dim() != 1:
         raise ReplayInputError(f"group {gid!r}: `{name}` must be 1-D, got shape {tuple(t.shape)}")
-    if dtype in _INT_DTYPES and t.numel() and (t.is_floating_point() or t.is_complex()):
-        raise ReplayInputError(f"group {gid!r}: `{name}` must hold integer token ids, got dtype {t.dtype}")
+    if dtype in _INT_DTYPES and t.numel():
+        if t.is_floating_point() or t.dtype == torch.bool:
+            raise ReplayInputError(f"group {gid!r}: `{name}` must hold integers, got dtype {t.dtype}")
+        lo, hi = int(t.min()), int(t.max())
+        if dtype == torch.int32 and (lo < 0 or hi >= MAX_TOKEN_ID):
+            raise ReplayInputError(f"group {gid!r}: `{name}` holds token id {lo if lo < 0 else hi}; token ids "
+                                   f"must lie in [0, 2**31) (they are stored as int32)")
     return t.detach().to("cpu", dtype).contiguous()
+
+
+def _as_mask(name: str, value, gid) -> torch.Tensor:
+    """A 0/1 mask (bool, or numbers that are exactly 0 or 1) as a bool tensor."""
+    t = _tensor(name, value, gid)
+    if t.dtype != torch.bool and t.numel() and not bool(((t == 0) | (t == 1)).all()):
+        raise ReplayInputError(f"group {gid!r}: `{name}` must hold only 0/1 (or bools), got {t.unique().tolist()}")
+    return t.detach().to("cpu").bool().contiguous()
 
 
 def check_logprobs(name: str, logprobs: torch.Tensor, mask: torch.Tensor, where: str) -> None:
@@ -106,15 +140,17 @@ class GroupRecord:
         set_(self, "prompt_ids", _as_1d("prompt_ids", self.prompt_ids, torch.int32, gid))
         set_(self, "completion_ids", _as_1d("completion_ids", self.completion_ids, torch.int32, gid))
         set_(self, "response_lengths", _as_1d("response_lengths", self.response_lengths, torch.int64, gid))
-        lm = torch.as_tensor(self.loss_mask)
+        lm = _as_mask("loss_mask", self.loss_mask, gid)
         if lm.dim() != 1:
             raise ReplayInputError(f"group {gid!r}: `loss_mask` must be 1-D, got shape {tuple(lm.shape)}")
-        set_(self, "loss_mask", lm.detach().to("cpu").bool().contiguous())
+        set_(self, "loss_mask", lm)
         set_(self, "logprobs", _as_1d("logprobs", self.logprobs, torch.float32, gid))
         set_(self, "advantages", _as_1d("advantages", self.advantages, torch.float32, gid))
         set_(self, "rewards", _as_1d("rewards", self.rewards, torch.float32, gid))
-        if isinstance(self.birth_step, bool) or not isinstance(self.birth_step, int) or self.birth_step < 0:
-            raise ReplayInputError(f"group {gid!r}: `birth_step` must be an int >= 0, got {self.birth_step!r}")
+        set_(self, "birth_step", check_step(f"group {gid!r}: birth_step", self.birth_step))
+        if not isinstance(self.extras, Mapping):
+            raise ReplayInputError(f"group {gid!r}: `extras` must be a mapping name -> (T,) tensor, "
+                                   f"got {type(self.extras).__name__}")
         n = self.response_lengths.numel()
         T = self.completion_ids.numel()
         if n == 0:
@@ -183,39 +219,42 @@ class GroupRecord:
     ) -> "GroupRecord":
         """Build from per-response sequences: ``completion_ids[i]: (L_i,)``, ``logprobs[i]: (L_i,)``,
         optional ``loss_masks[i]: (L_i,)`` (default all ones), ``extras[name][i]: (L_i,)``."""
-        comps = [torch.as_tensor(c) for c in completion_ids]
+        gid = group_id
+        comps = [_tensor(f"completion_ids[{i}]", c, gid).flatten()
+                 for i, c in enumerate(_seq("completion_ids", completion_ids, gid))]
+        lps = [_tensor(f"logprobs[{i}]", x, gid).flatten() for i, x in enumerate(_seq("logprobs", logprobs, gid))]
         if len(comps) == 0:
-            raise ReplayInputError(f"group {group_id!r}: empty group (no responses)")
-        if len(logprobs) != len(comps):
-            raise ReplayInputError(
-                f"group {group_id!r}: {len(logprobs)} log-prob sequences for {len(comps)} responses"
-            )
-        for i, (c, lp) in enumerate(zip(comps, logprobs)):
-            if torch.as_tensor(lp).numel() != c.numel():
+            raise ReplayInputError(f"group {gid!r}: empty group (no responses)")
+        if len(lps) != len(comps):
+            raise ReplayInputError(f"group {gid!r}: {len(lps)} log-prob sequences for {len(comps)} responses")
+        for i, (c, lp) in enumerate(zip(comps, lps)):
+            if lp.numel() != c.numel():
                 raise ReplayInputError(
-                    f"group {group_id!r}: response {i} has {c.numel()} tokens but "
-                    f"{torch.as_tensor(lp).numel()} log-probs; they must match"
+                    f"group {gid!r}: response {i} has {c.numel()} tokens but {lp.numel()} log-probs; they must match"
                 )
         if loss_masks is None:
             masks = [torch.ones(c.numel(), dtype=torch.bool) for c in comps]
         else:
-            if len(loss_masks) != len(comps):
-                raise ReplayInputError(f"group {group_id!r}: {len(loss_masks)} loss masks for {len(comps)} responses")
-            masks = [torch.as_tensor(m).bool().flatten() for m in loss_masks]
+            masks = [_as_mask(f"loss_masks[{i}]", m, gid).flatten()
+                     for i, m in enumerate(_seq("loss_masks", loss_masks, gid))]
+            if len(masks) != len(comps):
+                raise ReplayInputError(f"group {gid!r}: {len(masks)} loss masks for {len(comps)} responses")
             for i, (c, m) in enumerate(zip(comps, masks)):
                 if m.numel() != c.numel():
                     raise ReplayInputError(
-                        f"group {group_id!r}: response {i} has {c.numel()} tokens but a loss mask of {m.numel()}"
+                        f"group {gid!r}: response {i} has {c.numel()} tokens but a loss mask of {m.numel()}"
                     )
-        cat = lambda xs, dt: torch.cat([torch.as_tensor(x).flatten().to(dt) for x in xs])  # noqa: E731
-        ex = {k: cat(v, torch.float32) for k, v in (extras or {}).items()}
+        if extras is not None and not isinstance(extras, Mapping):
+            raise ReplayInputError(f"group {gid!r}: `extras` must be a mapping name -> per-response sequences")
+        ex = {k: torch.cat([_tensor(f"extras[{k!r}]", x, gid).flatten() for x in _seq(f"extras[{k!r}]", v, gid)])
+              for k, v in (extras or {}).items()}
         return cls(
-            group_id=group_id,
+            group_id=gid,
             prompt_ids=prompt_ids,
-            completion_ids=cat(comps, torch.int64),
+            completion_ids=torch.cat(comps),  # no dtype cast here: float "ids" must reach the check
             response_lengths=torch.tensor([c.numel() for c in comps], dtype=torch.int64),
             loss_mask=torch.cat(masks),
-            logprobs=cat(logprobs, torch.float32),
+            logprobs=torch.cat(lps),
             advantages=advantages,
             rewards=rewards,
             birth_step=birth_step,
@@ -247,42 +286,56 @@ class GroupRecord:
                              (completion_mask x tool_mask); defaults to ``completion_mask``.
             extras:          name -> (n, L) float tensors.
         """
-        ids = torch.as_tensor(completion_ids)
-        cm = torch.as_tensor(completion_mask)
+        gid = group_id
+        ids = _tensor("completion_ids", completion_ids, gid)
         if ids.dim() != 2:
-            raise ReplayInputError(f"group {group_id!r}: `completion_ids` must be (n, L), got {tuple(ids.shape)}")
+            raise ReplayInputError(f"group {gid!r}: `completion_ids` must be (n, L), got {tuple(ids.shape)}")
+        if extras is not None and not isinstance(extras, Mapping):
+            raise ReplayInputError(f"group {gid!r}: `extras` must be a mapping name -> (n, L) tensor")
         shape = tuple(ids.shape)
-        tensors = {"completion_mask": cm, "logprobs": torch.as_tensor(logprobs)}
+        tensors = {"completion_mask": _as_mask("completion_mask", completion_mask, gid),
+                   "logprobs": _tensor("logprobs", logprobs, gid)}
         if loss_mask is not None:
-            tensors["loss_mask"] = torch.as_tensor(loss_mask)
+            tensors["loss_mask"] = _as_mask("loss_mask", loss_mask, gid)
         for k, v in (extras or {}).items():
-            tensors[f"extras[{k!r}]"] = torch.as_tensor(v)
+            tensors[f"extras[{k!r}]"] = _tensor(f"extras[{k!r}]", v, gid)
         for name, t in tensors.items():
             if tuple(t.shape) != shape:
                 raise ReplayInputError(
-                    f"group {group_id!r}: `{name}` has shape {tuple(t.shape)}, expected {shape} like `completion_ids`"
+                    f"group {gid!r}: `{name}` has shape {tuple(t.shape)}, expected {shape} like `completion_ids`"
                 )
-        cmb = cm.bool()
+        cmb = tensors["completion_mask"]
         lengths = cmb.sum(dim=1)
-        ar = torch.arange(shape[1], device=cm.device).unsqueeze(0)
+        ar = torch.arange(shape[1], device=cmb.device).unsqueeze(0)
         if not bool((cmb == (ar < lengths.unsqueeze(1))).all()):
             raise ReplayInputError(
-                f"group {group_id!r}: `completion_mask` must be a contiguous prefix of ones per row "
+                f"group {gid!r}: `completion_mask` must be a contiguous prefix of ones per row "
                 "(right padding); got holes inside a row — put tool-token masking in `loss_mask`"
             )
-        lm = cmb if loss_mask is None else (torch.as_tensor(loss_mask).bool() & cmb)
+        lm = cmb if loss_mask is None else (tensors["loss_mask"] & cmb)
         return cls(
-            group_id=group_id,
+            group_id=gid,
             prompt_ids=prompt_ids,
             completion_ids=ids[cmb],
             response_lengths=lengths.cpu(),
             loss_mask=lm[cmb],
-            logprobs=torch.as_tensor(logprobs)[cmb],
+            logprobs=tensors["logprobs"][cmb],
             advantages=advantages,
             rewards=rewards,
             birth_step=birth_step,
-            extras={k: torch.as_tensor(v)[cmb] for k, v in (extras or {}).items()},
+            extras={k: tensors[f"extras[{k!r}]"][cmb] for k in (extras or {})},
         )
+
+    def clone(self) -> "GroupRecord":
+        """A record owning copies of every tensor (no re-validation: this one was validated)."""
+        rec = object.__new__(GroupRecord)
+        for f in ("prompt_ids", "completion_ids", "response_lengths", "loss_mask", "logprobs", "advantages",
+                  "rewards"):
+            object.__setattr__(rec, f, getattr(self, f).clone())
+        object.__setattr__(rec, "group_id", self.group_id)
+        object.__setattr__(rec, "birth_step", self.birth_step)
+        object.__setattr__(rec, "extras", {k: v.clone() for k, v in self.extras.items()})
+        return rec
 
     # ------------------------------------------------------------------ views
     @property
@@ -325,6 +378,3 @@ class GroupRecord:
             f"T={self.num_tokens}, |T(g)|={self.num_loss_tokens}, birth_step={self.birth_step})"
         )
 
-
-def is_finite_number(x: float) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)

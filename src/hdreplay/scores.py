@@ -36,37 +36,83 @@ HEADROOM_WEIGHTINGS = ("sign", "advantage")
 DRIFT_NORMS = ("l2", "l1")
 
 
-def _check(name: str, t: torch.Tensor, ref_shape: tuple[int, ...]) -> None:
+def _tensor(name: str, t, shape: tuple[int, ...] | None = None) -> torch.Tensor:
     if not isinstance(t, torch.Tensor):
-        raise ReplayInputError(f"`{name}` must be a torch.Tensor, got {type(t).__name__}")
-    if tuple(t.shape) != ref_shape:
-        raise ReplayInputError(f"`{name}` has shape {tuple(t.shape)}, expected {ref_shape} (G, T)")
+        raise ReplayInputError(f"`{name}` must be a torch.Tensor, got {type(t).__name__} "
+                               "(convert NumPy arrays with torch.from_numpy)")
+    if t.is_complex():
+        raise ReplayInputError(f"`{name}` must be real, got {t.dtype}")
+    if shape is not None and tuple(t.shape) != shape:
+        raise ReplayInputError(f"`{name}` has shape {tuple(t.shape)}, expected {shape} (G, T)")
+    return t
 
 
-def _mask_and_count(logprobs: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    if logprobs.dim() != 2:
-        raise ReplayInputError(f"`logprobs` must be (G, T), got shape {tuple(logprobs.shape)}")
-    if not logprobs.is_floating_point():
-        raise ReplayInputError(f"`logprobs` must be floating point, got {logprobs.dtype}")
-    _check("mask", mask, tuple(logprobs.shape))
+def _choice(name: str, value, choices: tuple[str, ...]) -> None:
+    if not isinstance(value, str) or value not in choices:
+        raise ReplayInputError(f"unknown {name} {value!r}; valid: {list(choices)}")
+
+
+def _logprobs(name: str, t, shape: tuple[int, ...] | None, mask: torch.Tensor | None) -> torch.Tensor:
+    """A floating (G, T) tensor of log-probs, finite and <= 0 wherever ``mask`` (all if None) is set."""
+    t = _tensor(name, t, shape)
+    if t.dim() != 2:
+        raise ReplayInputError(f"`{name}` must be (G, T), got shape {tuple(t.shape)}")
+    if not t.is_floating_point():
+        raise ReplayInputError(f"`{name}` must be floating point, got {t.dtype}")
+    check_logprobs(name, t, torch.ones_like(t, dtype=torch.bool) if mask is None else mask, "scores")
+    return t
+
+
+def _finite(name: str, t, shape: tuple[int, ...], mask: torch.Tensor | None) -> torch.Tensor:
+    t = _tensor(name, t, shape)
+    sel = t if mask is None else t[mask]
+    if t.dtype == torch.bool or not bool(torch.isfinite(sel.float()).all()):
+        raise ReplayInputError(f"`{name}` must hold finite numbers at the masked positions")
+    return t
+
+
+def _mask_and_count(logprobs, mask) -> tuple[torch.Tensor, torch.Tensor]:
+    """Check ``logprobs: (G, T)`` and ``mask: (G, T)`` (bool or exactly 0/1, every row non-empty)."""
+    lp = _tensor("logprobs", logprobs)
+    if lp.dim() != 2:
+        raise ReplayInputError(f"`logprobs` must be (G, T), got shape {tuple(lp.shape)}")
+    mask = _tensor("mask", mask, tuple(lp.shape))
+    if mask.dtype != torch.bool and mask.numel() and not bool(((mask == 0) | (mask == 1)).all()):
+        raise ReplayInputError("`mask` must be bool or hold only 0/1")
     m = mask.to(torch.bool)
     count = m.sum(dim=1)
     if bool((count == 0).any()):
         rows = (count == 0).nonzero().flatten().tolist()
         raise ReplayInputError(f"rows {rows} have an all-zero mask; T(g) must be non-empty")
+    _logprobs("logprobs", lp, None, m)
     return m, count
+
+
+def _token_headroom(logprobs: torch.Tensor, advantages: torch.Tensor, weighting: str) -> torch.Tensor:
+    p = logprobs.float().clamp(max=0.0).exp()  # round-off above 0 (within tolerance) counts as p = 1
+    a = advantages.float()
+    h = torch.where(a > 0, 1.0 - p, torch.where(a < 0, p, torch.zeros_like(p)))
+    return h * a.abs() if weighting == "advantage" else h
 
 
 def token_headroom(
     *, logprobs: torch.Tensor, advantages: torch.Tensor, weighting: HeadroomWeighting = "sign"
 ) -> torch.Tensor:
-    """Token-level headroom h_ij (same shape as ``logprobs``), weighted by |A| for "advantage"."""
-    if weighting not in HEADROOM_WEIGHTINGS:
-        raise ReplayInputError(f"unknown headroom weighting {weighting!r}; valid: {list(HEADROOM_WEIGHTINGS)}")
-    p = logprobs.float().exp()
-    a = advantages.float()
-    h = torch.where(a > 0, 1.0 - p, torch.where(a < 0, p, torch.zeros_like(p)))
-    return h * a.abs() if weighting == "advantage" else h
+    """Token-level headroom h_ij (same shape as ``logprobs``: (G, T)), weighted by |A| for "advantage".
+
+    ``logprobs`` must be finite and <= 0 everywhere, ``advantages`` finite (same shape)."""
+    _choice("headroom weighting", weighting, HEADROOM_WEIGHTINGS)
+    lp = _logprobs("logprobs", logprobs, None, None)
+    adv = _finite("advantages", advantages, tuple(lp.shape), None)
+    return _token_headroom(lp, adv, weighting)
+
+
+def _headroom(lp: torch.Tensor, adv: torch.Tensor, m: torch.Tensor, count: torch.Tensor, weighting: str):
+    h = torch.where(m, _token_headroom(lp, adv, weighting), torch.zeros(lp.shape))
+    if weighting == "sign":
+        return h.sum(dim=1) / count
+    w = torch.where(m, adv.float().abs(), torch.zeros(lp.shape)).sum(dim=1)
+    return torch.where(w > 0, h.sum(dim=1) / w.clamp_min(1e-30), torch.zeros_like(w))
 
 
 def headroom(
@@ -79,21 +125,38 @@ def headroom(
     """Group Headroom.
 
     Args:
-        logprobs:   (G, T) token log-probs under the policy being evaluated.
-        advantages: (G, T) the response advantage A_i broadcast to its tokens.
-        mask:       (G, T) 1 on T(g).
+        logprobs:   (G, T) token log-probs under the policy being evaluated (finite, <= 0 on the mask).
+        advantages: (G, T) the response advantage A_i broadcast to its tokens (finite on the mask).
+        mask:       (G, T) 1 on T(g) (bool or 0/1; every row needs one).
         weighting:  "sign" (paper default) or "advantage".
     Returns:
         (G,) float32 Headroom in [0, 1].
     """
+    _choice("headroom weighting", weighting, HEADROOM_WEIGHTINGS)
     m, count = _mask_and_count(logprobs, mask)
-    _check("advantages", advantages, tuple(logprobs.shape))
-    h = token_headroom(logprobs=logprobs, advantages=advantages, weighting=weighting)
-    h = torch.where(m, h, torch.zeros_like(h))
-    if weighting == "sign":
-        return h.sum(dim=1) / count
-    w = torch.where(m, advantages.float().abs(), torch.zeros_like(h)).sum(dim=1)
-    return torch.where(w > 0, h.sum(dim=1) / w.clamp_min(1e-30), torch.zeros_like(w))
+    adv = _finite("advantages", advantages, tuple(logprobs.shape), m)
+    return _headroom(logprobs, adv, m, count, weighting)
+
+
+def _delta(lp: torch.Tensor, ref: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    d = lp.float() - ref.float()
+    return torch.where(m, d, torch.zeros_like(d))
+
+
+def _drift(lp, ref, m, count, norm: str) -> torch.Tensor:
+    d = _delta(lp, ref, m)
+    return (d.square() if norm == "l2" else d.abs()).sum(dim=1) / count
+
+
+def _kl_per_group(lp, ref, m, count) -> torch.Tensor:
+    d = _delta(lp, ref, m)
+    return (torch.expm1(d) - d).sum(dim=1) / count
+
+
+def _pair(logprobs, ref_logprobs, mask) -> tuple[torch.Tensor, torch.Tensor]:
+    m, count = _mask_and_count(logprobs, mask)
+    _logprobs("ref_logprobs", ref_logprobs, tuple(logprobs.shape), m)
+    return m, count
 
 
 def drift(
@@ -102,36 +165,28 @@ def drift(
     """Policy Drift between current ``logprobs`` and stored generation-time ``ref_logprobs``.
 
     Args:
-        logprobs:     (G, T) current-policy token log-probs.
-        ref_logprobs: (G, T) generation-time token log-probs (log pi_gen).
-        mask:         (G, T) 1 on T(g).
+        logprobs:     (G, T) current-policy token log-probs (finite, <= 0 on the mask).
+        ref_logprobs: (G, T) generation-time token log-probs (log pi_gen; finite, <= 0 on the mask).
+        mask:         (G, T) 1 on T(g) (bool or 0/1; every row needs one).
         norm:         "l2" (mean squared difference, paper default) or "l1" (mean absolute).
     Returns:
         (G,) float32 Drift >= 0.
     """
-    if norm not in DRIFT_NORMS:
-        raise ReplayInputError(f"unknown drift norm {norm!r}; valid: {list(DRIFT_NORMS)}")
-    m, count = _mask_and_count(logprobs, mask)
-    _check("ref_logprobs", ref_logprobs, tuple(logprobs.shape))
-    d = logprobs.float() - ref_logprobs.float()
-    d = torch.where(m, d, torch.zeros_like(d))
-    d = d.square() if norm == "l2" else d.abs()
-    return d.sum(dim=1) / count
+    _choice("drift norm", norm, DRIFT_NORMS)
+    m, count = _pair(logprobs, ref_logprobs, mask)
+    return _drift(logprobs, ref_logprobs, m, count, norm)
 
 
 def replay_kl_per_group(*, logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Per-group mean k3 estimate of KL(pi_gen || pi_theta) over T(g).
 
     Args:
-        logprobs: (G, T) current; ref_logprobs: (G, T) generation-time; mask: (G, T).
+        logprobs: (G, T) current; ref_logprobs: (G, T) generation-time; mask: (G, T) (as :func:`drift`).
     Returns:
         (G,) float32, >= 0.
     """
-    m, count = _mask_and_count(logprobs, mask)
-    _check("ref_logprobs", ref_logprobs, tuple(logprobs.shape))
-    d = logprobs.float() - ref_logprobs.float()
-    k3 = torch.expm1(d) - d
-    return torch.where(m, k3, torch.zeros_like(k3)).sum(dim=1) / count
+    m, count = _pair(logprobs, ref_logprobs, mask)
+    return _kl_per_group(logprobs, ref_logprobs, m, count)
 
 
 def replay_kl(*, logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -139,16 +194,15 @@ def replay_kl(*, logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch
 
     Args: as :func:`replay_kl_per_group`.  Returns: () float32.
     """
-    m, count = _mask_and_count(logprobs, mask)
-    _check("ref_logprobs", ref_logprobs, tuple(logprobs.shape))
-    d = logprobs.float() - ref_logprobs.float()
-    k3 = torch.expm1(d) - d
-    return torch.where(m, k3, torch.zeros_like(k3)).sum() / count.sum()
+    m, count = _pair(logprobs, ref_logprobs, mask)
+    d = _delta(logprobs, ref_logprobs, m)
+    return (torch.expm1(d) - d).sum() / count.sum()
 
 
 # ---------------------------------------------------------------- per-group scoring of stored groups
 def check_scorer_output(groups: Sequence[GroupRecord], logprobs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """Validate a scorer's output: one finite, <= 0, ``(T_g,)`` tensor per group. Returns float32 CPU tensors."""
+    groups = _groups(groups)
     if not isinstance(logprobs, (list, tuple)):
         raise ReplayInputError(
             f"scorer must return a list of per-group (T_g,) tensors, got {type(logprobs).__name__}"
@@ -157,7 +211,10 @@ def check_scorer_output(groups: Sequence[GroupRecord], logprobs: Sequence[torch.
         raise ReplayInputError(f"scorer returned {len(logprobs)} results for {len(groups)} groups")
     out = []
     for g, lp in zip(groups, logprobs):
-        t = torch.as_tensor(lp).detach().to("cpu", torch.float32)
+        if not isinstance(lp, torch.Tensor) or not lp.is_floating_point():
+            raise ReplayInputError(f"scorer output for group {g.group_id!r} must be a floating torch.Tensor, got "
+                                   f"{type(lp).__name__}{'' if not isinstance(lp, torch.Tensor) else ' ' + str(lp.dtype)}")
+        t = lp.detach().to("cpu", torch.float32)
         if t.dim() != 1 or t.numel() != g.num_tokens:
             raise ReplayInputError(
                 f"scorer output for group {g.group_id!r} has shape {tuple(t.shape)}; expected ({g.num_tokens},) "
@@ -217,6 +274,12 @@ class _Packed:
         return out
 
 
+def _groups(groups) -> list[GroupRecord]:
+    if not isinstance(groups, (list, tuple)) or not all(isinstance(g, GroupRecord) for g in groups):
+        raise ReplayInputError(f"groups: must be a list of GroupRecords, got {type(groups).__name__}")
+    return list(groups)
+
+
 def group_scores(
     groups: Sequence[GroupRecord],
     current_logprobs: Sequence[torch.Tensor],
@@ -227,22 +290,37 @@ def group_scores(
     """Drift, runtime Headroom and replay KL of ``groups`` under the policy that produced ``current_logprobs``.
 
     Args:
-        groups:           G stored groups.
-        current_logprobs: G tensors ``(T_g,)`` (validated by :func:`check_scorer_output`).
+        groups:           G stored groups (G may be 0: empty scores).
+        current_logprobs: G tensors ``(T_g,)`` (checked by :func:`check_scorer_output`).
     """
+    _choice("drift norm", drift_norm, DRIFT_NORMS)
+    _choice("headroom weighting", headroom_weighting, HEADROOM_WEIGHTINGS)
+    return score_groups(groups, check_scorer_output(groups, current_logprobs), drift_norm=drift_norm,
+                        headroom_weighting=headroom_weighting)
+
+
+def score_groups(groups: Sequence[GroupRecord], current_logprobs: Sequence[torch.Tensor], *, drift_norm: str,
+                 headroom_weighting: str) -> GroupScores:
+    """:func:`group_scores` on inputs already checked (by :func:`check_scorer_output`): the selection's path."""
+    if not groups:
+        z = torch.zeros(0)
+        return GroupScores(z, z, z, torch.zeros(0, dtype=torch.int64))
     pk = _Packed.of(groups)
     cur = pk.grid(torch.cat(list(current_logprobs)).float())
+    count = pk.mask.sum(dim=1)
     return GroupScores(
-        drift=drift(logprobs=cur, ref_logprobs=pk.logprobs, mask=pk.mask, norm=drift_norm),
-        headroom=headroom(logprobs=cur, advantages=pk.token_adv, mask=pk.mask, weighting=headroom_weighting),
-        replay_kl=replay_kl_per_group(logprobs=cur, ref_logprobs=pk.logprobs, mask=pk.mask),
-        num_loss_tokens=pk.mask.sum(dim=1),
+        drift=_drift(cur, pk.logprobs, pk.mask, count, drift_norm),
+        headroom=_headroom(cur, pk.token_adv, pk.mask, count, headroom_weighting),
+        replay_kl=_kl_per_group(cur, pk.logprobs, pk.mask, count),
+        num_loss_tokens=count,
     )
 
 
 def reference_headroom(groups: Sequence[GroupRecord], *, weighting: HeadroomWeighting = "sign") -> torch.Tensor:
     """(G,) H_ref(g) = Headroom(g; pi_gen) from the stored generation-time log-probs."""
+    groups = _groups(groups)
+    _choice("headroom weighting", weighting, HEADROOM_WEIGHTINGS)
     if not groups:
         return torch.zeros(0)
     pk = _Packed.of(groups)
-    return headroom(logprobs=pk.logprobs, advantages=pk.token_adv, mask=pk.mask, weighting=weighting)
+    return _headroom(pk.logprobs, pk.token_adv, pk.mask, pk.mask.sum(dim=1), weighting)

@@ -37,8 +37,10 @@ from typing import TYPE_CHECKING, Callable, Sequence
 import numpy as np
 import torch
 
-from .scores import check_scorer_output, group_scores
+from .errors import ReplayInputError
 from .record import GroupRecord
+from .scores import check_scorer_output, score_groups
+from .validate import check_real, check_step
 
 if TYPE_CHECKING:  # pragma: no cover
     from .buffer import ReplayBuffer
@@ -117,10 +119,20 @@ class Selection:
     scan_capped: bool = False
 
 
-def _empty(step: int, name: str, size: int) -> Selection:
+def empty_selection(step: int, name: str, size: int, tau: float) -> Selection:
+    """A selection that replays nothing (selector "none", K_rep = 0 or an empty buffer)."""
     z = np.zeros(0)
     zi = np.zeros(0, dtype=np.int64)
-    return Selection(step, name, zi, zi, zi, z, z, z, z, zi, np.zeros(0, bool), zi, [], False, buffer_size=size)
+    return _frozen(Selection(step, name, zi, zi, zi, z, z, z, z, zi, np.zeros(0, bool), zi, [], False,
+                             buffer_size=size, tau=tau))
+
+
+def _frozen(sel: Selection) -> Selection:
+    """Make the selection's arrays read-only (they drive the commit: nobody may edit them in place)."""
+    for v in vars(sel).values():
+        if isinstance(v, np.ndarray):
+            v.flags.writeable = False
+    return sel
 
 
 def chunk_size(remaining: int, acceptance_rate: float, config: "ReplayConfig") -> int:
@@ -142,24 +154,43 @@ def select_replay(
 ) -> Selection:
     """Choose this step's replay groups from the pre-existing buffer (does not modify it).
 
-    ``tau`` overrides ``config.tau`` (used by the adaptive-tau controller)."""
+    Args:
+        buffer, config: the buffer to choose from and the replay configuration.
+        scorer: current-policy log-probs of stored groups (see :data:`Scorer`); required by the
+            selectors that re-score (all but ``recency`` without ``diagnose_ungated``, and ``none``).
+        step: the step selecting (an int in [0, 2**53)).
+        acceptance_rate: running gate pass rate in [0, 1] that sizes the scan chunks.
+        tau: overrides ``config.tau`` (used by the adaptive-tau controller); finite, >= 0.
+    Returns:
+        a :class:`Selection` with read-only arrays; its ``groups`` are copies of the stored groups.
+    """
+    from .buffer import ReplayBuffer
+    from .config import ReplayConfig
+
+    if not isinstance(buffer, ReplayBuffer):
+        raise ReplayInputError(f"buffer: must be a ReplayBuffer, got {type(buffer).__name__}")
+    if not isinstance(config, ReplayConfig):
+        raise ReplayInputError(f"config: must be a ReplayConfig, got {type(config).__name__}")
+    if scorer is not None and not callable(scorer):
+        raise ReplayInputError(f"scorer: must be a callable or None, got {type(scorer).__name__}")
+    step = check_step("step", step)
+    acceptance_rate = check_real("acceptance_rate", acceptance_rate, lo=0.0, hi=1.0)
+    tau = config.tau if tau is None else check_real("tau", tau, lo=0.0)
     spec = SELECTORS[config.selector]
-    tau = config.tau if tau is None else float(tau)
     K, size = config.k_rep, len(buffer)
     if spec.order is None or K == 0 or size == 0:
-        sel = _empty(step, spec.name, size)
-        sel.tau = tau
-        return sel
+        return empty_selection(step, spec.name, size, tau)
     order_fn = buffer.order_by_cached_headroom if spec.order == "headroom" else buffer.order_by_recency
 
     if not spec.needs_scoring(config.diagnose_ungated):
         kept, cut = _truncate(order_fn(K), config.truncate_multiple)
-        sel = _empty(step, spec.name, size)
-        sel.accepted, sel.truncated, sel.groups, sel.tau = kept, cut, buffer.get(kept.tolist()), tau
-        return sel
+        sel = empty_selection(step, spec.name, size, tau)
+        sel.accepted, sel.truncated, sel.groups = kept, cut, buffer.get(kept.tolist())
+        return _frozen(sel)
 
     if scorer is None:
-        raise TypeError(f"selector {spec.name!r} re-scores groups under the current policy: pass a scorer")
+        raise ReplayInputError(f"scorer: selector {spec.name!r} re-scores groups under the current policy; "
+                               "pass a scorer")
     scanned: list[int] = []
     cols: dict[str, list] = {k: [] for k in ("drift", "headroom", "kl", "pass", "tokens")}
     accepted: list[int] = []
@@ -178,7 +209,7 @@ def select_replay(
         lps = check_scorer_output(groups, scorer(groups))
         calls += 1
         chunks.append(len(ids))
-        sc = group_scores(groups, lps, drift_norm=config.drift_norm, headroom_weighting=config.headroom_weighting)
+        sc = score_groups(groups, lps, drift_norm=config.drift_norm, headroom_weighting=config.headroom_weighting)
         d, h, kl, ntok = (sc.drift.tolist(), sc.headroom.tolist(), sc.replay_kl.tolist(),
                           sc.num_loss_tokens.tolist())
         for j, gid in enumerate(ids.tolist()):
@@ -218,12 +249,12 @@ def select_replay(
         chunk_sizes=chunks,
         buffer_size=size,
         tau=tau,
-        scanned_group_ids=[buffer.group_id(i) for i in scanned],
+        scanned_group_ids=buffer.group_ids(sc_ids),
         scan_capped=len(accepted) < K and pos >= limit and limit < size,
     )
     if config.counterfactual and len(kept) and spec.name != "recency":
         _counterfactual(sel, buffer, config, scorer, cols)
-    return sel
+    return _frozen(sel)
 
 
 def _counterfactual(sel: Selection, buffer: "ReplayBuffer", config: "ReplayConfig", scorer: Scorer,
@@ -238,7 +269,7 @@ def _counterfactual(sel: Selection, buffer: "ReplayBuffer", config: "ReplayConfi
     extra = {}
     if missing:
         groups = buffer.get(missing)
-        sc = group_scores(groups, check_scorer_output(groups, scorer(groups)), drift_norm=config.drift_norm,
+        sc = score_groups(groups, check_scorer_output(groups, scorer(groups)), drift_norm=config.drift_norm,
                           headroom_weighting=config.headroom_weighting)
         extra = {g: (d, h) for g, d, h in zip(missing, sc.drift.tolist(), sc.headroom.tolist())}
     val = lambda g: (cols["drift"][known[g]], cols["headroom"][known[g]]) if g in known else extra[g]  # noqa: E731

@@ -103,10 +103,18 @@ def test_rejected_append_leaves_buffer_unchanged():
     assert all(torch.equal(before[0][k], after[0][k]) for k in before[0])
 
 
-@pytest.mark.parametrize("cap", [0, -1, 2.5, True])
+@pytest.mark.parametrize("cap", [0, -1, 2.5, True, "8", 10**11, 1e11, None])
 def test_bad_capacity(cap):
-    with pytest.raises(ReplayConfigError, match="capacity must be an int >= 1"):
+    with pytest.raises(ReplayConfigError, match=r"capacity: must be an int in \[1, 16777216\]") as e:
         ReplayBuffer(cap)
+    assert e.value.field == "capacity"
+
+
+def test_a_large_capacity_costs_nothing_until_used():
+    big, small = ReplayBuffer(1 << 24), ReplayBuffer(64)
+    assert big.nbytes() == small.nbytes() < 8 * 8 * 64 + 1  # slot arrays grow with the groups held
+    big.append(groups("a", 70), ref_headroom=[0.5] * 70, step=0)
+    assert len(big) == 70 and [g.group_id for g in big.get([0, 69])] == ["a0", "a69"]
 
 
 def test_state_roundtrip_exact(tmp_path):
@@ -134,22 +142,18 @@ def test_truncated_and_foreign_checkpoints_are_rejected(tmp_path):
     buf = ReplayBuffer(3)
     buf.append(groups("a", 2), ref_headroom=[0.1, 0.2], step=0)
     buf.save(tmp_path / "ck")
-    t = tmp_path / "ck" / "tensors.safetensors"
+    manifest = json.loads((tmp_path / "ck" / "manifest.json").read_text())
+    t = tmp_path / "ck" / manifest["dir"] / "tensors.safetensors"
     data = t.read_bytes()
     t.write_bytes(data[: len(data) // 2])
     with pytest.raises(CheckpointError, match="checksum mismatch"):
         ReplayBuffer.load(tmp_path / "ck")
     (tmp_path / "empty").mkdir()
-    with pytest.raises(CheckpointError, match="missing state.json"):
+    with pytest.raises(CheckpointError, match="holds no complete hdreplay checkpoint"):
         ReplayBuffer.load(tmp_path / "empty")
     buf.save(tmp_path / "ck2")
-    s = tmp_path / "ck2" / "state.json"
-    state = json.loads(s.read_text())
-    state["format"] = "something.else"
-    s.write_text(json.dumps(state))
-    with pytest.raises(CheckpointError, match="holds format 'something.else'"):
-        ReplayBuffer.load(tmp_path / "ck2")
-    s.write_text(s.read_text()[:20])
+    m = tmp_path / "ck2" / "manifest.json"
+    m.write_text(m.read_text()[:20])
     with pytest.raises(CheckpointError, match="unreadable JSON"):
         ReplayBuffer.load(tmp_path / "ck2")
     with pytest.raises(CheckpointError, match="not a directory"):
@@ -174,3 +178,42 @@ def test_save_replaces_existing_checkpoint_atomically(tmp_path):
     buf.save(tmp_path / "ck")
     assert len(ReplayBuffer.load(tmp_path / "ck")) == 2
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"]  # no temp or old dirs left
+    inside = sorted(p.name for p in (tmp_path / "ck").iterdir())
+    assert len(inside) == 2 and inside[0] == "manifest.json" and inside[1].startswith("v-")
+
+
+def test_refused_calls_change_nothing_not_even_partly():
+    from protocol import buffer_hash
+
+    buf = ReplayBuffer(4)
+    buf.append(groups("a", 4), ref_headroom=[0.1, 0.2, 0.3, 0.4], step=0)
+    before = buffer_hash(buf)
+    ids = buf.insertion_ids()
+    refusals = [
+        lambda: buf.append(groups("b", 2), ref_headroom=[0.5, 0.5], step=-1),  # used to evict before this check
+        lambda: buf.append(groups("b", 2), ref_headroom=[0.5, 0.5], step=2**63),
+        lambda: buf.refresh(ids[:2], [0.5, float("nan")], step=1),  # used to write the cache first
+        lambda: buf.refresh(ids[:2], [0.5, 0.6], step=-3),
+        lambda: buf.refresh([int(ids[0]), int(ids[0])], [0.5, 0.6], step=1),
+        lambda: buf.record_use(ids[:2], weight=float("inf")),  # used to count the use first
+        lambda: buf.record_use([1.7], weight=0.5),  # a float id is not truncated to 1
+        lambda: buf.add_exposure(ids[:1], -1.0),
+    ]
+    for call in refusals:
+        with pytest.raises(ReplayInputError):
+            call()
+        assert buffer_hash(buf) == before
+
+
+def test_what_the_buffer_hands_out_is_a_copy():
+    from protocol import buffer_hash
+
+    buf = ReplayBuffer(4)
+    buf.append(groups("a", 2) + groups("t", 2, tool_every=3), ref_headroom=[0.1] * 4, step=0)
+    before = buffer_hash(buf)
+    for g in buf.get(buf.insertion_ids()):
+        for t in (g.prompt_ids, g.completion_ids, g.logprobs, g.advantages, g.rewards, g.loss_mask):
+            t.zero_()
+    buf.slot_values("cached_headroom", buf.insertion_ids())[:] = 9.0
+    assert buffer_hash(buf) == before
+    assert bool(buf.get([0])[0].loss_mask.all())  # the shared all-ones mask was not zeroed either

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from hdreplay import (
-    AnswerBased, CheckpointError, GroupRecord, MixedOutcome, ReplayConfig, ReplayConfigError, ReplayController,
+    AnswerBased, CheckpointError, MixedOutcome, ReplayConfig, ReplayConfigError, ReplayController,
     ReplayInputError, ReplayProtocolError,
 )
 from hdreplay_lab.synthetic import make_group
@@ -97,6 +97,18 @@ def test_protocol_misuse_is_reported():
     ctrl.commit()
     with pytest.raises(ReplayProtocolError, match="already committed"):
         ctrl.select(step=0, scorer=policy_at(0).scorer)
+
+
+def test_a_refused_call_never_opens_a_step():
+    ctrl = run_steps(ReplayController(ReplayConfig(k_rep=3, tau=1.0, capacity=20)), range(3))
+    for bad in (lambda: ctrl.select(step=2**63, scorer=policy_at(3).scorer),  # used to open step 2**63
+                lambda: ctrl.stage(fresh(3) + [None], step=3),
+                lambda: ctrl.stage(fresh(4), step=3),
+                lambda: ctrl.select(step=5, scorer=lambda gs: [g.logprobs.abs() + 0.5 for g in gs])):
+        with pytest.raises(ReplayInputError):
+            bad()
+        assert ctrl._open_step is None
+    run_steps(ctrl, [4])  # a later step still runs: nothing was left open
 
 
 def test_stage_rejects_bad_groups_and_stages_nothing():
@@ -198,11 +210,53 @@ def test_config_errors_name_the_field(kw, needle):
         ReplayConfig(**kw)
 
 
-def test_group_record_is_not_mutated_by_replay():
-    ctrl = run_steps(ReplayController(ReplayConfig(k_rep=3, tau=1.0, capacity=20)), range(3))
-    g0 = ctrl.buffer.get([int(ctrl.buffer.insertion_ids()[0])])[0]
-    snap = g0.logprobs.clone(), g0.advantages.clone()
-    run_steps(ctrl, range(3, 6))
-    assert isinstance(g0, GroupRecord)
-    assert torch.equal(snap[0], g0.logprobs) and torch.equal(snap[1], g0.advantages)
+def _stored(ctrl):
+    """group id -> every stored tensor of the group (cloned)."""
+    out = {}
+    for g in ctrl.buffer.get(ctrl.buffer.insertion_ids()):
+        out[g.group_id] = [t.clone() for t in (g.prompt_ids, g.completion_ids, g.response_lengths, g.loss_mask,
+                                               g.logprobs, g.advantages, g.rewards)]
+    return out
+
+
+def _unchanged(before, after):
+    return all(k in after and all(torch.equal(a, b) for a, b in zip(v, after[k])) for k, v in before.items())
+
+
+def _run_editing_replayed_groups(ctrl, steps):
+    """The driver loop with a caller that edits what it is handed in place (normalises advantages,
+    scales log-probs, masks tokens), as trainers do with their own batches."""
+    for t in steps:
+        pol = policy_at(t)
+        sel = ctrl.select(step=t, scorer=lambda gs: [lp.mul_(1.0) for lp in pol.scorer(gs)])
+        for g in sel.groups:
+            g.advantages.sub_(g.advantages.mean()).div_(3.0)
+            g.logprobs.mul_(2.0)
+            g.loss_mask.fill_(False)
+        ctrl.stage(fresh(t), step=t)
+        ctrl.commit()
+    return sel
+
+
+def test_stored_groups_never_change_through_replay_or_what_the_caller_does_with_them(monkeypatch):
+    ctrl = run_steps(ReplayController(ReplayConfig(k_rep=3, tau=1.0, capacity=60)), range(3))
+    before = _stored(ctrl)
+    last = _run_editing_replayed_groups(ctrl, range(3, 7))
+    assert len(last.groups) == 3  # groups were replayed (and edited by the caller) every step
+    assert _unchanged(before, _stored(ctrl))
     assert np.all(ctrl.buffer.slot_values("ref_headroom", ctrl.buffer.insertion_ids()) >= 0)
+    # the check is able to fail: a buffer that scales the stored log-probs of replayed groups is caught
+    from hdreplay.buffer import ReplayBuffer
+
+    real = ReplayBuffer.record_use
+
+    def scaling_record_use(self, ids, *, weight):
+        for i in ids:
+            blk, j = self._locate(int(i))
+            blk.logprobs[int(blk.tok_off[j]):int(blk.tok_off[j + 1])] *= 1.5
+        real(self, ids, weight=weight)
+
+    monkeypatch.setattr(ReplayBuffer, "record_use", scaling_record_use)
+    before = _stored(ctrl)
+    run_steps(ctrl, range(7, 9))
+    assert not _unchanged(before, _stored(ctrl))

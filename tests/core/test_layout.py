@@ -1,8 +1,9 @@
+import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from hdreplay import ReplayInputError, balanced_partition, minibatch_layout, replay_prefix_order, truncate_to_multiple
+from hdreplay import ReplayInputError, balanced_partition, minibatch_layout, truncate_to_multiple
 
 
 @given(lengths=st.lists(st.integers(1, 500), min_size=1, max_size=64), parts=st.integers(1, 8))
@@ -42,9 +43,23 @@ def test_minibatch_layout_keeps_replay_first():
         balanced_partition([1, 2, 3], 2)
 
 
-def test_truncate_and_prefix_order():
+def test_truncate_keeps_the_highest_priority_prefix():
     assert truncate_to_multiple([5, 4, 3, 2, 1], 2) == [5, 4, 3, 2]
-    assert truncate_to_multiple([5], 2) == []
-    assert replay_prefix_order(2, 3).tolist() == [0, 1, 2, 3, 4]
-    with pytest.raises(ReplayInputError):
-        truncate_to_multiple([1], 0)
+    assert truncate_to_multiple((5,), 2) == []
+    assert truncate_to_multiple(np.arange(7), 3) == [0, 1, 2, 3, 4, 5]
+    for bad_u in (0, -1, 2.0, True, "2"):
+        with pytest.raises(ReplayInputError, match="u: must be an int"):
+            truncate_to_multiple([1], bad_u)
+    with pytest.raises(ReplayInputError, match="items"):
+        truncate_to_multiple("abc", 1)  # a string is not a list of items
+
+
+def test_empty_and_oversized_partitions_are_defined_or_refused():
+    assert balanced_partition([], 4) == [[], [], [], []]
+    with pytest.raises(ReplayInputError, match="parts"):
+        balanced_partition([], 10**6)  # more ranks than any cluster: refused before allocating them
+    for bad in ([1.5, 2], [-1, 2], ["3", 1], [True, 1]):
+        with pytest.raises(ReplayInputError, match="lengths"):
+            balanced_partition(bad, 2)
+    with pytest.raises(ReplayInputError, match="num_minibatches"):
+        minibatch_layout([1], [1], num_minibatches=2.0, parts=1)

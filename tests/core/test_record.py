@@ -37,10 +37,20 @@ def test_valid_record_views():
     (dict(completion_ids=[], response_lengths=[], loss_mask=[], logprobs=[], advantages=[], rewards=[]),
      "empty group"),
     (dict(prompt_ids=[]), "`prompt_ids` is empty"),
-    (dict(completion_ids=[3.5, 4, 5, 6, 7]), "integer token ids"),
+    (dict(completion_ids=[3.5, 4, 5, 6, 7]), "must hold integers"),
     (dict(birth_step=-1), "birth_step"),
     (dict(completion_ids=[[3, 4, 5, 6, 7]]), "must be 1-D"),
     (dict(group_id=1.5), "group_id must be a str or int"),
+    (dict(completion_ids=[3, 4, 5, 6, 2**33 + 7]), "token id 8589934599"),  # was stored as 7 (int32 wrap)
+    (dict(completion_ids=[3, 4, -5, 6, 7]), "token id -5"),
+    (dict(prompt_ids=[2**31]), "token id 2147483648"),
+    (dict(prompt_ids=[2**70]), "not a tensor of numbers"),
+    (dict(loss_mask=[2, 1, 1, 0, 1]), "only 0/1"),
+    (dict(loss_mask=[0.5] * 5), "only 0/1"),
+    (dict(response_lengths=[True, True]), "must hold integers"),
+    (dict(birth_step=2**53), "birth_step"),
+    (dict(birth_step=2.0), "birth_step"),
+    (dict(extras=[("k", [0.0] * 5)]), "`extras` must be a mapping"),
 ])
 def test_bad_records_name_the_field(over, needle):
     with pytest.raises(ReplayInputError) as e:

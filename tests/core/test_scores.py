@@ -62,7 +62,8 @@ def test_masked_positions_never_matter():
                        headroom(logprobs=lp2, advantages=adv, mask=mask))
 
 
-@pytest.mark.parametrize("bad", ["shape", "empty_row", "norm", "weighting", "int_logprobs"])
+@pytest.mark.parametrize("bad", ["shape", "empty_row", "norm", "weighting", "int_logprobs", "numpy", "nan", "inf",
+                                 "positive", "ref_positive", "half_mask", "adv_nan", "list"])
 def test_bad_input_is_named(bad):
     lp = -torch.rand(2, 3)
     mask = torch.ones(2, 3)
@@ -75,11 +76,38 @@ def test_bad_input_is_named(bad):
             drift(logprobs=lp, ref_logprobs=lp, mask=mask, norm="l3")
         elif bad == "weighting":
             headroom(logprobs=lp, advantages=lp, mask=mask, weighting="magnitude")
-        else:
+        elif bad == "int_logprobs":
             drift(logprobs=torch.zeros(2, 3, dtype=torch.long), ref_logprobs=lp, mask=mask)
+        elif bad == "numpy":
+            headroom(logprobs=lp.numpy(), advantages=lp, mask=mask)
+        elif bad == "nan":
+            replay_kl(logprobs=lp.masked_fill(torch.eye(2, 3, dtype=torch.bool), float("nan")), ref_logprobs=lp,
+                      mask=mask)
+        elif bad == "inf":
+            headroom(logprobs=torch.full((2, 3), float("-inf")), advantages=lp, mask=mask)
+        elif bad == "positive":
+            headroom(logprobs=lp + 1.0, advantages=lp, mask=mask)  # would give Headroom outside [0, 1]
+        elif bad == "ref_positive":
+            drift(logprobs=lp, ref_logprobs=lp.abs(), mask=mask)
+        elif bad == "half_mask":
+            drift(logprobs=lp, ref_logprobs=lp, mask=torch.full((2, 3), 0.5))
+        elif bad == "adv_nan":
+            headroom(logprobs=lp, advantages=torch.full((2, 3), float("nan")), mask=mask)
+        else:
+            replay_kl_per_group(logprobs=lp.tolist(), ref_logprobs=lp, mask=mask)
     msg = str(e.value)
     assert {"shape": "ref_logprobs", "empty_row": "all-zero mask", "norm": "l3", "weighting": "magnitude",
-            "int_logprobs": "floating point"}[bad] in msg
+            "int_logprobs": "floating point", "numpy": "torch.Tensor, got ndarray", "nan": "non-finite",
+            "inf": "non-finite", "positive": "positive value", "ref_positive": "`ref_logprobs` has a positive",
+            "half_mask": "only 0/1", "adv_nan": "`advantages` must hold finite", "list": "got list"}[bad] in msg
+
+
+def test_headroom_stays_in_unit_interval_with_round_off_above_zero():
+    lp = torch.tensor([[5e-5, -0.5], [0.0, -2.0]])  # 5e-5: log_softmax round-off, within tolerance
+    adv = torch.tensor([[1.0, 1.0], [-1.0, -1.0]])
+    h = headroom(logprobs=lp, advantages=adv, mask=torch.ones(2, 2))
+    assert bool(((h >= 0) & (h <= 1)).all())
+    assert h[0].item() == pytest.approx((0.0 + 1 - math.exp(-0.5)) / 2)
 
 
 @given(

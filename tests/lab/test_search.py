@@ -119,7 +119,10 @@ def test_multiturn_replay_through_trl_environment_factory(search_model, tmp_path
     # replayed episodes enter the batch with exactly their stored masks and log-probs
     sels = [s for s in tr.selections if s["groups"]]
     assert sels
-    for cyc, sel in zip([tr.records[i:i + 2] for i in range(0, len(tr.records), 2)], tr.selections):
+    by_gen = {}  # loss-call records (fresh micro-batch, replay chunks) by generation
+    for r in tr.records:
+        by_gen.setdefault(r["micro"] // tr.args.steps_per_generation, []).append(r)
+    for cyc, sel in zip([by_gen[k] for k in sorted(by_gen)], tr.selections):
         rows = [(r["old"][k], r["mask"][k]) for r in cyc if r["old"] is not None
                 for k in torch.nonzero(r["is_replay"]).flatten().tolist()]
         stored = [(lp, mk) for lp, mk, ln in zip(sel["stored_logps"], sel["stored_mask"], sel["lengths"])

@@ -44,7 +44,7 @@ def main() -> None:
         "world": tr.accelerator.num_processes,
         "buffer_hashes": tr.buffer_hashes,
         "selections": [{"step": s["step"], "groups": s["groups"], "births": s["births"]} for s in tr.selections],
-        "micro": [{"global_step": x["global_step"], "is_replay": x["is_replay"].tolist(),
+        "micro": [{"global_step": x["global_step"], "micro": x["micro"], "is_replay": x["is_replay"].tolist(),
                    "mask_sum": int(x["mask"].sum()), "nib": x["nib"],
                    "replay_ratio_dev": float((torch.exp(x["now"] - x["old"])[x["is_replay"]][
                        x["mask"][x["is_replay"]].bool()] - 1).abs().max()) if x["is_replay"].any() else None,

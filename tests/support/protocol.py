@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 from functools import partial
 
 from hdreplay import ReplayController
@@ -28,3 +30,29 @@ def run_steps(ctrl, steps, k=5, log=None, seed=0):
 def build(config, steps=6, per_step=5, seed=0):
     """A controller driven for ``steps`` steps and the policy of the next step."""
     return run_steps(ReplayController(config), range(steps), k=per_step, seed=seed), policy_at(steps)
+
+
+def buffer_hash(buf) -> str:
+    """sha256 of everything a ReplayBuffer holds (its exact state_dict)."""
+    tensors, meta = buf.state_dict()
+    return _digest(tensors, meta)
+
+
+def state_hash(ctrl) -> str:
+    """sha256 of everything a ReplayController holds: the committed state and the open step's protocol state."""
+    tensors, meta = ctrl.state_dict(allow_open_step=True)
+    staged = [(g.group_id, g.completion_ids.tolist(), g.logprobs.tolist(), g.advantages.tolist())
+              for g in ctrl._staged]
+    sel = ctrl._selection
+    proto = (ctrl._open_step, None if sel is None else (sel.accepted.tolist(), sel.scanned.tolist()), staged,
+             ctrl._staged_ref, ctrl._candidates, ctrl._starved_steps, ctrl.tau)
+    return _digest(tensors, meta, proto)
+
+
+def _digest(tensors, meta, extra=None) -> str:
+    h = hashlib.sha256(json.dumps(meta, sort_keys=True, default=repr).encode())
+    for k in sorted(tensors):
+        h.update(f"{k}:{tensors[k].dtype}:{tuple(tensors[k].shape)}".encode())
+        h.update(tensors[k].contiguous().numpy().tobytes())
+    h.update(repr(extra).encode())
+    return h.hexdigest()

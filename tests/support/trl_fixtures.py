@@ -12,6 +12,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import torch  # noqa: E402
 from datasets import Dataset  # noqa: E402
 
+from trl import GRPOTrainer  # noqa: E402
+
 from hdreplay.integrations.trl import HDRGRPOConfig, HDRGRPOTrainer  # noqa: E402
 from hdreplay_lab.sandbox.model import build_tiny_model, load_model  # noqa: E402
 
@@ -42,46 +44,56 @@ def make_args(out_dir, **over) -> HDRGRPOConfig:
 
 
 class RecordingTrainer(HDRGRPOTrainer):
-    """Records what every micro-step trains on, through the real loss path."""
+    """Records what every loss call trains on (one fresh part or one replay chunk), through the real loss path."""
 
     def __init__(self, *a, **k):
         super().__init__(*a, **k)
         self.records: list[dict] = []
         self.selections: list[dict] = []
         self.buffer_hashes: list[str] = []
+        self.generation_steps: list[int] = []
 
-    def _with_replay(self, out):
-        merged = super()._with_replay(out)
-        sel = self._replay_sel
+    def _generate_and_score_completions(self, inputs):
+        if self.model.training:
+            self.generation_steps.append(self.state.global_step)
+        return super()._generate_and_score_completions(inputs)
+
+    def _select(self, step):
+        super()._select(step)
+        sel = step.selection
         self.selections.append({"step": sel.step, "groups": [g.group_id for g in sel.groups],
                                 "births": [g.birth_step for g in sel.groups],
                                 "stored_logps": [g.logprobs.clone() for g in sel.groups],
                                 "stored_mask": [g.loss_mask.clone() for g in sel.groups],
+                                "stored_ref": [g.extras.get("ref_logprobs") for g in sel.groups],
+                                "stored_extras": [{k: v.clone() for k, v in g.extras.items()} for g in sel.groups],
                                 "lengths": [g.response_lengths.tolist() for g in sel.groups]})
-        return merged
 
-    def _commit_replay(self):
-        super()._commit_replay()
-        self.buffer_hashes.append(buffer_hash(self.replay))
+    def _commit_step(self):
+        had = self._replay_step is not None
+        super()._commit_step()
+        if had:
+            self.buffer_hashes.append(buffer_hash(self.replay))
 
     def _compute_loss(self, model, inputs):
         ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
         attn = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)
         C = inputs["completion_ids"].shape[1]
         with torch.no_grad():
-            now, _, _ = self._get_per_token_logps_and_entropies(model, ids, attn, C)
+            now, _, _ = GRPOTrainer._get_per_token_logps_and_entropies(self, model, ids, attn, C)
         mask = inputs["completion_mask"] * inputs.get("tool_mask", torch.ones_like(inputs["completion_mask"]))
+        rows = inputs["hdr_row"].cpu() if "hdr_row" in inputs else torch.zeros(ids.shape[0], dtype=torch.long)
+        get = lambda k: None if inputs.get(k) is None else inputs[k].detach().cpu().clone()  # noqa: E731
         self.records.append({
-            "global_step": self.state.global_step, "micro": self._step,
-            "is_replay": inputs.get("hdr_is_replay", torch.zeros(ids.shape[0], dtype=torch.bool)).cpu(),
-            "old": None if inputs.get("old_per_token_logps") is None else inputs["old_per_token_logps"].cpu(),
+            "global_step": self.state.global_step, "micro": self._step, "is_replay": rows < 0, "hdr_row": rows,
+            "old": get("old_per_token_logps"), "ref": get("ref_per_token_logps"),
+            "is_ratio": get("importance_sampling_ratio"), "sampling": get("sampling_per_token_logps"),
             "now": now.cpu(), "mask": mask.cpu(), "nib": int(inputs["num_items_in_batch"]),
             "completion_ids": inputs["completion_ids"].cpu(), "advantages": inputs["advantages"].cpu(),
-            "hdr_row": inputs["hdr_row"].cpu() if "hdr_row" in inputs else None,
         })
         loss = super()._compute_loss(model, inputs)
-        old = inputs.get("old_per_token_logps")
-        self.records[-1]["old_after"] = None if old is None else old.detach().cpu().clone()
+        self.records[-1]["loss"] = float(loss.detach())
+        self.records[-1]["old_after"] = get("old_per_token_logps")
         return loss
 
 

@@ -232,7 +232,7 @@ class CPUActorWorker(Worker):
         marker = os.path.join(root, "latest_checkpointed_iteration.txt")
         self.ckpt_log.append({
             "step": global_step,
-            "hdreplay_present": os.path.isfile(os.path.join(step_dir, "hdreplay", "state.json")),
+            "hdreplay_present": os.path.isfile(os.path.join(step_dir, "hdreplay", "manifest.json")),  # its commit point
             "marker": open(marker).read() if os.path.exists(marker) else None,
         })
         if self.rank == 0:

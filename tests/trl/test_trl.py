@@ -13,8 +13,8 @@ pytestmark = pytest.mark.trl
 
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
-from hdreplay import CheckpointError  # noqa: E402
-from hdreplay.integrations.trl import HDRGRPOTrainer  # noqa: E402
+from hdreplay import CheckpointError, ReplayController  # noqa: E402
+from hdreplay.integrations.trl import HDRGRPOConfig, HDRGRPOTrainer  # noqa: E402
 from hdreplay.integrations.trl.batch import ROW_KEYS, SCALAR_KEYS, check_keys  # noqa: E402
 from trl_fixtures import RecordingTrainer, buffer_hash, make_args, prompts, reward_digit, tiny_model  # noqa: E402
 
@@ -32,72 +32,64 @@ def run(model_dir, out, cls=RecordingTrainer, **over):
     return tr
 
 
-def cycles(tr):
-    """Group micro-step records by generation cycle (GA micro-steps each)."""
-    ga = tr.args.gradient_accumulation_steps
-    return [tr.records[i:i + ga] for i in range(0, len(tr.records), ga)]
+def generations(tr):
+    """Loss-call records grouped by generation (spg micro-steps each, num_iterations = 1)."""
+    spg = tr.args.steps_per_generation
+    out: dict[int, list] = {}
+    for r in tr.records:
+        out.setdefault(r["micro"] // spg, []).append(r)
+    return [out[k] for k in sorted(out)]
 
 
 @pytest.mark.parametrize("loss_type, level", [("dapo", "token"), ("grpo", "token"), ("grpo", "sequence")])
 def test_replay_rows_train_through_the_real_loss(model_dir, tmp_path, loss_type, level):
     tr = run(model_dir, tmp_path / "out", loss_type=loss_type, importance_sampling_level=level, max_steps=5,
              epsilon_high=0.28 if loss_type == "dapo" else None)
-    sels = tr.selections
+    sels, pd = tr.selections, tr.args.per_device_train_batch_size
     assert sum(len(s["groups"]) for s in sels) > 0, "the scenario must replay something"
-    for cyc, sel in zip(cycles(tr), sels):
-        flags = torch.cat([r["is_replay"] for r in cyc])
-        n_rep = int(flags.sum())
-        # replay rows first, in the first micro-steps; nothing dropped
-        assert flags.tolist() == [True] * n_rep + [False] * (len(flags) - n_rep)
+    gens = generations(tr)
+    assert len(gens) == len(sels) == 5
+    for gen, sel in zip(gens, sels):
+        fresh = [r for r in gen if not r["is_replay"].any()]
+        replay = [r for r in gen if r["is_replay"].any()]
+        # every fresh part is exactly one plain-TRL micro-batch; replay rows come as separate chunks of <= pd rows
+        assert len(fresh) == tr.args.steps_per_generation and all(len(r["is_replay"]) == pd for r in fresh)
+        assert all(bool(r["is_replay"].all()) and len(r["is_replay"]) <= pd for r in replay)
+        n_rep = sum(len(r["is_replay"]) for r in replay)
         assert n_rep == sum(len(lens) for lens in sel["lengths"])
-        assert len(flags) - n_rep == tr.args.generation_batch_size
-        # num_items_in_batch = loss-mask tokens of fresh + replay rows
-        assert all(r["nib"] == sum(int(x["mask"].sum()) for x in cyc) for r in cyc)
-        # no same-step replay
+        # num_items_in_batch = loss-mask tokens of the generation's fresh + replay rows, counted here from the masks
+        tokens = sum(int(r["mask"].sum()) for r in gen)
+        assert all(r["nib"] == tokens for r in gen)
+        # no replay before a weight update since birth
         assert all(b < sel["step"] for b in sel["births"])
-        # replayed rows carry their stored generation log-probs as the ratio denominator
-        with_rep = [r for r in cyc if r["is_replay"].any()]
-        assert all(r["old"] is not None for r in with_rep)
-        rep_old = [r["old"][r["is_replay"]] for r in with_rep]
-        rep_mask = [r["mask"][r["is_replay"]] for r in with_rep]
-        rows_old = [row[m.bool()] for old, mk in zip(rep_old, rep_mask) for row, m in zip(old, mk)]
-        stored = [lp[mk] for lp, mk in zip(sel["stored_logps"], sel["stored_mask"])]
-        lens = [x for ls in sel["lengths"] for x in ls]
-        flat_stored = torch.cat(stored) if stored else torch.zeros(0)
-        assert sum(lens) == sum(len(torch.as_tensor(lp)) for lp in sel["stored_logps"])
-        if rows_old:
-            assert torch.equal(torch.cat(rows_old), flat_stored)
-    # fresh rows: generation log-probs captured from their own (pre-update) training forward are what the
-    # buffer stores, and next to replay rows their ratio denominator is that same value (ratio exactly 1)
+        # replayed rows carry their stored generation log-probs as the ratio denominator, in selection order
+        got = [row[m.bool()] for r in replay for row, m in zip(r["old"], r["mask"])]
+        want = [g_lp[g_m] for g_lp, g_m in zip(sel["stored_logps"], sel["stored_mask"])]
+        if replay:
+            assert torch.equal(torch.cat(got), torch.cat(want))
+    # fresh rows: the generation log-probs stored in the buffer are those of the row's own first training forward
     n = tr.args.num_generations
     buf = tr.replay.buffer
     stored = {g.group_id: g for g in buf.get(buf.insertion_ids().tolist())}
     checked = 0
-    for t, cyc in enumerate(cycles(tr)):
-        for r in cyc:
+    for t, gen in enumerate(gens):
+        for r in gen:
+            if r["is_replay"].any():
+                continue
             for row, k in enumerate(r["hdr_row"].tolist()):
-                if k < 0:
-                    continue
-                if r["old_after"] is not None:  # a fresh row sharing its micro-step with replay rows
-                    m = r["mask"][row].bool()
-                    assert torch.allclose(r["old_after"][row][m], r["now"][row][m], atol=1e-6, rtol=0)
-                    checked += 1
-                g = stored.get(f"s{t}g{k // n}")
+                g = stored.get(f"s{t}.0g{k // n}")
                 if g is None:
                     continue
-                resp = g.split(g.logprobs)[k % n]
-                m = g.split(g.loss_mask)[k % n]
-                L = len(resp)
-                assert torch.allclose(resp[m], r["now"][row][:L][m], atol=1e-6, rtol=0)
+                resp, m = g.split(g.logprobs)[k % n], g.split(g.loss_mask)[k % n]
+                assert torch.allclose(resp[m], r["now"][row][:len(resp)][m], atol=1e-6, rtol=0)
                 checked += 1
     assert checked > 0
     # after the first update, replayed ratios differ from 1 and equal exp(logp_now - stored)
     later = [r for r in tr.records if r["is_replay"].any() and r["global_step"] >= 1]
     assert later
     for r in later:
-        m = r["mask"][r["is_replay"]].bool()
-        ratio = torch.exp(r["now"][r["is_replay"]][m] - r["old"][r["is_replay"]][m])
-        assert (ratio - 1).abs().max() > 1e-3
+        m = r["mask"].bool()
+        assert (torch.exp(r["now"][m] - r["old"][m]) - 1).abs().max() > 1e-3
     losses = [h["loss"] for h in tr.state.log_history if "loss" in h]
     assert losses and all(math.isfinite(x) for x in losses)
 
@@ -126,7 +118,7 @@ def test_checkpoint_resume_equals_uninterrupted(model_dir, tmp_path):
     over = dict(max_steps=6, save_strategy="steps", save_steps=3, replay_tau=0.05, replay_k_rep=3)
     full = run(model_dir, tmp_path / "full", **over)
     ck = tmp_path / "full" / "checkpoint-3" / "hdreplay"
-    assert (ck / "state.json").exists()
+    assert ReplayController.verify(ck) is not None  # a complete, intact replay state with committed steps
     model, tok = tiny_model(model_dir)
     resumed = RecordingTrainer(model=model, reward_funcs=reward_digit, args=make_args(tmp_path / "full", **over),
                                train_dataset=prompts(), processing_class=tok)
@@ -152,13 +144,35 @@ def test_resume_from_plain_checkpoint_is_refused_unless_allowed(model_dir, tmp_p
         tr.train(resume_from_checkpoint=str(tmp_path / "o" / "checkpoint-1"))
 
 
-def test_reference_logprobs_are_stored_and_replayed_when_beta_is_set(model_dir, tmp_path):
-    tr = run(model_dir, tmp_path / "out", beta=0.04, max_steps=4)
+def test_replay_rows_use_the_stored_reference_logprobs_in_the_loss(model_dir, tmp_path):
+    """beta != 0: a replayed row's KL term uses the reference log-probs stored at its birth, inside TRL's loss."""
+    tr = run(model_dir, tmp_path / "out", beta=0.5, max_steps=4, loss_type="grpo", replay_k_rep=2)
     assert any(s["groups"] for s in tr.selections)
-    ids = tr.replay.buffer.insertion_ids()
-    g = tr.replay.buffer.get([int(ids[0])])[0]
-    assert "ref_logprobs" in g.extras and torch.isfinite(g.extras["ref_logprobs"]).all()
-    assert all(math.isfinite(h["loss"]) for h in tr.state.log_history if "loss" in h)
+    gens = generations(tr)
+    checked = 0
+    for gen, sel in zip(gens, tr.selections):
+        replay = [r for r in gen if r["is_replay"].any()]
+        if not replay:
+            continue
+        got = torch.cat([row[m.bool()] for r in replay for row, m in zip(r["ref"], r["mask"])])
+        want = torch.cat([ref[m] for ref, m in zip(sel["stored_ref"], sel["stored_mask"])])
+        assert torch.equal(got, want)
+        for r in replay:  # the loss TRL computed for the chunk, recomputed here from its own inputs
+            assert r["loss"] == pytest.approx(grpo_chunk_loss(r, beta=0.5, eps=0.2, ga=2), rel=1e-4, abs=1e-6)
+            checked += 1
+    assert checked > 0
+
+
+def grpo_chunk_loss(r, *, beta, eps, ga):
+    """TRL's grpo loss (token-level ratio, two-sided clip, k3 KL to the reference weighted by the ratio:
+    use_bias_correction_kl defaults to True), written out independently."""
+    m = r["mask"].float()
+    now, old, ref, adv = r["now"], r["old"], r["ref"], r["advantages"].unsqueeze(1)
+    ratio = torch.exp(now - old)
+    pg = -torch.min(ratio * adv, ratio.clamp(1 - eps, 1 + eps) * adv)
+    kl = (torch.exp(ref - now) - (ref - now) - 1) * ratio
+    per_row = ((pg + beta * kl) * m).sum(1) / m.sum(1).clamp(min=1)
+    return float(per_row.mean() / ga)
 
 
 def test_metrics_reach_trl_logs(model_dir, tmp_path, monkeypatch):
@@ -166,7 +180,8 @@ def test_metrics_reach_trl_logs(model_dir, tmp_path, monkeypatch):
     tr = run(model_dir, tmp_path / "out", max_steps=3, report_to="tensorboard")
     logged = {k for h in tr.state.log_history for k in h}
     for k in ("replay/buffer_size", "replay/ingress_admitted", "replay/accepted", "replay/budget_fill", "replay/scanned",
-              "replay/accept_rate", "replay/drift_accepted", "replay/replay_kl", "replay/mean_age"):
+              "replay/accept_rate", "replay/drift_accepted", "replay/replay_kl", "replay/mean_age",
+              "replay/ingress_empty", "replay/generations", "replay/scan_capped"):
         assert k in logged, k
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -178,22 +193,27 @@ def test_metrics_reach_trl_logs(model_dir, tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "gpt2"])
-def test_rescoring_is_padding_invariant_with_mixed_prompt_lengths(model_dir, tmp_path, arch):
+def test_rescoring_is_padding_invariant_with_mixed_prompt_lengths(model_dir, tmp_path, monkeypatch, arch):
     """A group re-scored under unchanged weights has Drift ~0 however it is padded or batched."""
+    import hdreplay.integrations.trl.rescore as rescore
+
+    monkeypatch.setattr(rescore, "SHARE_BELOW_TOKEN_RATIO", 1.0)  # these short prompts would not be shared
     model, tok = tiny_model(model_dir, arch=arch)
     tr = RecordingTrainer(model=model, reward_funcs=reward_digit, train_dataset=prompts(), processing_class=tok,
                           args=make_args(tmp_path / "o", max_steps=1, learning_rate=0.0, replay_k_rep=0,
                                          disable_dropout=True))
     tr.train()
-    groups = tr.replay.buffer.get(tr.replay.buffer.insertion_ids().tolist()) + tr.replay._staged
+    groups = tr.replay.buffer.get(tr.replay.buffer.insertion_ids().tolist())
     assert len({g.prompt_ids.numel() for g in groups}) > 1, "prompts of different lengths must be mixed"
     from hdreplay import group_scores
 
-    for batch in (groups, groups[::-1], [groups[0]], groups[1:]):
-        lps = tr._replay_scorer(batch)
-        d = group_scores(batch, lps).drift
-        assert float(d.max()) < 1e-10, (arch, d)
-    if arch == "gpt2":  # the hook is what makes an absolute-position model invariant
+    for shared in (True, False):  # one prompt pass per group (KV cache), and TRL's full-row forward
+        tr._share_prompt = shared
+        for batch in (groups, groups[::-1], [groups[0]], groups[1:]):
+            lps = tr._replay_scorer(batch)
+            d = group_scores(batch, lps).drift
+            assert float(d.max()) < 1e-10, (arch, shared, d)
+    if arch == "gpt2":  # the hook is what makes an absolute-position model invariant under the full-row forward
         tr._position_hook.remove()
         lps = tr._replay_scorer(groups)
         assert float(group_scores(groups, lps).drift.max()) > 1e-4
@@ -214,17 +234,47 @@ def test_bad_replay_config_names_the_field(tmp_path):
     assert "headroom_drift" in str(e.value)
     with pytest.raises(ValueError, match="replay_answer_threshold"):
         make_args(tmp_path, replay_ingress="answer")
-    with pytest.raises(ValueError, match="use_vllm"):
-        make_args(tmp_path, use_vllm=True)
     with pytest.raises(ValueError, match="replay_k_rep"):
         make_args(tmp_path, replay_k_rep=-2)
 
 
-def test_plain_grpo_config_is_rejected(model_dir, tmp_path):
+def test_plain_grpo_config_is_converted_with_the_replay_settings_named(model_dir, tmp_path):
     model, tok = tiny_model(model_dir)
-    with pytest.raises(TypeError, match="HDRGRPOConfig"):
+    plain = GRPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none", bf16=False, max_steps=1,
+                       per_device_train_batch_size=8, num_generations=4, gradient_accumulation_steps=2,
+                       activation_checkpointing=False, disable_dropout=True, learning_rate=0.0)
+    with pytest.warns(UserWarning, match="plain GRPOConfig") as rec:
+        tr = HDRGRPOTrainer(model=model, reward_funcs=reward_digit, train_dataset=prompts(), processing_class=tok,
+                            args=plain)
+    msg = next(str(w.message) for w in rec if "plain GRPOConfig" in str(w.message))
+    assert "replay_k_rep=2" in msg  # half the 4 fresh groups of an update
+    assert isinstance(tr.args, HDRGRPOConfig) and tr.replay_active and tr.replay_config.k_rep == 2
+    assert {f: getattr(tr.args, f) for f in ("per_device_train_batch_size", "steps_per_generation", "learning_rate")} \
+        == {"per_device_train_batch_size": 8, "steps_per_generation": 2, "learning_rate": 0.0}
+    tr.train()
+    assert tr.state.global_step == 1
+    with pytest.raises(TypeError, match="HDRGRPOConfig, a GRPOConfig or None"):
         HDRGRPOTrainer(model=model, reward_funcs=reward_digit, train_dataset=prompts(), processing_class=tok,
-                       args=GRPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none", bf16=False))
+                       args={"output_dir": str(tmp_path)})
+
+
+def test_args_none_builds_a_default_config_like_grpo_trainer(model_dir, monkeypatch, tmp_path):
+    """GRPOTrainer(model, reward_funcs, train_dataset=...) builds GRPOConfig(f"{name}-GRPO"); HDRGRPOTrainer builds
+    HDRGRPOConfig the same way. (On this CPU-only machine both then stop at the same TrainingArguments check: the
+    default bf16=True needs a GPU.)"""
+    model, tok = tiny_model(model_dir)
+    monkeypatch.chdir(tmp_path)
+    outcome = []
+    for cls in (GRPOTrainer, HDRGRPOTrainer):
+        try:
+            tr = cls(model=model, reward_funcs=reward_digit, train_dataset=prompts(), processing_class=tok)
+            outcome.append((type(tr.args).__name__, tr.args.output_dir))
+        except ValueError as e:  # not a TypeError about args
+            outcome.append(("ValueError", str(e)))
+    if outcome[0][0] == "ValueError":
+        assert outcome[1] == outcome[0]
+    else:
+        assert outcome == [("GRPOConfig", "tiny-qwen2-GRPO"), ("HDRGRPOConfig", "tiny-qwen2-GRPO")]
 
 
 def test_output_key_contract(model_dir, tmp_path):
@@ -280,22 +330,49 @@ def test_tool_tokens_are_masked_in_buffer_loss_and_replay(model_dir, tmp_path):
             tool_pos = [j for j in range(len(row) - len(tool_ids) + 1) if row[j:j + len(tool_ids)].tolist() == tool_ids]
             for j in tool_pos:
                 assert m[j:j + len(tool_ids)].sum() == 0  # excluded from the loss, replay rows included
-    for cyc in cycles(tr):
-        assert all(r["nib"] == sum(int(x["mask"].sum()) for x in cyc) for r in cyc)
+    for gen in generations(tr):
+        assert all(r["nib"] == sum(int(x["mask"].sum()) for x in gen) for r in gen)
 
 
-def test_generation_spanning_several_optimizer_steps_replays_in_the_first(model_dir, tmp_path):
-    """steps_per_generation = 2 x GA: one generation feeds two optimizer steps; replay goes first."""
+def test_generation_spanning_several_optimizer_steps_spreads_replay_over_them(model_dir, tmp_path):
+    """steps_per_generation = 2 x GA: one generation feeds two optimizer updates; replay rows are spread evenly
+    over its micro-steps, so both updates replay, and the step is committed after the first update."""
     tr = run(model_dir, tmp_path / "out", max_steps=6, steps_per_generation=4, gradient_accumulation_steps=2,
-             per_device_train_batch_size=4)
+             per_device_train_batch_size=4, replay_k_rep=2)
     assert tr.args.steps_per_generation == 4
-    gens = [tr.records[i:i + 4] for i in range(0, len(tr.records), 4)]
+    gens = generations(tr)
     assert len(gens) == len(tr.selections) == 3
-    assert any(s["groups"] for s in tr.selections)
-    for gen, sel in zip(gens, tr.selections):
-        flags = torch.cat([r["is_replay"] for r in gen])
-        k = int(flags.sum())
-        assert flags.tolist() == [True] * k + [False] * (len(flags) - k)
-        assert k == sum(len(x) for x in sel["lengths"])
-        # the buffered generation is consumed over two optimizer steps
-        assert gen[0]["global_step"] + 1 == gen[-1]["global_step"]
+    assert [s["step"] for s in tr.selections] == [0, 2, 4] == tr.generation_steps
+    for gen, sel in zip(gens[1:], tr.selections[1:]):
+        per_micro = {}
+        for r in gen:
+            per_micro[r["micro"]] = per_micro.get(r["micro"], 0) + int(r["is_replay"].sum())
+        assert sorted(per_micro.values()) == [2, 2, 2, 2]  # 8 replay rows over 4 micro-steps
+        assert {r["global_step"] for r in gen if r["is_replay"].any()} == {sel["step"], sel["step"] + 1}
+
+
+def test_calling_train_again_continues_the_replay_steps(model_dir, tmp_path):
+    """A second train() restarts TRL's global_step; replay steps keep increasing and the buffer carries over."""
+    tr = run(model_dir, tmp_path / "out", max_steps=2)
+    first = [s["step"] for s in tr.selections]
+    size = len(tr.replay.buffer)
+    tr.train()
+    steps = [s["step"] for s in tr.selections]
+    assert first == [0, 1] and steps == [0, 1, 2, 3] and len(tr.replay.buffer) >= size
+    assert tr.selections[2]["groups"]  # the carried-over buffer is replayed at once
+
+
+def test_user_callbacks_see_the_step_committed_at_step_end(model_dir, tmp_path):
+    from transformers import TrainerCallback
+
+    seen = []
+
+    class Probe(TrainerCallback):
+        def on_step_end(self, args, state, control, **kw):
+            seen.append((state.global_step, tr.replay.last_step))
+
+    model, tok = tiny_model(model_dir)
+    tr = HDRGRPOTrainer(model=model, reward_funcs=reward_digit, train_dataset=prompts(), processing_class=tok,
+                        args=make_args(tmp_path / "o", max_steps=3), callbacks=[Probe()])
+    tr.train()
+    assert seen == [(1, 0), (2, 1), (3, 2)]  # the update's replay step (opened at global_step - 1) is committed

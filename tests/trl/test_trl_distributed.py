@@ -61,20 +61,27 @@ def test_every_rank_holds_the_same_buffer_and_decisions(runs):
     assert scanned_more, "the run must log replay/accepted"
 
 
-def test_replay_rows_first_on_every_rank_and_global_token_count(runs):
+def test_replay_chunks_follow_the_fresh_micro_batch_and_tokens_are_global(runs):
     (r0, r1), _ = runs
+    assert [(m["micro"], len(m["is_replay"])) for m in r0["micro"]] == [(m["micro"], len(m["is_replay"]))
+                                                                         for m in r1["micro"]]
     for a, b in zip(r0["micro"], r1["micro"]):
         assert a["nib"] == b["nib"]
-    # per generation cycle (2 micro-steps): replay rows precede fresh rows on each rank
+    # each micro-step: plain TRL's fresh micro-batch (2 rows per rank), then replay chunks of <= 2 rows
     for rank in (r0, r1):
-        for i in range(0, len(rank["micro"]), 2):
-            flags = rank["micro"][i]["is_replay"] + rank["micro"][i + 1]["is_replay"]
-            k = sum(flags)
-            assert flags == [True] * k + [False] * (len(flags) - k)
-    # num_items_in_batch = loss tokens of both ranks' rows, replay included
-    for i in range(0, len(r0["micro"]), 2):
-        total = sum(r["micro"][j]["mask_sum"] for r in (r0, r1) for j in (i, i + 1))
-        assert r0["micro"][i]["nib"] == total
+        by_micro = {}
+        for m in rank["micro"]:
+            by_micro.setdefault(m["micro"], []).append(m["is_replay"])
+        for parts in by_micro.values():
+            assert parts[0] == [False, False]
+            assert all(p and all(p) and len(p) <= 2 for p in parts[1:])
+    # num_items_in_batch = loss tokens of both ranks' rows of the generation (2 micro-steps), replay included
+    gens = {}
+    for r in (r0, r1):
+        for m in r["micro"]:
+            gens.setdefault(m["micro"] // 2, []).append(m)
+    for parts in gens.values():
+        assert all(m["nib"] == sum(x["mask_sum"] for x in parts) for m in parts)
 
 
 def test_groups_are_never_replayed_in_their_birth_step_and_ratios_move(runs):

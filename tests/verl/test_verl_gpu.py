@@ -29,6 +29,8 @@ pytestmark = [
 ]
 pytest.importorskip("verl", minversion="0.9.1")
 
+from hdreplay import ReplayController  # noqa: E402
+
 
 def _run(ckpt, steps, use_v1):
     data = os.path.expanduser(DATA or "")
@@ -58,7 +60,7 @@ def test_recipe_trains_checkpoints_and_resumes_on_gpu(tmp_path, use_v1):
     first = _run(ckpt, 3, use_v1)
     assert first.returncode == 0, first.stdout[-4000:] + first.stderr[-4000:]
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "3"
-    assert (ckpt / "global_step_3" / "hdreplay" / "state.json").is_file()
+    assert ReplayController.verify(ckpt / "global_step_3" / "hdreplay") is not None
     assert "replay/buffer_size" in first.stdout
     second = _run(ckpt, 4, use_v1)
     assert second.returncode == 0, second.stdout[-4000:] + second.stderr[-4000:]

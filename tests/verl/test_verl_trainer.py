@@ -21,6 +21,7 @@ pytest.importorskip("verl", minversion="0.9.1")
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+from hdreplay import ReplayController  # noqa: E402
 from hdreplay.errors import CheckpointError  # noqa: E402
 from hdreplay.integrations.verl import STATE_DIR, HDRRayPPOTrainer  # noqa: E402
 from verl_helpers import compose_config, local_teacher_forcing, make_trainer  # noqa: E402
@@ -172,7 +173,7 @@ def test_buffer_is_saved_in_the_step_folder_before_the_latest_marker(frozen):
         for c in r["ckpt_log"]:  # seen from the worker, i.e. inside super()._save_checkpoint()
             assert c["hdreplay_present"] and c["marker"] != str(c["step"])
     assert open(os.path.join(ckpt, "latest_checkpointed_iteration.txt")).read() == "3"
-    assert os.path.isfile(os.path.join(ckpt, "global_step_3", STATE_DIR, "state.json"))
+    assert ReplayController.verify(os.path.join(ckpt, "global_step_3", STATE_DIR)) is not None
     assert not os.path.exists(os.path.join(ckpt, "global_step_2", STATE_DIR))  # pruned: max_actor_ckpt_to_keep=1
 
 

@@ -27,6 +27,7 @@ pytest.importorskip("transfer_queue")
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+from hdreplay import ReplayController  # noqa: E402
 from hdreplay.integrations.verl import STATE_DIR, HDRPPOTrainerSync  # noqa: E402
 from verl_helpers import local_teacher_forcing  # noqa: E402
 from verl_v1_harness import run_v1  # noqa: E402
@@ -140,7 +141,8 @@ def test_buffer_is_checkpointed_in_verls_step_folder_before_the_marker_and_prune
         assert [c["step"] for c in r["ckpt_log"]] == [2, 3]
         assert all(c["hdreplay_present"] and c["marker"] != str(c["step"]) for c in r["ckpt_log"])
     assert open(os.path.join(ckpt, "latest_checkpointed_iteration.txt")).read() == "3"
-    assert os.path.isfile(os.path.join(ckpt, "global_step_3", STATE_DIR, "state.json"))
+    # a complete, checksummed replay checkpoint (manifest + its version folder), not just a folder
+    assert ReplayController.verify(os.path.join(ckpt, "global_step_3", STATE_DIR)) is not None
     assert os.path.isfile(os.path.join(ckpt, "global_step_3", "data.pt"))  # verl's own files beside it
     assert not os.path.exists(os.path.join(ckpt, "global_step_2", STATE_DIR))  # max_actor_ckpt_to_keep=1
 

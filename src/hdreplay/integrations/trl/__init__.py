@@ -25,7 +25,8 @@ if not _trl.__version__.startswith(TESTED_TRL + "."):  # pragma: no cover
         "(pip install -c constraints.txt 'hdreplay[trl]')."
     )
 
+from .callback import HDRLogCallback  # noqa: E402
 from .config import HDRGRPOConfig  # noqa: E402
 from .trainer import HDRGRPOTrainer  # noqa: E402
 
-__all__ = ["HDRGRPOConfig", "HDRGRPOTrainer", "TESTED_TRL"]
+__all__ = ["HDRGRPOConfig", "HDRGRPOTrainer", "HDRLogCallback", "TESTED_TRL"]

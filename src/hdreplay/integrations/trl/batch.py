@@ -1,9 +1,24 @@
 """TRL batch dicts <-> hdreplay groups.
 
 A TRL generation batch is a dict of per-row tensors (B rows on this rank) plus the 0-d
-``num_items_in_batch``.  This module knows every per-row key TRL 1.16 returns for text
-models and how to pad it; an unknown key fails loudly (:func:`check_keys`) rather than
-being dropped for replayed rows, which is how TRL's removed replay trainer lost ``tool_mask``.
+``num_items_in_batch``.  This module knows every per-row key TRL 1.16 returns for text models
+(vLLM keys included) and how a replayed row fills it; an unknown key fails loudly
+(:func:`check_keys`) rather than being dropped for replayed rows, which is how TRL's removed replay
+trainer lost ``tool_mask``.
+
+Stored per group besides the core record (``GroupRecord.extras``, one value per completion token):
+
+=================  ========================================  ===========================================
+extra              from TRL key                              replayed as
+=================  ========================================  ===========================================
+ref_logprobs       ref_per_token_logps (beta != 0)           ref_per_token_logps (or recomputed under a
+                                                             synced reference model, see the trainer)
+is_ratio           importance_sampling_ratio (vLLM, IS on)   importance_sampling_ratio, (R, 1) in
+                                                             sequence modes (the birth-time sampler
+                                                             correction pi_gen / pi_vLLM, fixed at birth)
+sampling_logprobs  sampling_per_token_logps (vLLM)           sampling_per_token_logps (NaN stored as the
+                                                             generation log-prob)
+=================  ========================================  ===========================================
 """
 
 from __future__ import annotations
@@ -12,12 +27,12 @@ from typing import Any, Sequence
 
 import torch
 
-from ...padding import pad_groups
-from ..common import trim_rows
 from ...errors import ReplayInputError
+from ...padding import pad_groups
 from ...record import GroupRecord
+from ..common import trim_rows
 
-#: per-row key -> (padding side, pad value; None = the tokenizer's pad id); side None = (B,) tensor
+#: per-row key -> (padding side, pad value; None = the tokenizer's pad id); side None = (B,) or (B, 1)
 ROW_KEYS: dict[str, tuple[str | None, Any]] = {
     "prompt_ids": ("left", None),
     "prompt_mask": ("left", 0),
@@ -26,12 +41,15 @@ ROW_KEYS: dict[str, tuple[str | None, Any]] = {
     "old_per_token_logps": ("right", 0.0),
     "ref_per_token_logps": ("right", 0.0),
     "sampling_per_token_logps": ("right", 0.0),
+    "importance_sampling_ratio": ("right", 0.0),  # (B, C) token modes; (B, 1) sequence modes: not padded
     "tool_mask": ("right", 1),
     "advantages": (None, None),
-    "hdr_is_replay": (None, None),
     "hdr_row": (None, None),
 }
 SCALAR_KEYS = ("num_items_in_batch",)
+#: stored extra -> the TRL key a replayed row carries it as
+EXTRA_KEYS = {"ref_logprobs": "ref_per_token_logps", "is_ratio": "importance_sampling_ratio",
+              "sampling_logprobs": "sampling_per_token_logps"}
 
 
 def check_keys(batch: dict) -> None:
@@ -40,8 +58,8 @@ def check_keys(batch: dict) -> None:
     if unknown:
         raise RuntimeError(
             f"TRL returned batch key(s) {unknown} that HDRGRPOTrainer cannot fill for replayed rows. "
-            "hdreplay is tested with trl 1.16 text models; multimodal inputs, vLLM importance sampling and "
-            "newer TRL versions are not supported. Known keys: " + ", ".join(sorted(ROW_KEYS) + list(SCALAR_KEYS))
+            "hdreplay is tested with trl 1.16 text models; multimodal inputs and newer TRL versions are not "
+            "supported. Known keys: " + ", ".join(sorted(ROW_KEYS) + list(SCALAR_KEYS))
         )
 
 
@@ -53,59 +71,82 @@ def _pad_to(t: torch.Tensor, width: int, side: str, value) -> torch.Tensor:
     return torch.cat([pad, t], dim=1) if side == "left" else torch.cat([t, pad], dim=1)
 
 
-def concat_rows(first: dict, second: dict, *, pad_token_id: int) -> dict:
-    """Rows of ``first`` then rows of ``second`` (same per-row keys), padded to common widths."""
+def concat_rows(parts: Sequence[dict], *, pad_token_id: int) -> dict:
+    """Rows of every part in order (same per-row keys), padded to common widths; scalars from the first."""
     out = {}
-    for k in first:
+    for k, v0 in parts[0].items():
         if k in SCALAR_KEYS:
+            out[k] = v0
             continue
         side, val = ROW_KEYS[k]
-        a, b = first[k], second[k]
-        if side is not None:
-            w = max(a.shape[1], b.shape[1])
+        ts = [p[k] for p in parts]
+        if side is not None and not (k == "importance_sampling_ratio" and v0.shape[1] == 1):
+            w = max(t.shape[1] for t in ts)
             val = pad_token_id if val is None else val
-            a, b = _pad_to(a, w, side, val), _pad_to(b, w, side, val)
-        out[k] = torch.cat([a, b.to(a.device)], dim=0)
+            ts = [_pad_to(t, w, side, val) for t in ts]
+        out[k] = torch.cat([t.to(v0.device) for t in ts], dim=0)
     return out
 
 
-def take_rows(batch: dict, sl: slice) -> dict:
-    return {k: (v if k in SCALAR_KEYS else v[sl]) for k, v in batch.items()}
+def real_completion_mask(completion_ids: torch.Tensor, completion_mask: torch.Tensor, *, pad_token_id: int,
+                         masked_truncated: bool) -> torch.Tensor:
+    """(B, C) mask of the tokens each row really generated.
+
+    With ``mask_truncated_completions`` TRL zeroes the completion mask of a truncated row (one whose last
+    token is neither EOS nor pad); its real length runs to its last non-pad token.
+    """
+    if not masked_truncated:
+        return completion_mask
+    empty = completion_mask.sum(1) == 0
+    if not bool(empty.any()):
+        return completion_mask
+    C = completion_ids.shape[1]
+    pos = torch.arange(C, device=completion_ids.device).expand_as(completion_ids)
+    last = torch.where(completion_ids != pad_token_id, pos, -1).amax(1)  # (B,)
+    real = (pos <= last.unsqueeze(1)).to(completion_mask.dtype)
+    return torch.where(empty.unsqueeze(1), real, completion_mask)
 
 
-def split_rows(batch: dict, chunks: int) -> list[dict]:
-    """Split into ``chunks`` consecutive equal parts; never drops a row."""
-    n = batch["prompt_ids"].shape[0]
-    if n % chunks:
-        raise RuntimeError(f"{n} rows cannot be split into {chunks} equal micro-steps; this is a bug in hdreplay's "
-                           "truncation multiple, please report it")
-    size = n // chunks
-    return [take_rows(batch, slice(i * size, (i + 1) * size)) for i in range(chunks)]
+def ingress_rows(out: dict, *, pad_token_id: int, masked_truncated: bool) -> dict[str, torch.Tensor]:
+    """The per-row tensors a generation batch contributes to ingress (this rank's rows, TRL's order).
+
+    Returns prompt_ids / prompt_mask (B, P), completion_ids / completion_mask (B, C) (real lengths, truncated
+    rows included), loss_mask (B, C) (0 for truncated rows and tool tokens), advantages (B,), and the extras of
+    the module table as (B, C) float tensors.
+    """
+    cm = out["completion_mask"]
+    rows = {"prompt_ids": out["prompt_ids"], "prompt_mask": out["prompt_mask"],
+            "completion_ids": out["completion_ids"],
+            "completion_mask": real_completion_mask(out["completion_ids"], cm, pad_token_id=pad_token_id,
+                                                    masked_truncated=masked_truncated),
+            "loss_mask": cm * out["tool_mask"] if "tool_mask" in out else cm, "advantages": out["advantages"]}
+    for extra, key in EXTRA_KEYS.items():
+        if key in out:
+            v = out[key].float()
+            rows[extra] = v.expand(-1, cm.shape[1]) if v.shape[1] == 1 else v
+    return rows
 
 
-def groups_from_rows(
-    rows: dict[str, torch.Tensor],
-    rewards: torch.Tensor,
-    *,
-    num_generations: int,
-    step: int,
-    id_prefix: str,
-) -> tuple[list[GroupRecord], list[str]]:
+def groups_from_rows(rows: dict[str, torch.Tensor], rewards: torch.Tensor, *, num_generations: int, step: int,
+                     id_prefix: str) -> tuple[list[GroupRecord], int, list[str]]:
     """Build the GroupRecords of a *global* (all-rank) batch whose groups are consecutive blocks of rows.
 
     Args:
         rows: global per-row tensors: prompt_ids/prompt_mask (N, P) left-padded, completion_ids/
-            completion_mask (N, C), loss_mask (N, C), gen_logps (N, C), advantages (N,), optional ref_logps (N, C).
+            completion_mask (N, C), loss_mask (N, C), gen_logps (N, C), advantages (N,), optional extras (N, C).
         rewards: (N,) total reward per row.
     Returns:
-        (groups, problems): groups that are valid records, and a message per group that was skipped.
+        (groups, empty, problems): valid records; the number of groups skipped because no response has a
+        loss token (T(g) empty, e.g. every response truncated under mask_truncated_completions); a message per
+        group refused for another reason.
     """
     N = rows["prompt_ids"].shape[0]
     if N % num_generations or rewards.numel() != N:
         raise RuntimeError(f"{N} rows / {rewards.numel()} rewards do not form groups of {num_generations}")
     cpu = {k: v.detach().cpu() for k, v in rows.items()}
     rewards = rewards.detach().float().cpu()
-    groups, problems = [], []
+    extras = [k for k in EXTRA_KEYS if k in cpu]
+    groups, empty, problems = [], 0, []
     for k in range(N // num_generations):
         sl = slice(k * num_generations, (k + 1) * num_generations)
         pm = cpu["prompt_mask"][sl].bool()
@@ -116,31 +157,28 @@ def groups_from_rows(
                     f"rows {sl.start}..{sl.stop - 1} of the generation batch do not share one prompt; "
                     "GRPO's sampler should yield each prompt num_generations times in a row"
                 )
-        extras = {"ref_logprobs": cpu["ref_logps"][sl]} if "ref_logps" in cpu else None
+        lm = cpu["loss_mask"][sl].bool() & cpu["completion_mask"][sl].bool()
+        if not bool(lm.any()):
+            empty += 1
+            continue
         try:
             groups.append(GroupRecord.from_padded(
                 group_id=f"{id_prefix}{k}", prompt_ids=prompt, completion_ids=cpu["completion_ids"][sl],
-                completion_mask=cpu["completion_mask"][sl], logprobs=cpu["gen_logps"][sl],
-                loss_mask=cpu["loss_mask"][sl], advantages=cpu["advantages"][sl], rewards=rewards[sl],
-                birth_step=step, extras=extras,
+                completion_mask=cpu["completion_mask"][sl], logprobs=cpu["gen_logps"][sl], loss_mask=lm,
+                advantages=cpu["advantages"][sl], rewards=rewards[sl], birth_step=step,
+                extras={e: cpu[e][sl] for e in extras},
             ))
         except ReplayInputError as e:
             problems.append(str(e))
-    return groups, problems
+    return groups, empty, problems
 
 
-def replay_rows(
-    groups: Sequence[GroupRecord],
-    sl: slice,
-    *,
-    pad_token_id: int,
-    keys: set[str],
-    device,
-) -> dict[str, torch.Tensor]:
-    """Rows ``sl`` of the accepted groups (responses in group order) as a TRL batch dict.
+def replay_rows(groups: Sequence[GroupRecord], sl: slice, *, pad_token_id: int) -> dict[str, torch.Tensor]:
+    """Rows ``sl`` of the accepted groups (responses in group order) as a TRL batch dict (CPU).
 
     Replay rows carry their stored generation log-probs as ``old_per_token_logps`` (the ratio
-    denominator), their stored advantages, and their stored loss mask as ``tool_mask``.
+    denominator), their stored advantages, their stored loss mask as ``tool_mask``, and every stored
+    extra under its TRL key (module table).
     """
     pg = pad_groups(groups, pad_token_id=pad_token_id)
     rows = trim_rows(pg, sl)  # drop the column padding that only rows outside this slice needed
@@ -153,13 +191,19 @@ def replay_rows(
         "advantages": pg.advantages[sl],
         "old_per_token_logps": rows.logprobs,
         "tool_mask": rows.loss_mask,
-        "hdr_is_replay": torch.ones(n, dtype=torch.bool),
         "hdr_row": torch.full((n,), -1, dtype=torch.int64),
     }
-    if "sampling_per_token_logps" in keys:
-        out["sampling_per_token_logps"] = rows.logprobs
-    if "ref_per_token_logps" in keys:
-        if "ref_logprobs" not in rows.extras:
-            raise RuntimeError("replayed groups carry no stored reference log-probs but beta != 0 needs them")
-        out["ref_per_token_logps"] = rows.extras["ref_logprobs"]
-    return {k: v.to(device) for k, v in out.items()}
+    for extra, key in EXTRA_KEYS.items():
+        if extra in rows.extras:
+            out[key] = rows.extras[extra]
+    return out
+
+
+def spread(total: int, parts: int) -> list[int]:
+    """``total`` split into ``parts`` counts as evenly as possible (earlier parts get the extra ones)."""
+    q, r = divmod(total, parts)
+    return [q + (i < r) for i in range(parts)]
+
+
+def take_rows(batch: dict, sl: slice) -> dict:
+    return {k: (v if k in SCALAR_KEYS else v[sl]) for k, v in batch.items()}

@@ -3,30 +3,42 @@
 Every core knob (:func:`hdreplay.config.knobs`) and every integration knob
 (:data:`hdreplay.integrations.common.INTEGRATION_KNOBS`) becomes one field with the same type, default
 and help, so the settings, their documentation and their validation live in one place.  TRL-specific
-choices (the default of ``replay_k_rep``, the re-scoring batch size) are the only fields written here.
+choices (the default of ``replay_k_rep``, the re-scoring batch size, how replay rows enter a micro-step)
+are the only fields written here.  The replay arithmetic (fresh groups per step, truncation unit,
+refusals and warnings) is :func:`.plan.plan_replay`, checked when the config is built.
 """
 
 from __future__ import annotations
 
-import math
+import warnings
 from dataclasses import dataclass, field, fields, make_dataclass
 from typing import Any, Literal, Optional
 
 from trl import GRPOConfig
 
 from ...config import Knob, ReplayConfig, knobs
+from ...errors import ReplayConfigError
 from ..common import INTEGRATION_KNOBS
+from .plan import ReplayPlan, plan_replay
 
 PREFIX = "replay_"
+MICRO_STEP_MODES = ("chunk", "grow")
 
 #: TRL-only defaults and help additions for core knobs
 _TRL_OVERRIDES: dict[str, tuple[Any, Any, str]] = {
     # name: (type, default, help suffix)
-    "k_rep": (Optional[int], None, " Unset = half the fresh groups of one optimizer update (the paper's b + b/2)."),
+    "k_rep": (Optional[int], None, " Unset = half the fresh groups of one replay step (one optimizer update; the "
+                                   "paper's b + b/2), cut to the truncation unit."),
 }
 _TRL_KNOBS = (
     Knob("score_batch_size", int, None, True,
          "rows per forward call when re-scoring replay candidates; unset = per_device_train_batch_size", None),
+    Knob("micro_step", str, "chunk", False,
+         "how replay rows enter a micro-step: chunk = extra forward/backward passes of at most "
+         "per_device_train_batch_size rows each (activation memory as without replay; the fresh rows form exactly "
+         "plain TRL's micro-batch); grow = one forward/backward over fresh + replay rows (activation memory grows "
+         "by (fresh + replay rows) / fresh rows; needed with DeepSpeed, which counts backward calls)",
+         MICRO_STEP_MODES),
 )
 
 
@@ -59,40 +71,85 @@ class HDRGRPOConfig(_ReplayFields, GRPOConfig):
 
     def __post_init__(self):
         super().__post_init__()
-        if self.use_vllm:
-            raise ValueError(
-                "HDRGRPOConfig: use_vllm=True is not supported yet (vLLM importance-sampling correction needs "
-                "per-row sampling log-probs for replayed rows, which hdreplay does not store). Use the transformers "
-                "generation backend (use_vllm=False), or the verl recipe for vLLM rollouts."
-            )
+        self._check_replay(emit=True)
+
+    def _check_replay(self, *, emit: bool) -> None:
         sbs = self.replay_score_batch_size
         if sbs is not None and (isinstance(sbs, bool) or not isinstance(sbs, int) or sbs < 1):
-            raise ValueError(f"HDRGRPOConfig: replay_score_batch_size must be unset or an int >= 1, got {sbs!r}")
+            raise ReplayConfigError(f"HDRGRPOConfig: replay_score_batch_size must be unset or an int >= 1, got {sbs!r}",
+                                    field="replay_score_batch_size")
         if not isinstance(self.replay_resume_without_state, bool):
-            raise ValueError("HDRGRPOConfig: replay_resume_without_state must be True or False, got "
-                             f"{self.replay_resume_without_state!r}")
+            raise ReplayConfigError("HDRGRPOConfig: replay_resume_without_state must be True or False, got "
+                                    f"{self.replay_resume_without_state!r}", field="replay_resume_without_state")
+        if self.replay_micro_step not in MICRO_STEP_MODES:
+            raise ReplayConfigError(f"HDRGRPOConfig: replay_micro_step must be one of {list(MICRO_STEP_MODES)}, got "
+                                    f"{self.replay_micro_step!r}", field="replay_micro_step")
         self.to_replay_config()  # validates every core replay_* field, naming it as the user spells it
+        plan = self.replay_plan()
+        if emit:
+            plan.warn()
 
     @property
-    def fresh_groups_per_generation(self) -> int:
-        return self.generation_batch_size // self.num_generations
+    def world(self) -> int:
+        return self.generation_batch_size // (self.per_device_train_batch_size * self.steps_per_generation)
 
     def replay_values(self) -> dict[str, Any]:
         """The core knobs as set on this config (name without prefix -> value)."""
         return {k.name: getattr(self, PREFIX + k.name) for k in knobs()}
 
-    def to_replay_config(self, *, extra_multiple: int = 1) -> ReplayConfig:
-        """The core ReplayConfig these fields describe (``extra_multiple`` is folded into the truncation)."""
+    def replay_plan(self) -> ReplayPlan:
+        """Fresh groups per replay step, truncation unit and K_rep of this configuration (raises if replay could
+        never happen)."""
+        v = self.replay_values()
+        return plan_replay(world=self.world, per_device=self.per_device_train_batch_size,
+                           ga=self.gradient_accumulation_steps, spg=self.steps_per_generation,
+                           iterations=self.num_iterations, n=self.num_generations, k_rep=v["k_rep"],
+                           capacity=v["capacity"], max_scan=v["max_scan"], selector=v["selector"],
+                           user_unit=v["truncate_multiple"], tau=v["tau"])
+
+    def to_replay_config(self) -> ReplayConfig:
+        """The core ReplayConfig these fields describe (K_rep and the truncation unit as the plan sets them)."""
         values = self.replay_values()
-        if values["k_rep"] is None:
-            values["k_rep"] = self.fresh_groups_per_generation // 2
-        u = values["truncate_multiple"]
-        if isinstance(u, int) and not isinstance(u, bool) and u >= 1:
-            values["truncate_multiple"] = math.lcm(u, extra_multiple)
         values["group_size"] = self.num_generations
-        return ReplayConfig.from_flat(values, label=lambda n: PREFIX + n, where="HDRGRPOConfig")
+        label = lambda n: PREFIX + n  # noqa: E731
+        # validate the fields as set (an unset K_rep checks as 0) before the plan does arithmetic with them
+        ReplayConfig.from_flat({**values, "k_rep": values["k_rep"] or 0}, label=label, where="HDRGRPOConfig")
+        plan = self.replay_plan()
+        return ReplayConfig.from_flat({**values, "k_rep": plan.k_rep, "truncate_multiple": plan.unit}, label=label,
+                                      where="HDRGRPOConfig")
+
+    @classmethod
+    def from_grpo_config(cls, args: GRPOConfig) -> "HDRGRPOConfig":
+        """A plain (already validated) ``GRPOConfig`` with the default replay settings added."""
+        new = cls.__new__(cls)
+        new.__dict__.update(args.__dict__)
+        for f in fields(_ReplayFields):
+            setattr(new, f.name, f.default)
+        new._check_replay(emit=True)
+        return new
 
     @classmethod
     def replay_help(cls) -> str:
         """One line per replay field: name, default, help."""
         return "\n".join(f"{f.name} (default {f.default!r}): {f.metadata['help']}" for f in fields(_ReplayFields))
+
+
+def as_replay_config(args, model) -> HDRGRPOConfig:
+    """What ``HDRGRPOTrainer(args=...)`` accepts: an HDRGRPOConfig, a plain GRPOConfig (converted, with a warning
+    that says which replay settings it gets), or None (a default HDRGRPOConfig, as GRPOTrainer builds its own)."""
+    if isinstance(args, HDRGRPOConfig):
+        return args
+    if args is None:
+        from trl.trainer.utils import get_config_model_id
+
+        name = model if isinstance(model, str) else get_config_model_id(model.config)
+        return HDRGRPOConfig(f"{name.split('/')[-1]}-GRPO")
+    if isinstance(args, GRPOConfig):
+        new = HDRGRPOConfig.from_grpo_config(args)
+        warnings.warn(
+            f"HDRGRPOTrainer got a plain GRPOConfig: converted to HDRGRPOConfig with the default replay settings "
+            f"(replay_selector={new.replay_selector!r}, replay_k_rep={new.replay_plan().k_rep}, "
+            f"replay_tau={new.replay_tau}, replay_capacity={new.replay_capacity}). Pass HDRGRPOConfig(...) to choose "
+            "them, or HDRGRPOConfig(..., replay_selector='none') for plain GRPO.", UserWarning, stacklevel=3)
+        return new
+    raise TypeError(f"HDRGRPOTrainer: args must be an HDRGRPOConfig, a GRPOConfig or None, got {type(args).__name__}")

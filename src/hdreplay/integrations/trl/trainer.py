@@ -1,78 +1,89 @@
 """HDRGRPOTrainer: GRPOTrainer with Headroom-Drift Replay, at one seam.
 
-What it overrides, and why (everything else is TRL's):
+One replay step = one optimizer update; its state is one :class:`~.step.ReplayStep`.  Read it top
+to bottom (every override post-processes what TRL produced; nothing of TRL's is copied):
 
-* ``_calculate_rewards``: keeps the global per-row rewards TRL computes (needed for ingress).
-* ``_generate_and_score_completions``: post-processes TRL's output.  It records every fresh
-  row's generation-time log-probs (one no-grad forward when TRL did not compute
-  ``old_per_token_logps``), gathers the step's groups from all ranks so every rank holds the
-  same buffer, runs the replay selection (re-scoring sharded over ranks), stages ingress, and
-  prepends this rank's share of the replay rows: ``[replay rows ; fresh rows]`` with stored
-  log-probs as ``old_per_token_logps``, stored advantages, stored loss mask as ``tool_mask``,
-  and ``num_items_in_batch`` counting the replay tokens.
-* ``_prepare_inputs`` (train branch): shuffles the fresh rows only and splits the batch into
-  micro-steps in order, so replay rows fill the first micro-steps and no row is dropped.
-* ``training_step``: commits the replay step once its last micro-step has run.
-* ``_save_checkpoint`` / ``_load_optimizer_and_scheduler``: the controller is saved into
-  ``checkpoint-N/hdreplay`` and restored on ``resume_from_checkpoint``.
-* ``train``: writes the final per-group lifetime records.
+1. ``_prepare_inputs`` -> ``_generate_and_score_completions``: TRL generates and scores as usual (vLLM
+   or transformers; TRL's own weight sync).  The first generation of an update opens a ReplayStep at
+   ``state.global_step``; every generation records its rows, rewards (``_calculate_rewards``) and
+   generation-time log-probs (TRL's ``old_per_token_logps``, or captured in step 3).  The first one
+   also selects replay groups (re-scored on the current weights, sharded over ranks).
+2. ``_prepare_inputs``: the fresh rows are shuffled and split exactly as plain TRL does; this rank's
+   replay rows are spread over the generation's micro-steps as extra chunks (:class:`~.step.MicroStep`).
+3. ``compute_loss``: TRL's loss on the fresh micro-batch, then on each replay chunk (at most
+   ``per_device_train_batch_size`` rows; forward + backward each), scaled so the sum is TRL's loss on
+   the merged micro-batch (:func:`chunk_scales`).  ``replay_micro_step="grow"`` runs one merged
+   forward instead.  Fresh rows' log-probs are captured from their own forward when TRL computed none.
+4. ``on_step_end`` (after the optimizer step): the step's groups are gathered from all ranks,
+   staged and committed; ``replay/*`` metrics join TRL's log of that step.
+5. ``_save_checkpoint``: the replay state goes into ``checkpoint-N/hdreplay`` before the Trainer's
+   rotation may delete the previous checkpoint (:mod:`.checkpoints`); ``train(resume_from_checkpoint=True)``
+   resumes the newest complete checkpoint.
 
 With ``replay_selector="none"`` none of this runs and the trainer is plain ``GRPOTrainer``.
 """
 
 from __future__ import annotations
 
-import math
+import inspect
 import os
 import warnings
+from contextlib import contextmanager, nullcontext
 
 import torch
-from transformers import ProcessorMixin
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+from transformers import ProcessorMixin, TrainerCallback
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 from trl import GRPOTrainer
 from trl.models.utils import disable_gradient_checkpointing
-from trl.trainer.utils import shuffle_sequence_dict
+from trl.trainer.utils import (
+    shuffle_sequence_dict, split_pixel_values_by_grid, split_tensor_dict, unsplit_pixel_values_by_grid,
+)
 
 from ...controller import ReplayController
 from ...padding import pad_groups
-from ..common import STATE_DIR, restore, trim_rows
-from ...selection import Selection
-from .config import HDRGRPOConfig
+from ..common import STATE_DIR, restore
+from .batch import check_keys, groups_from_rows, ingress_rows, replay_rows
+from .checkpoints import clear_pending, mark_pending, refuse_incomplete, resume_target, rotation_held
+from .config import as_replay_config
+from .plan import ReplaySettingWarning
 from .positions import active_dropout, install_position_ids, padding_drift
-from .batch import check_keys, concat_rows, groups_from_rows, replay_rows, split_rows, take_rows
+from .rescore import can_share_prompt, share_pays, shared_prompt_logps
+from .microstep import GLOBAL_TOKENS, LOCAL_TOKENS, ROW_MEAN, MicroStep, chunk_scales, loss_mask, merged, replay_chunks
+from .step import ReplayStep
 
 #: max |d logp| tolerated between paddings of one sequence (fp32 / low-precision autocast)
 PADDING_TOLERANCE = {"fp32": 1e-4, "low": 3e-2}
+_INIT = inspect.signature(GRPOTrainer.__init__)
+
+
+class _CommitAfterUpdate(TrainerCallback):
+    """Commits the open replay step once its optimizer update has been applied."""
+
+    def __init__(self, trainer: "HDRGRPOTrainer"):
+        self.trainer = trainer
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.trainer._commit_step()
 
 
 class HDRGRPOTrainer(GRPOTrainer):
-    """``GRPOTrainer`` with Headroom-Drift Replay; configure it with :class:`HDRGRPOConfig`."""
+    """``GRPOTrainer`` with Headroom-Drift Replay; configure it with :class:`HDRGRPOConfig` (a plain
+    ``GRPOConfig`` is converted with the default replay settings and a warning; ``args=None`` builds a
+    default ``HDRGRPOConfig`` as ``GRPOTrainer`` builds a default ``GRPOConfig``)."""
 
     def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        if not isinstance(self.args, HDRGRPOConfig):
-            raise TypeError(
-                f"HDRGRPOTrainer needs args=HDRGRPOConfig(...), got {type(self.args).__name__}; the replay "
-                "settings live in HDRGRPOConfig's replay_* fields"
-            )
+        bound = _INIT.bind(None, *args, **kwargs)
+        bound.arguments["args"] = as_replay_config(bound.arguments.get("args"), bound.arguments["model"])
+        super().__init__(*bound.args[1:], **bound.kwargs)
         if isinstance(self.processing_class, ProcessorMixin) or getattr(self, "_is_vlm", False):
             raise ValueError("HDRGRPOTrainer does not support multimodal models yet (per-image tensors are not "
                              "stored with replayed groups); use a text-only model or replay_selector='none'")
         a = self.args
-        if a.replay_selector != "none":
-            live = active_dropout(self.accelerator.unwrap_model(self.model))
-            if live:
-                raise ValueError(
-                    f"the model has active dropout ({', '.join(live[:3])}{', ...' if len(live) > 3 else ''}): "
-                    "training-mode log-probs are then random, so stored generation log-probs and the Drift gate "
-                    "measure dropout noise instead of policy change. Set disable_dropout=True in HDRGRPOConfig."
-                )
-        W, spg = self.accelerator.num_processes, a.steps_per_generation
-        # replay rows per rank must be whole and divisible into the micro-steps of a generation
-        per_group = a.num_generations
-        auto_u = (W * spg) // math.gcd(per_group, W * spg)
-        self.replay_config = a.to_replay_config(extra_multiple=auto_u)
+        self.replay_plan = a.replay_plan()
+        self.replay_config = a.to_replay_config()
         self.replay_active = self.replay_config.selector != "none"
+        if self.replay_active:
+            self._check_supported()
         diag = a.replay_diagnostics_dir
         if diag is None:
             diag = os.path.join(a.output_dir, "replay")
@@ -80,166 +91,266 @@ class HDRGRPOTrainer(GRPOTrainer):
             self.replay_config,
             diagnostics_dir=diag if (diag and self.accelerator.is_main_process and self.replay_active) else None,
         )
-        self._replay_sel: Selection | None = None
-        self._replay_pending: dict | None = None
-        self._replay_capture: torch.Tensor | None = None
-        self._replay_captured: torch.Tensor | None = None
-        self._loss_inputs: dict | None = None
-        self._replay_rows_local = 0
-        self._replay_rewards: torch.Tensor | None = None
-        self._replay_padding_checked = False
+        self._replay_step: ReplayStep | None = None  # the open step (one optimizer update)
+        self._capture: tuple | None = None  # (generation, part) while one fresh part's loss forward runs
+        self._step_offset: int | None = None  # replay step = global_step + offset (0 unless train() is called again)
+        self.replay_padding_drift: float | None = None
         self._position_hook = None
         if self.replay_active:
-            self._position_hook = install_position_ids(self.accelerator.unwrap_model(self.model))
+            unwrapped = self.accelerator.unwrap_model(self.model)
+            self._position_hook = install_position_ids(unwrapped)
+            self._share_prompt = (can_share_prompt(unwrapped) and not self.is_fsdp_enabled
+                                  and not self.is_deepspeed_enabled and self._position_hook is not None)
+            # first in line: user callbacks' on_step_end (step timers, loggers) see the step committed
+            self.callback_handler.callbacks.insert(0, _CommitAfterUpdate(self))
 
-    # ------------------------------------------------------------------ rewards
+    def _check_supported(self) -> None:
+        a = self.args
+        live = active_dropout(self.accelerator.unwrap_model(self.model))
+        if live:
+            raise ValueError(
+                f"the model has active dropout ({', '.join(live[:3])}{', ...' if len(live) > 3 else ''}): "
+                "training-mode log-probs are then random, so stored generation log-probs and the Drift gate "
+                "measure dropout noise instead of policy change. Set disable_dropout=True in HDRGRPOConfig.")
+        if self.loss_type not in ROW_MEAN + LOCAL_TOKENS + GLOBAL_TOKENS:
+            raise ValueError(f"HDRGRPOTrainer: loss_type={self.loss_type!r} is not one hdreplay knows how to split "
+                             "into chunks; use one of " + ", ".join(ROW_MEAN + LOCAL_TOKENS + GLOBAL_TOKENS))
+        if self.is_deepspeed_enabled and a.replay_micro_step == "chunk":
+            raise ValueError("HDRGRPOTrainer: replay_micro_step='chunk' runs extra backward passes inside a micro-step, "
+                             "which DeepSpeed counts as micro-steps of its own. Set replay_micro_step='grow' (replay "
+                             "rows join the micro-batch: activation memory grows by (fresh + replay rows) / fresh rows, "
+                             f"{self._grow_factor():.2f}x with these settings).")
+        if a.replay_micro_step == "grow":
+            warnings.warn(f"replay_micro_step='grow': replay rows join the micro-batch, so a forward holds up to "
+                          f"{self._grow_factor():.2f}x per_device_train_batch_size={a.per_device_train_batch_size} "
+                          "rows and activation memory grows by that factor; 'chunk' (the default) keeps it at "
+                          "per_device_train_batch_size rows.", ReplaySettingWarning, stacklevel=3)
+
+    def _grow_factor(self) -> float:
+        p = self.replay_plan
+        fresh = p.per_device * p.spg
+        return (fresh + p.replay_rows_per_process) / fresh
+
+    # ------------------------------------------------------------------ 1. generation and selection
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
         rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
-        if self.replay_active and self.model.training:
+        if self._replay_step is not None and self.model.training:
             w = self.reward_weights.to(rewards_per_func.device)
-            self._replay_rewards = (rewards_per_func * w.unsqueeze(0)).nansum(dim=1)  # global (N,)
+            self._replay_step.current.rewards = (rewards_per_func * w.unsqueeze(0)).nansum(dim=1)  # global (N,)
         return rewards_per_func
 
-    # ------------------------------------------------------------------ forward helpers
+    def _generate_and_score_completions(self, inputs):
+        if not (self.replay_active and self.model.training):
+            return super()._generate_and_score_completions(inputs)
+        if self._replay_step is None:
+            if self._step_offset is None:  # a second train() call restarts global_step; replay steps must increase
+                last, now = self.replay.last_step, self.state.global_step
+                self._step_offset = 0 if last is None or now > last else last + 1 - now
+            self._replay_step = ReplayStep(index=self.state.global_step + self._step_offset)
+        step = self._replay_step
+        gen = step.open_generation()
+        out = super()._generate_and_score_completions(inputs)
+        check_keys(out)
+        if gen.rewards is None:
+            raise RuntimeError("HDRGRPOTrainer: rewards of this generation batch were not captured")
+        B, C = out["completion_ids"].shape
+        gen.rows = ingress_rows(out, pad_token_id=self._tokenizer.pad_token_id,
+                                masked_truncated=self.mask_truncated_completions)
+        if "old_per_token_logps" in out:  # TRL's own forward at the generation weights: pi_gen exactly
+            gen.gen_logps = out["old_per_token_logps"]
+        else:  # captured from each fresh row's training forward (before this update)
+            gen.start_capture(B, C, self.accelerator.device)
+        out["hdr_row"] = torch.arange(B, device=self.accelerator.device)
+        if len(step.generations) == 1:
+            self._select(step)
+            if step.selection.groups:
+                out["num_items_in_batch"] = out["num_items_in_batch"] + step.replay_tokens
+        return out
+
+    def _select(self, step: ReplayStep) -> None:
+        if self.replay_padding_drift is None:
+            self._check_padding_invariance()
+        sel = step.selection = self.replay.select(step=step.index, scorer=self._replay_scorer)
+        if not sel.groups:
+            return
+        W, r, dev = self.accelerator.num_processes, self.accelerator.process_index, self.accelerator.device
+        per = sum(g.num_responses for g in sel.groups) // W  # whole by the truncation unit
+        rows = replay_rows(sel.groups, slice(r * per, (r + 1) * per), pad_token_id=self._tokenizer.pad_token_id)
+        rows = {k: v.to(dev) for k, v in rows.items()}
+        if "importance_sampling_ratio" in rows and self.vllm_importance_sampling_mode.startswith("sequence"):
+            rows["importance_sampling_ratio"] = rows["importance_sampling_ratio"].amax(dim=1, keepdim=True)
+        if "ref_per_token_logps" in rows and self._ref_syncs():
+            self._refresh_reference(step, rows, slice(r * per, (r + 1) * per))
+        step.replay_rows = per
+        step.replay_tokens = sum(g.num_loss_tokens for g in sel.groups)
+        step.replay_part = rows
+
+    # ------------------------------------------------------------------ re-scoring
     @property
     def _score_batch_size(self) -> int:
         return self.args.replay_score_batch_size or self.args.per_device_train_batch_size
 
-    def _logps(self, input_ids, attention_mask, logits_to_keep):
+    def _logps(self, input_ids, attention_mask, logits_to_keep, model=None):
         """Per-token log-probs through TRL's own forward (same temperature, autocast, fused head)."""
+        model = self.model if model is None else model
         with torch.no_grad(), disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs):
             logps, _, _ = self._get_per_token_logps_and_entropies(
-                self.model, input_ids, attention_mask, logits_to_keep, batch_size=self._score_batch_size
-            )
+                model, input_ids, attention_mask, logits_to_keep, batch_size=self._score_batch_size)
         return logps
 
+    def _group_logps(self, groups, share: bool) -> torch.Tensor:
+        """(R, C) current log-probs of ``groups``' rows (``pad_groups`` layout): one prompt pass per group when
+        the model allows it and it saves token positions (long prompts), else TRL's full-row forward."""
+        dev, pad = self.accelerator.device, self._tokenizer.pad_token_id
+        if share:
+            with disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs):
+                return shared_prompt_logps(self.accelerator.unwrap_model(self.model), groups, pad_token_id=pad,
+                                           device=dev, max_rows=self._score_batch_size,
+                                           autocast=self.accelerator.autocast)
+        pg = pad_groups(groups, pad_token_id=pad)
+        ids = torch.cat([pg.prompt_ids, pg.completion_ids], 1).to(dev)
+        mask = torch.cat([pg.prompt_mask, pg.completion_mask], 1).to(dev)
+        return self._logps(ids, mask, pg.completion_ids.shape[1]).float().cpu()
+
+    def _replay_scorer(self, groups):
+        """Current-policy log-probs of ``groups``, the forwards sharded over ranks by group (same calls everywhere)."""
+        acc = self.accelerator
+        W, r, G = acc.num_processes, acc.process_index, len(groups)
+        per = -(-G // W)
+        mine = [groups[min(i, G - 1)] for i in range(r * per, (r + 1) * per)]  # the last rank repeats a filler group
+        share = self._share_prompt and share_pays(groups)  # decided on all groups: the same on every rank
+        logps = self._group_logps(mine, share).to(acc.device)
+        if W > 1:
+            logps = acc.gather(acc.pad_across_processes(logps, dim=1, pad_index=0))
+        pg = pad_groups(groups, pad_token_id=self._tokenizer.pad_token_id)
+        return pg.split_by_group(logps[:pg.num_rows].cpu())
+
     def _check_padding_invariance(self) -> None:
-        dev = self.accelerator.device
         err = padding_drift(lambda i, m, k: self._logps(i, m, k), vocab_size=self._vocab_size(),
-                            pad_token_id=self._tokenizer.pad_token_id, device=dev)
-        low = self.args.bf16 or self.args.fp16
-        tol = PADDING_TOLERANCE["low" if low else "fp32"]
+                            pad_token_id=self._tokenizer.pad_token_id, device=self.accelerator.device)
+        tol = PADDING_TOLERANCE["low" if (self.args.bf16 or self.args.fp16) else "fp32"]
         if not err <= tol:
             name = type(self.accelerator.unwrap_model(self.model)).__name__
             raise ValueError(
                 f"{name}: the same sequence re-padded changes its log-probs by up to {err:.2e} (> {tol:g}), even with "
                 "generation-style position ids; replayed groups could not be re-scored consistently. Use a model "
-                "whose forward accepts position_ids (rotary or absolute), or replay_selector='none'."
-            )
+                "whose forward accepts position_ids (rotary or absolute), or replay_selector='none'.")
         self.replay_padding_drift = err
 
     def _vocab_size(self) -> int:
         cfg = self.accelerator.unwrap_model(self.model).config
         return int(getattr(cfg.get_text_config(), "vocab_size", 2))
 
-    def _replay_scorer(self, groups):
-        """Current-policy log-probs of ``groups``, the forward sharded over ranks (same call count everywhere)."""
-        pg = pad_groups(groups, pad_token_id=self._tokenizer.pad_token_id)
-        R, W, r = pg.num_rows, self.accelerator.num_processes, self.accelerator.process_index
-        per = -(-R // W)
-        idx = torch.arange(r * per, (r + 1) * per).clamp(max=R - 1)  # the last rank repeats a row as filler
-        rows = trim_rows(pg, idx)
-        dev = self.accelerator.device
-        logps = self._logps(rows.input_ids().to(dev), rows.attention_mask().to(dev),
-                            rows.completion_ids.shape[1]).float()
-        if W > 1:
-            logps = self.accelerator.pad_across_processes(logps, dim=1, pad_index=0)
-            logps = self.accelerator.gather(logps)[:R]
-        return pg.split_by_group(logps.cpu())
+    # ------------------------------------------------------------------ reference model syncs (beta != 0)
+    def _ref_syncs(self) -> int | None:
+        a = self.args
+        return a.ref_model_sync_steps if (a.sync_ref_model and self.beta != 0.0 and self.ref_model is not None) else None
 
-    # ------------------------------------------------------------------ the seam
-    def _generate_and_score_completions(self, inputs):
-        out = super()._generate_and_score_completions(inputs)
+    def _refresh_reference(self, step: ReplayStep, rows: dict, sl: slice) -> None:
+        """Recompute the reference log-probs of replay rows whose group was born before the latest sync of the
+        reference model (TRL's SyncRefModelCallback mixes the policy in every ``ref_model_sync_steps`` steps)."""
+        k = self._ref_syncs()
+        births = torch.tensor([g.birth_step for g in step.selection.groups for _ in range(g.num_responses)])[sl]
+        stale = (step.index // k) > (births // k)
+        if not bool(stale.any()):
+            return
+        idx = stale.nonzero().squeeze(1).to(rows["prompt_ids"].device)
+        ids = torch.cat([rows["prompt_ids"][idx], rows["completion_ids"][idx]], 1)
+        mask = torch.cat([rows["prompt_mask"][idx], rows["completion_mask"][idx]], 1)
+        ref = self._logps(ids, mask, rows["completion_ids"].shape[1], model=self.ref_model)
+        rows["ref_per_token_logps"][idx] = (ref * loss_mask(rows)[idx]).to(rows["ref_per_token_logps"].dtype)
+        step.ref_refreshed = int(stale.sum())
+
+    # ------------------------------------------------------------------ 2. micro-steps
+    def _prepare_inputs(self, generation_batch):
         if not (self.replay_active and self.model.training):
-            return out
-        check_keys(out)
-        return self._with_replay(out)
+            return super()._prepare_inputs(generation_batch)
+        spg = self.args.steps_per_generation
+        if self._step % (spg * self.num_iterations) == 0 or self._buffered_inputs is None:
+            out = self._generate_and_score_completions(generation_batch)
+            step = self._replay_step
+            gen = step.current
+            fresh = split_tensor_dict(shuffle_sequence_dict(split_pixel_values_by_grid(out)), spg)  # plain TRL's
+            fresh = [unsplit_pixel_values_by_grid(f) for f in fresh]
+            first = gen is step.generations[0] and step.replay_rows
+            replay = [[] for _ in fresh]
+            if first:
+                replay = replay_chunks(step.replay_part, spg=spg, max_rows=self.args.per_device_train_batch_size,
+                                       num_items=out["num_items_in_batch"])
+                step.replay_part = None
+            capture = gen if gen.needs_capture else None
+            self._buffered_inputs = [MicroStep(f, r, capture) for f, r in zip(fresh, replay)]
+        return self._buffered_inputs[self._step % spg]
 
-    def _with_replay(self, out: dict) -> dict:
-        acc = self.accelerator
-        if not self._replay_padding_checked:
-            self._check_padding_invariance()
-            self._replay_padding_checked = True
-        step = 0 if self.replay.last_step is None else self.replay.last_step + 1
-        if self._replay_rewards is None:
-            raise RuntimeError("HDRGRPOTrainer: rewards of this generation batch were not captured")
-        B, C = out["completion_ids"].shape
-        loss_mask = out["completion_mask"] * out["tool_mask"] if "tool_mask" in out else out["completion_mask"]
-        # What ingress needs at commit time. Generation-time log-probs: TRL's own old_per_token_logps when it
-        # computed them; otherwise (aligned steps) they are captured from the training forward of each fresh
-        # row, which runs before any weight update, so no extra forward pass is spent.
-        self._replay_pending = {
-            "step": step, "rewards": self._replay_rewards,
-            "rows": {"prompt_ids": out["prompt_ids"], "prompt_mask": out["prompt_mask"],
-                     "completion_ids": out["completion_ids"], "completion_mask": out["completion_mask"],
-                     "loss_mask": loss_mask, "advantages": out["advantages"],
-                     **({"ref_logps": out["ref_per_token_logps"]} if "ref_per_token_logps" in out else {})},
-            "gen_logps": out.get("old_per_token_logps"),
-        }
-        self._replay_rewards = None
-        capture = out.get("old_per_token_logps") is None
-        self._replay_capture = torch.zeros(B, C, device=acc.device) if capture else None
-        self._replay_captured = torch.zeros(B, dtype=torch.bool, device=acc.device) if capture else None
+    # ------------------------------------------------------------------ 3. the loss
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        if not isinstance(inputs, MicroStep):
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        if self.args.replay_micro_step == "grow" and inputs.replay:
+            parts = [merged(inputs, pad_token_id=self._tokenizer.pad_token_id)]
+        else:
+            parts = [inputs.fresh, *inputs.replay]
+        done = None
+        for i, (part, w) in enumerate(zip(parts, chunk_scales(self.loss_type, parts))):
+            last = i == len(parts) - 1
+            with (nullcontext() if last else self.accelerator.no_sync(model)), \
+                    self._capturing(inputs.generation if i == 0 else None, part):
+                loss = super().compute_loss(model, part) * w
+                if not last:  # earlier chunks: their own backward now, so one chunk's activations are alive at a time
+                    self.accelerator.backward(loss)
+                    done = loss.detach() if done is None else done + loss.detach()
+        return loss if done is None else loss + done
 
-        sel = self.replay.select(step=step, scorer=self._replay_scorer)
-        self._replay_sel = sel
-        fresh = dict(out)
-        fresh["hdr_is_replay"] = torch.zeros(B, dtype=torch.bool, device=acc.device)
-        fresh["hdr_row"] = torch.arange(B, device=acc.device)
-        if not sel.groups:
-            self._replay_rows_local = 0
-            return fresh
-        R = sum(g.num_responses for g in sel.groups)
-        W, r = acc.num_processes, acc.process_index
-        per = R // W  # whole by construction of the truncation multiple
-        fresh.setdefault("tool_mask", torch.ones_like(out["completion_mask"]))
-        if capture:  # placeholder: overwritten in place with the rows' own detached log-probs (ratio exactly 1)
-            fresh["old_per_token_logps"] = torch.zeros(B, C, device=acc.device)
-        pad = self._tokenizer.pad_token_id
-        rep = replay_rows(sel.groups, slice(r * per, (r + 1) * per), pad_token_id=pad, keys=set(fresh),
-                          device=acc.device)
-        merged = concat_rows(rep, {k: v for k, v in fresh.items() if k in rep}, pad_token_id=pad)
-        merged["num_items_in_batch"] = out["num_items_in_batch"] + sum(g.num_loss_tokens for g in sel.groups)
-        self._replay_rows_local = per
-        return merged
-
-    def _compute_loss(self, model, inputs):
-        self._loss_inputs = inputs if self._replay_sel is not None else None
+    @contextmanager
+    def _capturing(self, generation, part):
+        self._capture = (generation, part) if (generation is not None or part.get("hdr_fill_old")) else None
         try:
-            return super()._compute_loss(model, inputs)
+            yield
         finally:
-            self._loss_inputs = None
+            self._capture = None
 
     def _get_per_token_logps_and_entropies(self, model, input_ids, *args, **kwargs):
         out = super()._get_per_token_logps_and_entropies(model, input_ids, *args, **kwargs)
-        inp = self._loss_inputs
-        if inp is not None and self._replay_capture is not None and "hdr_row" in inp:
-            self._loss_inputs = None  # the policy forward of this loss only
-            logps, rows = out[0].detach(), inp["hdr_row"]
+        if self._capture is not None:  # the policy forward of one fresh part's loss (the first call in it)
+            gen, part = self._capture
+            self._capture = None
+            logps, rows = out[0].detach(), part["hdr_row"]
             fresh = rows >= 0
-            if "old_per_token_logps" in inp:  # fresh rows beside replay rows: ratio exactly 1, as in plain TRL
-                inp["old_per_token_logps"][fresh] = logps[fresh].to(inp["old_per_token_logps"].dtype)
-            c = min(logps.shape[1], self._replay_capture.shape[1])
-            self._replay_capture[rows[fresh], :c] = logps[fresh, :c].float()
-            self._replay_captured[rows[fresh]] = True
+            if part.get("hdr_fill_old"):
+                part["old_per_token_logps"][fresh] = logps[fresh].to(part["old_per_token_logps"].dtype)
+            if gen is not None:
+                gen.capture(rows[fresh], logps[fresh])
         return out
 
-    def _ingress_groups(self) -> tuple[list, list[str]]:
-        """This step's fresh groups (gathered from every rank) with their generation-time log-probs."""
-        pend = self._replay_pending
-        rows = dict(pend["rows"])
-        if pend["gen_logps"] is not None:
-            rows["gen_logps"] = pend["gen_logps"].float()
-        else:
-            if not bool(self._replay_captured.all()):
-                raise RuntimeError("HDRGRPOTrainer: some fresh rows were never trained on this step; their "
-                                   "generation log-probs are unknown (this is a bug, please report it)")
-            rows["gen_logps"] = self._replay_capture
-        if "ref_logps" in rows:
-            rows["ref_logps"] = rows["ref_logps"].float()
-        rows = self._gather_rows(rows)
-        return groups_from_rows(rows, pend["rewards"], num_generations=self.args.num_generations,
-                                step=pend["step"], id_prefix=f"s{pend['step']}g")
+    # ------------------------------------------------------------------ 4. commit
+    def _commit_step(self) -> None:
+        step, self._replay_step = self._replay_step, None
+        if step is None:
+            return
+        n = self.args.num_generations
+        groups, empty, problems, fresh = [], 0, [], 0
+        for gi, gen in enumerate(step.generations):
+            rows = self._gather_rows(gen.ingress_rows())
+            g, e, p = groups_from_rows(rows, gen.rewards, num_generations=n, step=step.index,
+                                       id_prefix=f"s{step.index}.{gi}g")
+            groups += g
+            empty += e
+            problems += p
+            fresh += gen.rewards.numel() // n
+        if problems:
+            warnings.warn(f"hdreplay: {len(problems)} group(s) of step {step.index} not eligible for the buffer, "
+                          f"e.g. {problems[0]}", stacklevel=2)
+        self.replay.stage(groups, step=step.index)
+        metrics = self.replay.commit(num_fresh_groups=fresh)
+        metrics["replay/ingress_empty"] = float(empty)
+        metrics["replay/ingress_skipped"] = float(len(problems))
+        metrics["replay/truncated"] = float(len(step.selection.truncated))
+        metrics["replay/generations"] = float(len(step.generations))
+        if self._ref_syncs():
+            metrics["replay/ref_refreshed"] = float(step.ref_refreshed)
+        for k, v in metrics.items():
+            if v == v:  # TRL averages what is appended; skip NaN (e.g. no scan this step)
+                self._metrics["train"][k].append(v)
 
     def _gather_rows(self, rows: dict) -> dict:
         acc = self.accelerator
@@ -253,64 +364,36 @@ class HDRGRPOTrainer(GRPOTrainer):
             out[k] = acc.gather(v)
         return out
 
-    def _prepare_inputs(self, generation_batch):
-        if not (self.replay_active and self.model.training):
-            return super()._prepare_inputs(generation_batch)
-        spg = self.args.steps_per_generation
-        generate_every = spg * self.num_iterations
-        if self._step % generate_every == 0 or self._buffered_inputs is None:
-            batch = self._generate_and_score_completions(generation_batch)
-            R = self._replay_rows_local
-            n = batch["prompt_ids"].shape[0]
-            fresh = shuffle_sequence_dict(take_rows(batch, slice(R, n)))  # TRL's shuffle, fresh rows only
-            if R:
-                batch = concat_rows(take_rows(batch, slice(0, R)), fresh, pad_token_id=self._tokenizer.pad_token_id)
-                batch["num_items_in_batch"] = fresh["num_items_in_batch"]
-            else:
-                batch = fresh
-            self._buffered_inputs = split_rows(batch, spg)
-        return self._buffered_inputs[self._step % spg]
-
-    def training_step(self, model, inputs, num_items_in_batch):
-        output = super().training_step(model, inputs, num_items_in_batch)
-        generate_every = self.args.steps_per_generation * self.num_iterations
-        if self._replay_sel is not None and self._step % generate_every == 0:
-            self._commit_replay()
-        return output
-
-    def _commit_replay(self) -> None:
-        groups, problems = self._ingress_groups()
-        if problems:
-            warnings.warn(f"hdreplay: {len(problems)} group(s) of step {self._replay_pending['step']} not eligible "
-                          f"for the buffer, e.g. {problems[0]}", stacklevel=2)
-        self.replay.stage(groups, step=self._replay_pending["step"])
-        metrics = self.replay.commit(num_fresh_groups=len(groups) + len(problems))
-        self._replay_pending = self._replay_capture = self._replay_captured = None
-        metrics["replay/ingress_skipped"] = float(len(problems))
-        metrics["replay/truncated"] = float(len(self._replay_sel.truncated))
-        self._replay_sel = None
-        for k, v in metrics.items():
-            if v == v:  # TRL averages what is appended; skip NaN (e.g. no scan this step)
-                self._metrics["train"][k].append(v)
-
-    # ------------------------------------------------------------------ checkpointing
+    # ------------------------------------------------------------------ 5. checkpoints
     def _save_checkpoint(self, model, trial):
-        super()._save_checkpoint(model, trial)
         if not self.replay_active:
-            return
-        ckpt = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+            return super()._save_checkpoint(model, trial)
+        run_dir = self._get_output_dir(trial=trial)
+        ckpt = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+        if self.accelerator.is_main_process:
+            mark_pending(ckpt)
+        with rotation_held(self.args) as limit:
+            super()._save_checkpoint(model, trial)
         if self.accelerator.is_main_process:  # every rank holds the same buffer
             self.replay.save(os.path.join(ckpt, STATE_DIR), allow_open_step=True)
+            clear_pending(ckpt)
         self.accelerator.wait_for_everyone()
+        if self.args.should_save:
+            rotate_checkpoints(output_dir=run_dir, save_total_limit=limit,
+                               best_model_checkpoint=self.state.best_model_checkpoint, use_mtime=True)
 
     def _load_optimizer_and_scheduler(self, checkpoint):
         super()._load_optimizer_and_scheduler(checkpoint)
         if self.replay_active and checkpoint is not None:
+            refuse_incomplete(checkpoint)
             restore(self.replay, checkpoint, allow_missing=self.args.replay_resume_without_state,
                     option="replay_resume_without_state")
 
-    def train(self, *args, **kwargs):
-        result = super().train(*args, **kwargs)
+    def train(self, resume_from_checkpoint=None, *args, **kwargs):
+        if self.replay_active and resume_from_checkpoint is True:
+            resume_from_checkpoint = str(resume_target(self.args.output_dir))
+        self._step_offset = None
+        result = super().train(resume_from_checkpoint, *args, **kwargs)
         if self.replay_active:
             self.replay.close()
         return result
