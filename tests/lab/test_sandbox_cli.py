@@ -56,7 +56,7 @@ def test_compare_writes_every_output(tiny_model, tmp_path):
     md = (out / "summary.md").read_text()
     assert "Headroom-Drift (b+r)" in md and "Fresh responses" in md and "±" in md
     for section in ("## What did the gate do?", "## Regime", "## Paired differences", "## Efficiency curves",
-                    "## Environment"):
+                    "## Environment", "Excludes 0"):
         assert section in md
     op, hdr = summary["methods"]["onpolicy_matched"], summary["methods"]["headroom_drift"]
     assert summary["reference"] == "headroom_drift" and "paired" in op and "paired" not in hdr
@@ -71,7 +71,11 @@ def test_compare_writes_every_output(tiny_model, tmp_path):
     assert pngs == ["curves.png", "heldout.png", "paired.png", "regime.png", "train_score.png"]
     sig = json.loads((out / "signatures.json").read_text())
     assert sig["tau_sweep"]["available"] and len(sig["tau_sweep"]["runs"]) == 3
-    assert sig["counterfactual"]["available"] and sig["ablation"]["available"] is False  # not all three methods
+    assert sig["ablation"]["available"] is False  # not all three methods
+    # the counterfactual run re-scores recency's subset only on steps that replay something; with every group
+    # zero-variance nothing does, so the quadrant is reported unavailable rather than made up
+    cf_run = json.loads((out / "signatures" / "counterfactual" / "run.json").read_text())
+    assert cf_run["replay"]["counterfactual"] is True and sig["counterfactual"]["available"] is False
     assert "## tau decade sweep" in (out / "signatures.md").read_text()
     assert (out / sig["tau_sweep"]["figure"]).stat().st_size > 1000
     assert all((out / "plots" / n).stat().st_size > 1000 for n in pngs)
@@ -94,6 +98,8 @@ def test_demo_runs_the_three_demo_methods_once_and_says_what_the_gate_did(tiny_m
     assert sorted(Path(x).name for x in plots) == ["curves.png", "heldout.png", "regime.png", "train_score.png"]
     assert all(Path(x).is_file() for x in plots) and not (tmp_path / "demo" / "signatures").exists()
     assert set(summary["gate"]) == {"headroom_drift", "recency_matched"} and "What did the gate do?" in p.stdout
+    md = (tmp_path / "demo" / "summary.md").read_text()
+    assert "Excludes 0" not in md, "one seed: no paired-interval table (the compare test checks it is there)"
     runs = tmp_path / "demo" / "runs"
     replay = {m: json.loads((runs / m / "seed0" / "run.json").read_text())["replay"] for m in DEMO_METHODS}
     assert replay["recency_matched"]["diagnose_ungated"] is True, "recency records its (ungated) replay KL"
@@ -121,9 +127,13 @@ def test_report_and_calibrate_on_real_sandbox_runs(tiny_model, tmp_path):
     """hdreplay report on real TRL sandbox runs (one and two side by side) and a tiny calibrate sweep."""
     out = tmp_path / "cmp"
     p = cli("compare", "--methods", "recency_matched,headroom_drift", "--seeds", "1", "--model", tiny_model,
-            "--out", out, "--tau", "10", *TINY)
+            "--out", out, "--tau", "10", "--no-signatures", *TINY)
     assert p.returncode == 0, p.stderr[-4000:]
+    assert not (out / "signatures").exists(), "--no-signatures: no signature runs"
     hdr, rec = out / "runs" / "headroom_drift" / "seed0", out / "runs" / "recency_matched" / "seed0"
+    # nothing was replayed (every group zero-variance): no age mixture to compare, and no invented one
+    sig = json.loads((out / "signatures.json").read_text())  # written from the main runs alone here
+    assert sig["ages"]["available"] is False and sig["tau_sweep"]["available"] is False
     r = cli("report", hdr, "--out", tmp_path / "rep1", "--no-progress")
     assert r.returncode == 0, r.stderr[-3000:]
     rep = json.loads((tmp_path / "rep1" / "report.json").read_text())

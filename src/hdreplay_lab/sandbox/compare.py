@@ -74,7 +74,8 @@ class CompareConfig:
                                     "cores)")
     signatures: bool = arg(True, "also run the mechanism-signature runs (seed 0 of Headroom-Drift at tau / 10 and "
                                  "tau x 10, with the same-buffer counterfactual, hdr_l1 and hdr_advantage unless in "
-                                 "--methods) and write signatures.md")
+                                 "--methods); signatures.md is written either way (outside the demo), the verdicts "
+                                 "that need these runs saying so")
     #: replay settings shared by the methods (ReplayConfig knob -> value); each method sets its own selector, and
     #: k_rep = r sets the replay budget of the b + r methods (b + 2r ones get 2r); unset: r = b/2, tau = 1e-2,
     #: capacity = the task's capacity_per_b x b, the rest ReplayConfig's defaults
@@ -272,7 +273,7 @@ def run_compare(cfg: CompareConfig, out: Path, *, overwrite: bool = False, log=p
            "workers": cfg.workers, "loadavg_start": list(load0), "loadavg_end": list(os.getloadavg()),
            "cpus": os.cpu_count(), "model": str(model_dir)}
     summary = write_summary(out, cfg, methods, task, env=env, demo=demo)
-    if cfg.signatures:
+    if cfg.signatures or not demo:  # without the signature runs, the verdicts that need them say "not run"
         from .signatures import write_signatures
 
         summary["signatures"] = write_signatures(out, cfg, summary)

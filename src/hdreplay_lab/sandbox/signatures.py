@@ -120,6 +120,8 @@ def ages(out: Path, seeds: int, summary: dict) -> dict:
     if len(res) < 2:
         return {"available": False, "verdict": "needs headroom_drift and recency_matched"}
     h, r = res[REF], res["recency_matched"]
+    if h["mean_age"] is None or r["mean_age"] is None:  # a run that never replayed has no ages to compare
+        return {"available": False, **res, "verdict": "no replayed groups in at least one of the two runs"}
     verdict = (f"Headroom-Drift replayed a mixture of ages (mean {h['mean_age']:.2f}, {_pct(h['share_age1'])} age 1, "
                f"{_pct(h['share_age_ge3'])} age >= 3, {h['mean_distinct_ages']:.1f} distinct ages per update); recency "
                f"replay mean age {r['mean_age']:.2f}, {_pct(r['share_age1'])} age 1.")

@@ -102,6 +102,9 @@ def _paired(summary: dict, seeds: int) -> list[str]:
     rows = [(k, e) for k, e in summary["methods"].items() if "paired" in e]
     if not ref or not rows:
         return []
+    if seeds < 2:  # an interval over prompts alone would read as a verdict that seed noise can overturn
+        return ["", f"## Paired differences against {summary['methods'][ref]['label']}", "",
+                "One seed: no paired intervals (they need several seeds; `hdreplay compare` runs them)."]
     n = summary["n"]
     p0 = rows[0][1]["paired"]
     prompts = sum(p0["prompts"].values())
