@@ -56,12 +56,13 @@ def tau_sweep(out: Path, cfg) -> dict:
                 "status": d.status} for k, d in summ.runs.items()}
     tight, moderate, loose = (rows[k] for k in runs)
     flat = moderate["kl_final_over_early"] is not None and moderate["kl_final_over_early"] <= 2.0
-    rising = loose["kl_final_over_early"] is not None and loose["kl_final_over_early"] > (
-        moderate["kl_final_over_early"] or 0)
+    # rising: the loose gate's replay KL grows over training (final/early > 1) and faster than the moderate one's
+    rising = loose["kl_final_over_early"] is not None and loose["kl_final_over_early"] > max(
+        1.0, moderate["kl_final_over_early"] or 0)
     verdict = (f"Acceptance tight / moderate / loose: {_pct(tight['acceptance'])} / {_pct(moderate['acceptance'])} / "
                f"{_pct(loose['acceptance'])} (paper: 6 % / ~40 % / 94 %); replay KL final/early "
                f"{_fmt(moderate['kl_final_over_early'], '.2f')} at moderate ({'flat' if flat else 'not flat'}) and "
-               f"{_fmt(loose['kl_final_over_early'], '.2f')} at loose ({'rising faster' if rising else 'not rising faster'}); "
+               f"{_fmt(loose['kl_final_over_early'], '.2f')} at loose ({'rising, faster than moderate' if rising else 'not rising'}); "
                f"calibrate's recommendation: {summ.recommendation.label or summ.recommendation.status}.")
     return {"available": True, "runs": rows, "recommendation": summ.recommendation.label, "verdict": verdict,
             "files": {k: str(Path(v).relative_to(out)) for k, v in summ.paths.items() if isinstance(v, (str, Path))}}
