@@ -53,7 +53,7 @@ class CompareArgs:
         from .sandbox.compare import run_compare
 
         summary = run_compare(self.config, self.out, overwrite=self.overwrite, progress=self.progress,
-                              model_dir=self.model_dir)
+                              model_dir=self.model_dir, demo=isinstance(self, DemoArgs))
         out = self.out
         print(f"\n{(out / 'summary.md').read_text()}\nsummary: {out / 'summary.md'}  {out / 'summary.json'}")
         for p in summary["plots"]:
@@ -69,8 +69,8 @@ class DemoArgs(CompareArgs):
 
     def run(self) -> int:
         rc = super().run()
-        print("\nOne seed shows the method running end to end on CPU, not which method wins; use `hdreplay compare` "
-              "(3 seeds by default) for a comparison with seed spread.")
+        print("\nOne seed shows what the gate does, not which method wins; `hdreplay compare` runs the paired "
+              "several-seed comparison with bootstrap intervals.")
         return rc
 
 
@@ -200,7 +200,7 @@ class CalibrateArgs:
         from .sandbox.warmstart import warm_start
 
         task = get_task(self.config.task)
-        model_dir = self.model_dir or warm_start(task, self.out / "warmstart")
+        model_dir = self.model_dir or warm_start(task)  # the shared cache (warmstart.default_cache_dir)
 
         def train(label: str, tau: float, adaptive: bool, run_dir: Path) -> Path:
             spec = self.run_config(tau, adaptive).spec(self.selector, 0)
@@ -253,13 +253,15 @@ def app():
 
     root = typer.Typer(name="hdreplay", help="Headroom-Drift Replay for GRPO: sandbox, analytics, calibration.",
                        add_completion=False, no_args_is_help=True)
-    add_command(root, "demo", DemoArgs, seeds=1, steps=150, methods=DEMO_METHODS, out=Path("hdreplay_runs/demo"))
+    add_command(root, "demo", DemoArgs, seeds=1, steps=120, methods=DEMO_METHODS, eval_every=20, curve_prompts=30,
+                signatures=False, out=Path("hdreplay_runs/demo"))
     add_command(root, "compare", CompareArgs)
     add_command(root, "report", ReportArgs)
     calibrate = typer.Typer(help="tau calibration: `run` a sweep in the sandbox, or `summarize` finished runs.",
                             no_args_is_help=True)
-    add_command(calibrate, "run", CalibrateArgs, steps=100, eval_n=4,
-                hide=("methods", "seeds", "latency_ms", "replay.selector", "replay.tau"))
+    add_command(calibrate, "run", CalibrateArgs, steps=100, eval_n=4, eval_every=0,
+                hide=("methods", "seeds", "latency_ms", "replay.selector", "replay.tau", "workers", "signatures",
+                      "target", "modelled_ms_per_token", "curve_prompts", "curve_n"))
     add_command(calibrate, "summarize", SummarizeArgs)
     root.add_typer(calibrate, name="calibrate")
     add_command(root, "explain", ExplainArgs)

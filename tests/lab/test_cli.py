@@ -69,7 +69,8 @@ def test_calibrate_run_refuses_bad_flags_before_training(tmp_path, capsys, args,
 def test_subcommands_and_their_defaults():
     demo = parse(["demo"])
     assert isinstance(demo, DemoArgs) and demo.config.methods == DEMO_METHODS
-    assert (demo.config.seeds, demo.config.steps, str(demo.out)) == (1, 150, "hdreplay_runs/demo")
+    assert (demo.config.seeds, demo.config.steps, str(demo.out)) == (1, 120, "hdreplay_runs/demo")
+    assert not demo.config.signatures and parse(["compare"]).config.signatures
     cmp_ = parse(["compare", "--seeds", "2", "--no-progress", "--methods", "dapo,headroom_drift"])
     assert type(cmp_) is CompareArgs and cmp_.config.methods == ("dapo", "headroom_drift") and not cmp_.progress
     assert parse(["compare"]).config.methods == COMPARE_METHODS
@@ -124,11 +125,13 @@ def test_every_replay_knob_reaches_the_runs_trainer_config(tmp_path):
         core = args.to_replay_config()  # ... and the core config the trainer builds from it
         assert getattr(core, name) == want, name
         assert core.group_size == 3  # derived from --generations
-    # untouched knobs keep the sandbox defaults: r = b/2 replay groups, tau 1e-2, capacity 4b
-    cfg = parse(["compare", *base, "--methods", "headroom_drift"]).config
-    core = trainer_args(cfg.spec("headroom_drift", 0), METHODS["headroom_drift"], get_task("add"),
-                        tmp_path / "r").to_replay_config()
-    assert (core.k_rep, core.tau, core.capacity, core.selector) == (2, 1e-2, 16, "headroom_drift")
+    # untouched knobs keep the sandbox defaults: r = b/2 replay groups, tau 1e-2, capacity 2b on the mix task (4b on
+    # the others)
+    for task, capacity in (("mix", 8), ("add", 16)):
+        cfg = parse(["compare", *base, "--methods", "headroom_drift", "--task", task]).config
+        core = trainer_args(cfg.spec("headroom_drift", 0), METHODS["headroom_drift"], get_task(task),
+                            tmp_path / "r").to_replay_config()
+        assert (core.k_rep, core.tau, core.capacity, core.selector) == (2, 1e-2, capacity, "headroom_drift")
 
 
 def test_calibrate_run_configs_fixed_runs_and_the_adaptive_run(capsys, tmp_path):

@@ -15,7 +15,8 @@ from hdreplay_lab.sandbox.methods import DEMO_METHODS
 pytest.importorskip("trl")
 pytestmark = pytest.mark.trl
 
-TINY = ["--steps", "3", "--prompts-per-step", "4", "--generations", "4", "--eval-n", "2", "--no-progress"]
+TINY = ["--steps", "3", "--prompts-per-step", "4", "--generations", "4", "--eval-n", "2", "--no-progress",
+        "--curve-prompts", "3", "--curve-n", "1", "--eval-every", "2"]
 
 
 def cli(*args, timeout=600):
@@ -54,8 +55,29 @@ def test_compare_writes_every_output(tiny_model, tmp_path):
     assert [s["step"] for s in steps] == [0, 1, 2]
     md = (out / "summary.md").read_text()
     assert "Headroom-Drift (b+r)" in md and "Fresh responses" in md and "±" in md and "Rows re-scored to select" in md
-    pngs = sorted(p.name for p in (out / "plots").glob("*.png"))
-    assert pngs == ["heldout_mean.png", "train_score_steps.png", "train_score_wallclock.png"]
+    for section in ("## What did the gate do?", "## Regime", "## Paired differences", "## Efficiency curves",
+                    "## Environment", "Excludes 0"):
+        assert section in md
+    op, hdr = summary["methods"]["onpolicy_matched"], summary["methods"]["headroom_drift"]
+    assert summary["reference"] == "headroom_drift" and "paired" in op and "paired" not in hdr
+    assert op["paired"]["seeds"] == 2 and op["paired"]["lo"] <= op["paired"]["diff"] <= op["paired"]["hi"]
+    # the random tiny model answers nothing right: every group zero-variance, nothing enters the buffer
+    assert op["regime"]["zero_variance_share"] == hdr["regime"]["zero_variance_share"] == 1.0
+    assert "acceptance" in hdr["regime"] and "acceptance" not in op["regime"]
+    assert [p for p in hdr["curve"]["step"]] == [0, 2, 3] and "to_target" in hdr["curve"]
+    assert summary["environment"]["workers"] == 2 and summary["environment"]["runs_trained"] == 4 + 5  # + signatures
+    assert summary["prompt_order"] == {"same_order": True, "seeds": 2, "methods": 2, "mismatches": []}
+    pngs = sorted(p.name for p in (out / "plots").glob("*.png") if not p.name.startswith("sig_"))
+    assert pngs == ["curves.png", "heldout.png", "paired.png", "regime.png", "train_score.png"]
+    sig = json.loads((out / "signatures.json").read_text())
+    assert sig["tau_sweep"]["available"] and len(sig["tau_sweep"]["runs"]) == 3
+    assert sig["ablation"]["available"] is False  # not all three methods
+    # the counterfactual run re-scores recency's subset only on steps that replay something; with every group
+    # zero-variance nothing does, so the quadrant is reported unavailable rather than made up
+    cf_run = json.loads((out / "signatures" / "counterfactual" / "run.json").read_text())
+    assert cf_run["replay"]["counterfactual"] is True and sig["counterfactual"]["available"] is False
+    assert "## tau decade sweep" in (out / "signatures.md").read_text()
+    assert (out / sig["tau_sweep"]["figure"]).stat().st_size > 1000
     assert all((out / "plots" / n).stat().st_size > 1000 for n in pngs)
     assert sorted(summary["plots"]) == [f"plots/{n}" for n in pngs], "plot paths relative to the comparison dir"
     # the same comparison again reuses the finished runs
@@ -64,16 +86,24 @@ def test_compare_writes_every_output(tiny_model, tmp_path):
     assert again.returncode == 0 and "summary:" in again.stdout
 
 
-def test_demo_runs_the_three_demo_methods_once(tiny_model, tmp_path):
-    p = cli("demo", "--model", tiny_model, "--out", tmp_path / "demo", *TINY)
+def test_demo_runs_the_three_demo_methods_once_and_says_what_the_gate_did(tiny_model, tmp_path):
+    p = cli("demo", "--model", tiny_model, "--out", tmp_path / "demo", "--tau", "10", *TINY)
     assert p.returncode == 0, p.stderr[-4000:]
+    assert "not which method wins" in p.stdout
     summary = json.loads((tmp_path / "demo" / "summary.json").read_text())
     assert list(summary["methods"]) == list(DEMO_METHODS) and summary["config"]["seeds"] == 1
     assert all(m["seeds"] == 1 for m in summary["methods"].values())
     plots = [line.split("plot:", 1)[1].strip() for line in p.stdout.splitlines() if line.startswith("plot:")]
-    assert sorted(Path(x).name for x in plots) == ["heldout_mean.png", "train_score_steps.png",
-                                                   "train_score_wallclock.png"]
-    assert all(Path(x).is_file() for x in plots)
+    # one seed: no seed intervals (paired.png), no signature runs
+    assert sorted(Path(x).name for x in plots) == ["curves.png", "heldout.png", "regime.png", "train_score.png"]
+    assert all(Path(x).is_file() for x in plots) and not (tmp_path / "demo" / "signatures").exists()
+    assert set(summary["gate"]) == {"headroom_drift", "recency_matched"} and "What did the gate do?" in p.stdout
+    md = (tmp_path / "demo" / "summary.md").read_text()
+    assert "Excludes 0" not in md, "one seed: no paired-interval table (the compare test checks it is there)"
+    runs = tmp_path / "demo" / "runs"
+    replay = {m: json.loads((runs / m / "seed0" / "run.json").read_text())["replay"] for m in DEMO_METHODS}
+    assert replay["recency_matched"]["diagnose_ungated"] is True, "recency records its (ungated) replay KL"
+    assert replay["headroom_drift"]["diagnose_ungated"] is False
 
 
 def test_output_dir_with_a_different_run_is_refused_unless_overwrite(tiny_model, tmp_path):
@@ -97,9 +127,13 @@ def test_report_and_calibrate_on_real_sandbox_runs(tiny_model, tmp_path):
     """hdreplay report on real TRL sandbox runs (one and two side by side) and a tiny calibrate sweep."""
     out = tmp_path / "cmp"
     p = cli("compare", "--methods", "recency_matched,headroom_drift", "--seeds", "1", "--model", tiny_model,
-            "--out", out, "--tau", "10", *TINY)
+            "--out", out, "--tau", "10", "--no-signatures", *TINY)
     assert p.returncode == 0, p.stderr[-4000:]
+    assert not (out / "signatures").exists(), "--no-signatures: no signature runs"
     hdr, rec = out / "runs" / "headroom_drift" / "seed0", out / "runs" / "recency_matched" / "seed0"
+    # nothing was replayed (every group zero-variance): no age mixture to compare, and no invented one
+    sig = json.loads((out / "signatures.json").read_text())  # written from the main runs alone here
+    assert sig["ages"]["available"] is False and sig["tau_sweep"]["available"] is False
     r = cli("report", hdr, "--out", tmp_path / "rep1", "--no-progress")
     assert r.returncode == 0, r.stderr[-3000:]
     rep = json.loads((tmp_path / "rep1" / "report.json").read_text())

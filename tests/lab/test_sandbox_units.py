@@ -116,3 +116,23 @@ def test_warm_start_is_cached_and_loads_through_from_pretrained(tmp_path):
     assert losses[0] < 0.9 * losses[1], losses  # measured: 2.46 vs 2.92
     # the recorded held-out Mean@n is what the reloaded model scores (the save / reload is faithful)
     assert _quick_eval(model, tok, task, cfg) == meta["mean_at_n"] == meta["history"][-1]["mean_at_n"]
+
+
+@pytest.mark.trl
+def test_warm_start_can_stop_at_a_zero_variance_share(tmp_path):
+    """The regime is calibrated directly: stop at the first check whose share of zero-variance groups is low enough."""
+    from hdreplay_lab.sandbox.warmstart import WarmStartConfig, warm_start
+
+    small = dict(hidden=32, layers=1, max_steps=20, eval_every=10, eval_prompts=4, eval_n=2, zero_variance_prompts=6,
+                 zero_variance_n=3)
+    stop = warm_start(get_task("mix"), tmp_path / "a", WarmStartConfig(zero_variance_target=1.0, **small),
+                      log=lambda *_: None)
+    meta = json.loads((stop / "warmstart.json").read_text())
+    assert meta["steps"] == 10 and len(meta["history"]) == 1  # any share is <= 1.0: stops at the first check
+    assert 0 <= meta["zero_variance_share"] <= 1 and "mean_at_n" in meta["history"][0]
+    never = warm_start(get_task("mix"), tmp_path / "b", WarmStartConfig(zero_variance_target=-1.0, **small),
+                       log=lambda *_: None)
+    meta = json.loads((never / "warmstart.json").read_text())
+    assert meta["steps"] == 20 and [("mean_at_n" in h) for h in meta["history"]] == [False, True]
+    assert all(1 / 6 * k == pytest.approx(h["zero_variance_share"]) for h in meta["history"]
+               for k in [round(h["zero_variance_share"] * 6)])  # a share of 6 probe prompts

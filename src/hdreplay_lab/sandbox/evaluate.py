@@ -14,7 +14,6 @@ import numpy as np
 import torch
 
 
-
 def mean_at_n(scores) -> float:
     """scores: (inputs, n) in [0, 1]."""
     s = np.asarray(scores, dtype=np.float64)
@@ -64,13 +63,19 @@ def sample_completions(model, tok, prompts: Sequence[str], *, n: int, max_new_to
     return out
 
 
-def evaluate(model, tok, task, *, n: int = 8, seed: int = 0, benchmarks: Sequence[str] | None = None) -> dict:
-    """Per-benchmark Mean@n / Best@n plus macro and size-weighted averages."""
+def evaluate(model, tok, task, *, n: int = 8, seed: int = 0, benchmarks: Sequence[str] | None = None,
+             prompts_per_benchmark: int | None = None, per_prompt: bool = False) -> dict:
+    """Per-benchmark Mean@n / Best@n plus macro and size-weighted averages.
+
+    ``prompts_per_benchmark`` evaluates the first k prompts of each benchmark (the cheap subset of the
+    training curves); ``per_prompt`` adds each prompt's mean score (``prompt_mean``, in benchmark order),
+    the data of the paired bootstrap.
+    """
     per, sizes = {}, {}
     for b in task.benchmarks:
         if benchmarks is not None and b.name not in benchmarks:
             continue
-        probs = task.benchmark_problems(b)
+        probs = task.benchmark_problems(b)[:prompts_per_benchmark]
         if getattr(task, "is_multiturn", False):
             from .search import rollout
 
@@ -86,6 +91,8 @@ def evaluate(model, tok, task, *, n: int = 8, seed: int = 0, benchmarks: Sequenc
             comps = sample_completions(model, tok, [p.prompt for p in probs], n=n, max_new_tokens=width, seed=seed)
         scores = [[task.score(c, p.answer) for c in cs] for cs, p in zip(comps, probs)]
         per[b.name] = {"mean_at_n": mean_at_n(scores), "best_at_n": best_at_n(scores), "size": len(probs)}
+        if per_prompt:
+            per[b.name]["prompt_mean"] = [float(np.mean(s)) for s in scores]
         sizes[b.name] = len(probs)
     means = {k: v["mean_at_n"] for k, v in per.items()}
     bests = {k: v["best_at_n"] for k, v in per.items()}

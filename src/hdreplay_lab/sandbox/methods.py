@@ -20,7 +20,15 @@ dapo_dynamic       DAPO + dynamic sampling (drop all-equal)    b kept    -      
 repo_recency       RePO: newest 8 stored responses per prompt  b         8/prompt   grpo+off
 repo_reward        RePO: 8 highest-reward stored responses     b         8/prompt   grpo+off
 repo_variance      RePO: 8 stored responses of max variance    b         8/prompt   grpo+off
+hdr_l1             Headroom-Drift with L1 Drift                b         r          grpo
+hdr_advantage      Headroom-Drift, |A|-weighted Headroom       b         r          grpo
 =================  ==========================================  ========  =========  ========
+
+``hdr_l1`` and ``hdr_advantage`` are the paper's two design-choice ablations (mechanism signatures in
+docs/results/fidelity): Drift as the mean absolute instead of squared log-prob change, at 5 x the L2
+tau as in the paper's pairing (tau_1 = 0.005 against tau_2 = 0.001, Appendix "L1-style versus L2-style
+policy drift"; the two gates bound different regions, so no tau makes them the same gate), and
+Headroom weighted by |A_i| instead of the sign of the advantage.
 
 The DAPO baseline is TRL's ``loss_type="dapo"`` (token-level normalisation) with clip-higher
 (epsilon_high = 0.28); ``dapo`` alone has no dynamic sampling, ``dapo_dynamic`` adds it
@@ -50,6 +58,7 @@ class Method:
     dynamic_sampling: bool = False
     #: RePO's per-prompt replay (HDRGRPOConfig.replay_repo: RepoOptions fields)
     repo: tuple[tuple[str, object], ...] = ()
+    tau_scale: float = 1.0  # this method's tau = tau_scale x the comparison's tau
 
     def fresh_groups(self, b: int) -> int:
         return _whole(self.fresh_mult * b, f"{self.name} needs {self.fresh_mult} x b fresh groups")
@@ -75,6 +84,10 @@ METHODS: dict[str, Method] = {
         Method("headroom_only", "Headroom only (b+r)", selector="headroom_only", replay_mult=0.5),
         Method("drift_only", "Drift only (b+r)", selector="drift_only", replay_mult=0.5),
         Method("headroom_drift", "Headroom-Drift (b+r)", selector="headroom_drift", replay_mult=0.5),
+        Method("hdr_l1", "Headroom-Drift, L1 Drift (b+r)", selector="headroom_drift", replay_mult=0.5,
+               replay=(("drift_norm", "l1"),), tau_scale=5.0),
+        Method("hdr_advantage", "Headroom-Drift, |A|-weighted (b+r)", selector="headroom_drift", replay_mult=0.5,
+               replay=(("headroom_weighting", "advantage"),)),
         # peers (docs/strategies.md): uniform FIFO replay of every group (arXiv 2604.08706)
         Method("uniform_fifo", "Uniform FIFO (b+r)", selector="uniform", replay_mult=0.5,
                replay=(("ingress", "all"),)),
@@ -94,10 +107,12 @@ METHODS: dict[str, Method] = {
           for name, rule in (("recency", "recent"), ("reward", "highest"), ("variance", "max_variance"))),
     )
 }
-#: the paper's role-aligned set (the default of ``hdreplay compare``)
-PAPER_METHODS = ("onpolicy_matched", "onpolicy_larger", "recency_matched", "recency_larger", "dapo",
-                 "headroom_only", "drift_only", "headroom_drift")
-COMPARE_METHODS = PAPER_METHODS
+
+#: the default comparison (issue 16): Headroom-Drift against the paper's baselines and its two components;
+#: recency_larger and the design-choice variants (hdr_l1, hdr_advantage) run when named (the variants also run
+#: once each among the signature runs)
+COMPARE_METHODS = ("onpolicy_matched", "onpolicy_larger", "recency_matched", "dapo", "headroom_only", "drift_only",
+                   "headroom_drift")
 #: the strategy comparison (docs/results/strategies): the paper's method, its role-aligned baselines, the peers
 STRATEGY_METHODS = ("onpolicy_matched", "onpolicy_larger", "recency_matched", "headroom_drift", "uniform_fifo",
                     "freshper", "adv_priority", "dapo_dynamic", "repo_recency", "repo_reward", "repo_variance")

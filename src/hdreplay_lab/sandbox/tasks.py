@@ -7,6 +7,10 @@ target completion used by the supervised warm start, and (multi-reward) an answe
 
 Tasks
 -----
+``mix``           (default) addition whose operand sizes span easy..hard: 1+2, 2+2, 2+3, 3+3 and 4+4
+                  digits, uniformly; one benchmark per size.  After the warm start about half of the fresh
+                  groups are zero-variance (the easy sizes all right, the hard ones all wrong), the regime
+                  of math GRPO that replay is meant for (docs/results/fidelity measures it per step)
 ``add``           2/3-digit addition; benchmarks add2, add3 (in distribution), add2x3 (mixed sizes)
 ``arith``         addition and subtraction; benchmarks add2, add3, sub2, sub3
 ``multi_reward``  addition whose reward mixes answer and format like the paper's Geometry3K table:
@@ -93,6 +97,10 @@ class Task:
     vocab: str = VOCAB
     is_multiturn: bool = False
     extra: dict = field(default_factory=dict)
+    #: WarmStartConfig fields this task sets differently (name, value) pairs
+    warmstart_overrides: tuple = ()
+    #: default replay buffer capacity in units of b: a few steps of *admitted* groups (compare.py)
+    capacity_per_b: int = 4
 
     def train_problems(self, k: int, seed: int) -> list[Problem]:
         rng = random.Random(f"{self.name}/train/{seed}")
@@ -135,6 +143,12 @@ class Task:
 TASKS: dict[str, Task] = {
     t.name: t
     for t in (
+        Task("mix", train_spec=(("+", 1, 2), ("+", 2, 2), ("+", 2, 3), ("+", 3, 3), ("+", 4, 4)),
+             benchmarks=(Benchmark("add1x2", (("+", 1, 2),), 150), Benchmark("add2", (("+", 2, 2),), 150),
+                         Benchmark("add2x3", (("+", 2, 3),), 150), Benchmark("add3", (("+", 3, 3),), 150),
+                         Benchmark("add4", (("+", 4, 4),), 150)),
+             score=exact_match, notes="difficulty mixture: about half of the fresh groups zero-variance",
+             warmstart_overrides=(("zero_variance_target", 0.5), ("eval_every", 50)), capacity_per_b=2),
         Task("add", train_spec=(("+", 2, 2), ("+", 3, 3), ("+", 2, 3), ("+", 3, 2)),
              benchmarks=(Benchmark("add2", (("+", 2, 2),), 200), Benchmark("add3", (("+", 3, 3),), 300),
                          Benchmark("add2x3", (("+", 2, 3), ("+", 3, 2)), 100)),

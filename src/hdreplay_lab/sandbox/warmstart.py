@@ -6,7 +6,10 @@ as held-out Mean@n enters the target range, which a fixed-epoch trainer would ha
 around; it also keeps the warm start deterministic and fast on 2 CPU cores.
 
 The result is cached under ``cache_dir/<key>`` (model + tokenizer through ``save_pretrained`` and a
-``warmstart.json``), keyed by task, architecture, sizes, seed and target, and reused by later runs.
+``warmstart.json``), keyed by a hash of the task and every setting, and reused by later runs.  The default
+cache directory is shared by ``demo``, ``compare`` and ``calibrate``: ``$HDREPLAY_CACHE/warmstart``, else
+``~/.cache/hdreplay/warmstart`` (:func:`default_cache_dir`), so a warm start is built once per settings
+hash on a machine, not once per output directory.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from ..env import configure_threads
 from .evaluate import evaluate
 from .model import build_tiny_model, load_model, quiet_hf_progress
 from .tasks import Task
@@ -44,6 +48,13 @@ class WarmStartConfig:
     eval_n: int = 4
     eval_prompts: int = 48  # per benchmark, for the stopping check
     target: float = 0.25  # stop once held-out Mean@n reaches this
+    #: if set, stop instead once at most this share of fresh groups (``zero_variance_n`` samples on
+    #: ``zero_variance_prompts`` training prompts, sampled as GRPO samples them) is zero-variance: the regime
+    #: is calibrated directly (the mix task: 0.5, checked every 50 steps; it stops at 0.39, and GRPO then
+    #: raises it slowly, 0.39 -> 0.44 over 80 steps, as the easy sizes saturate: docs/results/fidelity)
+    zero_variance_target: float | None = None
+    zero_variance_prompts: int = 128
+    zero_variance_n: int = 8
 
     def key(self, task: Task) -> str:
         blob = json.dumps({"task": task.name, "vocab": task.vocab, **asdict(self)}, sort_keys=True)
@@ -79,9 +90,22 @@ def _batch(tok, task: Task, problems, rng: random.Random) -> dict:
     return {"input_ids": ids, "attention_mask": att, "labels": lab}
 
 
-def warm_start(task: Task, cache_dir: str | os.PathLike, cfg: WarmStartConfig | None = None,
+CACHE_ENV = "HDREPLAY_CACHE"
+
+
+def default_cache_dir() -> Path:
+    """``$HDREPLAY_CACHE/warmstart`` or ``~/.cache/hdreplay/warmstart``."""
+    root = os.environ.get(CACHE_ENV) or os.path.join(os.path.expanduser("~"), ".cache", "hdreplay")
+    return Path(root) / "warmstart"
+
+
+def warm_start(task: Task, cache_dir: str | os.PathLike | None = None, cfg: WarmStartConfig | None = None,
                log=print) -> Path:
-    """Return the directory of a warm-started model for ``task`` (built once, then reused)."""
+    """Return the directory of a warm-started model for ``task`` (built once, then reused).
+
+    ``cache_dir`` None = :func:`default_cache_dir`.
+    """
+    cache_dir = default_cache_dir() if cache_dir is None else Path(cache_dir)
     if cfg is None:
         from dataclasses import replace
 
@@ -90,6 +114,7 @@ def warm_start(task: Task, cache_dir: str | os.PathLike, cfg: WarmStartConfig | 
     if (out / "warmstart.json").is_file():
         return out
     t0 = time.perf_counter()
+    threads = configure_threads()
     Path(cache_dir).mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".warm-", dir=cache_dir))
     try:
@@ -114,15 +139,30 @@ def warm_start(task: Task, cache_dir: str | os.PathLike, cfg: WarmStartConfig | 
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip)
             opt.step()
             if step % cfg.eval_every == 0:
-                acc = _quick_eval(model, tok, task, cfg)
-                history.append({"step": step, "loss": loss.item(), "mean_at_n": acc})
-                log(f"  warm start step {step}: loss {loss.item():.3f}, held-out Mean@{cfg.eval_n} {acc:.3f}")
-                if acc >= cfg.target:
+                rec = {"step": step, "loss": loss.item()}
+                msg = f"  warm start step {step}: loss {loss.item():.3f}"
+                if cfg.zero_variance_target is None:
+                    rec["mean_at_n"] = acc = _quick_eval(model, tok, task, cfg)
+                    done = acc >= cfg.target
+                else:  # held-out accuracy only at the stop (evaluation never touches the training RNG)
+                    rec["zero_variance_share"] = zv = zero_variance_share(model, tok, task, cfg)
+                    msg += f", zero-variance share of fresh groups {zv:.2f}"
+                    done = zv <= cfg.zero_variance_target
+                    if done:
+                        rec["mean_at_n"] = acc = _quick_eval(model, tok, task, cfg)
+                if "mean_at_n" in rec:
+                    msg += f", held-out Mean@{cfg.eval_n} {acc:.3f}"
+                history.append(rec)
+                log(msg)
+                if done:
                     break
+        if history and "mean_at_n" not in history[-1]:  # max_steps reached before the zero-variance target
+            history[-1]["mean_at_n"] = acc = _quick_eval(model, tok, task, cfg)
         with quiet_hf_progress():
             model.save_pretrained(tmp)
         meta = {"task": task.name, "config": asdict(cfg), "steps": step, "mean_at_n": acc, "history": history,
-                "seconds": time.perf_counter() - t0, "method": "teacher-forced AdamW loop (hdreplay_lab.sandbox.warmstart)"}
+                "zero_variance_share": history[-1].get("zero_variance_share") if history else None,
+                "seconds": time.perf_counter() - t0, "torch_threads": threads, "method": "teacher-forced AdamW loop (hdreplay_lab.sandbox.warmstart)"}
         (tmp / "warmstart.json").write_text(json.dumps(meta, indent=2))
         if out.exists():  # another process finished first
             shutil.rmtree(tmp)
@@ -143,3 +183,15 @@ def _quick_eval(model, tok, task: Task, cfg: WarmStartConfig) -> float:
 
         install_chat_format(tok)
     return evaluate(model, tok, small, n=cfg.eval_n, seed=cfg.seed)["macro_mean_at_n"]
+
+
+def zero_variance_share(model, tok, task: Task, cfg: WarmStartConfig) -> float:
+    """Share of training prompts whose ``zero_variance_n`` samples (temperature 1) all score the same."""
+    from .evaluate import sample_completions
+
+    probe = task.train_problems(cfg.zero_variance_prompts, seed=10_000 + cfg.seed)
+    width = max(len(p.answer) for p in probe) + 2
+    comps = sample_completions(model, tok, [p.prompt for p in probe], n=cfg.zero_variance_n, max_new_tokens=width,
+                               seed=cfg.seed)
+    same = [len({task.score(c, p.answer) for c in cs}) == 1 for cs, p in zip(comps, probe)]
+    return sum(same) / len(same)

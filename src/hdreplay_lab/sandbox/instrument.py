@@ -1,0 +1,173 @@
+"""Per-step instrumentation of a sandbox run: what the comparison's evidence is computed from.
+
+:class:`StepStats` is the one per-step state object; two things fill it:
+
+* the sandbox trainer (:func:`sandbox_trainer_class`, a subclass of ``HDRGRPOTrainer``) at TRL's two
+  seams that see a step's fresh rollouts: ``_generate`` (generated tokens, generation seconds, the
+  modelled rollout cost) and ``_calculate_rewards`` (the prompts in order and the per-group reward
+  variance).  Both post-process TRL's own result; nothing of TRL is copied.
+* :class:`Instrument`, a ``TrainerCallback``: adds them to each step's log entry (which hdreplay's
+  ``HDRLogCallback`` writes to ``train_log.jsonl``), and runs the held-out curve every ``eval_every`` steps.
+
+Modelled rollout cost
+---------------------
+A tiny model sampling on CPU is overhead-bound: 1.5x more fresh rollouts cost almost nothing, unlike
+an LLM serving engine whose decode is throughput-bound.  ``rollout_ms_per_token`` adds a sleep of that
+many milliseconds per generated token after TRL's ``_generate`` (the idea of benchmarks/trl_step.py).
+A sleep uses no CPU, so the cost is exact and independent of machine load; it is recorded in
+``run.json`` and every ``train_log.jsonl`` line carries the step's generated tokens and its cumulative
+count, so the wall-clock of the same run under any other per-token cost is
+``train_s + (c' - c) * cum_gen_tokens`` (:func:`hdreplay_lab.sandbox.curves.wall_at_cost`).
+
+train_log.jsonl keys added here (besides TRL's log entries and HDRLogCallback's wall_s / step_s)
+    train_s         seconds since training began, held-out evaluation time excluded
+    gen_s           seconds inside ``_generate`` this step (including the modelled cost)
+    gen_tokens      completion tokens generated this step; cum_gen_tokens: since step 1
+    groups          fresh groups this step; zero_var_groups: those whose rewards are all equal
+    zero_variance_share   zero_var_groups / groups (for every method, replay or not)
+prompts.jsonl: {"step", "prompts"}: the fresh prompts of each step in the sampler's order (one per group)
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+
+@dataclass
+class StepStats:
+    """What the trainer's seams saw during the current step (reset when the step is logged)."""
+
+    gen_s: float = 0.0
+    gen_tokens: int = 0
+    groups: int = 0
+    zero_var_groups: int = 0
+    prompts: list = field(default_factory=list)
+    cum_gen_tokens: int = 0
+
+    def take(self) -> dict:
+        """This step's fields for train_log.jsonl; resets the per-step counters."""
+        self.cum_gen_tokens += self.gen_tokens
+        out = {"gen_s": self.gen_s, "gen_tokens": self.gen_tokens, "cum_gen_tokens": self.cum_gen_tokens,
+               "groups": self.groups, "zero_var_groups": self.zero_var_groups,
+               "zero_variance_share": self.zero_var_groups / self.groups if self.groups else None,
+               "prompts": self.prompts}
+        self.gen_s, self.gen_tokens, self.groups, self.zero_var_groups, self.prompts = 0.0, 0, 0, 0, []
+        return out
+
+
+def zero_variance_groups(rewards, n: int) -> int:
+    """Groups whose ``n`` rewards are all equal (up to 1e-8), rewards in group order.
+
+    rewards: (G * n,) -- TRL's sampler repeats each prompt ``n`` times consecutively.
+    """
+    r = np.asarray(rewards, dtype=np.float64).reshape(-1)
+    if n < 1 or r.size % n:
+        raise ValueError(f"{r.size} rewards do not split into groups of n={n}")
+    g = r.reshape(-1, n)
+    return int((np.abs(g - g[:, :1]).max(axis=1) <= 1e-8).sum())
+
+
+def sandbox_trainer_class():
+    """``HDRGRPOTrainer`` with the two measuring seams (built lazily: importing this module stays light)."""
+    from hdreplay.integrations.trl import HDRGRPOTrainer
+
+    class SandboxTrainer(HDRGRPOTrainer):
+        def __init__(self, *args, stats: StepStats, rollout_ms_per_token: float = 0.0, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.step_stats, self.rollout_s_per_token = stats, rollout_ms_per_token / 1000.0
+
+        def _generate(self, prompts):
+            t0 = time.perf_counter()
+            out = super()._generate(prompts)
+            if self.model.training:
+                tokens = sum(len(c) for c in out[1])  # out[1]: completion_ids, one list per row
+                if self.rollout_s_per_token:
+                    time.sleep(self.rollout_s_per_token * tokens)
+                self.step_stats.gen_tokens += tokens
+                self.step_stats.gen_s += time.perf_counter() - t0
+            return out
+
+        def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
+            per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+            if self.model.training:
+                n = self.num_generations
+                w = self.reward_weights.to(per_func.device)
+                rewards = (per_func * w.unsqueeze(0)).nansum(dim=1).cpu().numpy()
+                self.step_stats.groups += len(rewards) // n
+                self.step_stats.zero_var_groups += zero_variance_groups(rewards, n)
+                self.step_stats.prompts += [_prompt_key(x) for x in inputs[::n]]
+            return per_func
+
+    return SandboxTrainer
+
+
+def _prompt_key(row: dict) -> str:
+    p = row.get("question", row.get("prompt"))
+    return p if isinstance(p, str) else json.dumps(p)
+
+
+class Instrument:
+    """A ``TrainerCallback`` placed before hdreplay's ``HDRLogCallback``: adds this step's measurements (StepStats)
+    to the step's log entry, so train_log.jsonl (and TensorBoard) carry them; writes ``prompts.jsonl``; runs the
+    held-out curve.
+
+    ``curve_fn()`` evaluates the current model (returns a dict) every ``eval_every`` steps, at the last step and at
+    step 0; its time is excluded from ``train_s`` (and from the curve's ``wall_s``).  Built lazily so importing
+    this module does not import transformers.
+    """
+
+    def __new__(cls, *a, **k):
+        from transformers import TrainerCallback
+
+        class _Instrument(TrainerCallback):
+            def __init__(self, run_dir: Path, stats: StepStats, *, curve_fn: Callable[[], dict] | None = None,
+                         eval_every: int = 0, fresh_per_step: int = 0):
+                self.stats, self.curve_fn, self.eval_every = stats, curve_fn, eval_every
+                self.fresh_per_step = fresh_per_step
+                self.t0 = None
+                self.eval_s = 0.0
+                self.prompts = open(run_dir / "prompts.jsonl", "w")
+                self.curve = open(run_dir / "curve.jsonl", "w") if curve_fn else None
+
+            def _train_s(self) -> float:
+                return time.perf_counter() - self.t0 - self.eval_s
+
+            def _evaluate(self, step: int) -> None:
+                wall = self._train_s() if step else 0.0
+                t = time.perf_counter()
+                res = self.curve_fn()
+                self.eval_s += time.perf_counter() - t
+                rec = {"step": step, "fresh_responses": step * self.fresh_per_step, "wall_s": wall,
+                       "cum_gen_tokens": self.stats.cum_gen_tokens, **res}
+                self.curve.write(json.dumps(rec) + "\n")
+                self.curve.flush()
+
+            def on_train_begin(self, args, state, control, **kw):
+                self.t0 = time.perf_counter()
+                if self.curve_fn:
+                    self._evaluate(0)
+
+            def on_log(self, args, state, control, logs=None, **kw):
+                if logs is None or "loss" not in logs:
+                    return
+                step = state.global_step
+                took = self.stats.take()
+                self.prompts.write(json.dumps({"step": step, "prompts": took.pop("prompts")}) + "\n")
+                self.prompts.flush()
+                logs.update({k: v for k, v in took.items() if v is not None}, train_s=self._train_s())
+                # the curve point after this step's bookkeeping (cum_gen_tokens now includes the step)
+                if self.curve_fn and self.eval_every and (step % self.eval_every == 0 or step == args.max_steps):
+                    self._evaluate(step)
+
+            def close(self):
+                self.prompts.close()
+                if self.curve:
+                    self.curve.close()
+
+        return _Instrument(*a, **k)

@@ -1,0 +1,208 @@
+"""The comparison summary: numbers (summary.json) from the run directories; tables.py renders them.
+
+Sections of summary.json (per method under ``methods``):
+    benchmarks, macro/weighted Mean@n and Best@n     seed mean and standard deviation (as before)
+    regime      seed means of the per-step regime numbers (regime.py): zero-variance share, acceptance,
+                budget fill, scan depth, replay KL, generation share native and under the modelled cost
+    paired      against the reference (Headroom-Drift): macro Mean@n difference (method - reference), its
+                95 % paired bootstrap interval over seeds and held-out prompts (stats.py), whether it
+                excludes 0, the seed and prompt parts of the half-width, the seeds a half-width of 0.01
+                would need
+    curve       the seed-mean held-out curve (curves.py), area under it (per seed, and paired against the
+                reference), and the cost to reach the target accuracy (steps, fresh responses, wall-clock
+                native and modelled)
+and ``gate``: the plain-language "what did the gate do?" numbers (acceptance, scan depth, replay KL gated
+vs ungated, ages replayed by Headroom-Drift vs recency).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from pathlib import Path
+
+import numpy as np
+
+from hdreplay.atomic import atomic_write_text
+
+from .curves import cost_to_target, method_curve, read_curve
+from .regime import cost_for_share, method_regime, run_regime
+from .stats import components, paired_bootstrap, paired_differences, seed_bootstrap, seeds_needed
+
+REFERENCE = "headroom_drift"
+#: selectors with a Drift gate: their acceptance is a gate pass rate (recency / Headroom-only replay all they scan)
+GATED = ("headroom_drift", "drift_only")
+#: the half-width the comparison is designed for (issue 16)
+TARGET_HALF_WIDTH = 0.01
+
+
+def _stats(xs) -> dict:
+    a = np.asarray([x for x in xs if x is not None], dtype=np.float64)
+    if a.size == 0:
+        return {"mean": None, "std": None, "n": 0}
+    return {"mean": float(a.mean()), "std": float(a.std(ddof=1)) if a.size > 1 else 0.0, "n": int(a.size)}
+
+
+def _run_dir(out: Path, method: str, seed: int) -> Path:
+    return out / "runs" / method / f"seed{seed}"
+
+
+def _prompt_scores(runs: list[dict]) -> dict[str, np.ndarray]:
+    return {b: np.asarray([r["benchmarks"][b]["prompt_mean"] for r in runs]) for b in runs[0]["benchmarks"]}
+
+
+def summarize(out: Path, cfg, methods, task, *, reps: int = 4000) -> dict:
+    res = {"format": "hdreplay.compare.summary/2", "config": asdict(cfg), "task": task.name, "n": cfg.eval_n,
+           "tau": cfg.tau,
+           "multiturn": bool(getattr(task, "is_multiturn", False)),
+           "benchmarks": {b.name: b.size for b in task.benchmarks}, "methods": {},
+           "reference": REFERENCE if any(m.name == REFERENCE for m in methods) else None}
+    modelled = cfg.modelled_ms_per_token
+    if modelled is None:
+        base = "onpolicy_matched" if any(m.name == "onpolicy_matched" for m in methods) else methods[0].name
+        modelled = _round_up(cost_for_share([_run_dir(out, base, s) for s in range(cfg.seeds)]))
+        res["modelled_from"] = base
+    res["modelled_ms_per_token"] = modelled
+    metrics, curves = {}, {}
+    for m in methods:
+        runs = [json.loads((_run_dir(out, m.name, s) / "metrics.json").read_text()) for s in range(cfg.seeds)]
+        metrics[m.name] = runs
+        entry = {"label": m.label, "seeds": len(runs), "benchmarks": {},
+                 "gated": m.selector in GATED}  # a Drift gate decides what is replayed
+        for b in task.benchmarks:
+            entry["benchmarks"][b.name] = {
+                "mean_at_n": _stats(r["benchmarks"][b.name]["mean_at_n"] for r in runs),
+                "best_at_n": _stats(r["benchmarks"][b.name]["best_at_n"] for r in runs),
+            }
+        for k in ("macro_mean_at_n", "macro_best_at_n", "weighted_mean_at_n", "weighted_best_at_n",
+                  "mean_step_s", "train_wall_s", "final_train_reward", "env_calls_per_step"):
+            entry[k] = _stats(r.get(k) for r in runs)
+        for k in ("fresh_responses", "rescored_rows", "replayed_rows", "replayed_groups"):
+            entry[k] = _stats(r.get(k) for r in runs)  # runs written before these costs existed: n/a
+        entry["env_latency_ms"] = runs[0].get("env_latency_ms", 0.0)
+        regimes = [run_regime(_run_dir(out, m.name, s), model_ms_per_token=modelled)
+                   for s in range(cfg.seeds)]
+        entry["regime"] = method_regime(regimes)
+        entry["regime_series"] = _mean_series(regimes)
+        seed_curves = [read_curve(_run_dir(out, m.name, s)) for s in range(cfg.seeds)]
+        if all(len(c) >= 2 for c in seed_curves):
+            curves[m.name] = entry["curve"] = method_curve(
+                seed_curves, run_ms_per_token=cfg.rollout_ms_per_token, model_ms_per_token=modelled)
+        res["methods"][m.name] = entry
+    ref = res["reference"]
+    if ref is not None:
+        for name, runs in metrics.items():
+            if name != ref:
+                res["methods"][name]["paired"] = _paired(metrics[ref], runs, reps=reps)
+    _curve_costs(res, curves, cfg.target, ref, reps=reps)
+    res["gate"] = gate_numbers(out, cfg, [m.name for m in methods])
+    res["prompt_order"] = prompt_order(out, cfg, [m.name for m in methods])
+    return res
+
+
+def prompt_order(out: Path, cfg, names: list[str]) -> dict:
+    """Whether, per seed, every method's fresh prompts (in order) are a prefix of the longest stream of that seed:
+    the same order, read at each method's own rate (runner.py)."""
+    bad = []
+    for s in range(cfg.seeds):
+        streams = {}
+        for n in names:
+            d = _run_dir(out, n, s)
+            path = d / "prompts.jsonl" if (d / "prompts.jsonl").is_file() else d / "train_log.jsonl"  # older runs
+            with open(path) as f:
+                streams[n] = [p for line in f for p in json.loads(line).get("prompts", [])]
+        longest = max(streams.values(), key=len)
+        bad += [f"{n} seed {s}" for n, st in streams.items() if not st or st != longest[:len(st)]]
+    return {"same_order": not bad, "seeds": cfg.seeds, "methods": len(names), "mismatches": bad}
+
+
+def _round_up(ms: float) -> float:
+    """Up to two significant digits (0.1234 -> 0.13), so the stated cost is a round setting."""
+    if ms <= 0:
+        return 0.0
+    scale = 10.0 ** (np.floor(np.log10(ms)) - 1)
+    return float(np.ceil(ms / scale - 1e-9) * scale)
+
+
+def _paired(ref_runs: list[dict], runs: list[dict], *, reps: int) -> dict:
+    d = paired_differences(_prompt_scores(ref_runs), _prompt_scores(runs))
+    out = paired_bootstrap(d, reps=reps)
+    out.update(components(d, reps=reps))
+    out["seeds_for_target"] = seeds_needed(out["seed_half_width"], out["prompt_half_width"], out["seeds"],
+                                           TARGET_HALF_WIDTH)
+    return out
+
+
+def _curve_costs(res: dict, curves: dict, target: float | None, ref: str | None, *, reps: int) -> None:
+    if not curves:
+        return
+    if target is None:
+        base = "onpolicy_matched" if "onpolicy_matched" in curves else next(iter(curves))
+        target = curves[base]["mean_at_n"][-1]
+        res["target_from"] = base
+    res["target"] = target
+    for name, c in curves.items():
+        c["to_target"] = cost_to_target(c, target)
+        c["auc"] = _stats(c["auc_seeds"])
+        if ref in curves and name != ref and len(c["auc_seeds"]) > 1:
+            c["auc_paired"] = seed_bootstrap(curves[ref]["auc_seeds"], c["auc_seeds"], reps=reps)
+
+
+def _mean_series(regimes: list[dict]) -> dict:
+    """Seed-mean per-step series (zero-variance share, acceptance, replay KL) for the figures."""
+    out = {}
+    for key, xkey in (("zero_variance_share", "step"), ("acceptance", "replay_step"), ("replay_kl", "replay_step")):
+        series = [r["series"].get(key) for r in regimes]
+        if not all(series):
+            continue
+        k = min(map(len, series))
+        a = np.asarray([[np.nan if v is None else v for v in s[:k]] for s in series], dtype=np.float64)
+        ok = np.isfinite(a)
+        mean = np.where(ok, a, 0.0).sum(axis=0) / np.maximum(ok.sum(axis=0), 1)
+        out[key] = {"step": regimes[0]["series"][xkey][:k],
+                    "mean": [float(m) if c else None for m, c in zip(mean, ok.any(axis=0))]}
+    return out
+
+
+def gate_numbers(out: Path, cfg, names: list[str]) -> dict:
+    """What the gate did, from the replay diagnostics of Headroom-Drift and recency replay (seed means)."""
+    res = {}
+    for name in (REFERENCE, "recency_matched"):
+        if name not in names:
+            continue
+        acc, scan, fill, kl, ages = [], [], [], [], []
+        for s in range(cfg.seeds):
+            path = _run_dir(out, name, s) / "replay" / "steps.jsonl"
+            steps = [json.loads(x) for x in open(path)] if path.is_file() else []
+            steps = [x for x in steps if x["step"] >= 1]
+            acc += [x["accept_rate"] for x in steps if x.get("accept_rate") is not None]
+            scan += [x["scanned"] for x in steps]
+            fill += [x["budget_fill"] for x in steps if x.get("budget_fill") is not None]
+            kl += [x["replay_kl"] for x in steps if x.get("replay_kl") is not None]
+            ages += [a for x in steps for a in x.get("accepted_ages", [])]
+        a = np.asarray(ages, dtype=np.float64)
+        res[name] = {
+            "acceptance": float(np.mean(acc)) if acc else None,
+            "scanned_per_step": float(np.mean(scan)) if scan else None,
+            "budget_fill": float(np.mean(fill)) if fill else None,
+            "replay_kl": float(np.mean(kl)) if kl else None,
+            "mean_age": float(a.mean()) if a.size else None,
+            "share_age_1": float((a == 1).mean()) if a.size else None,
+            "max_age": int(a.max()) if a.size else None,
+            "age_hist": {int(k): int(v) for k, v in zip(*np.unique(a.astype(int), return_counts=True))} if a.size else {},
+        }
+    return res
+
+
+def write_summary(out: Path, cfg, methods, task, *, env: dict, demo: bool = False) -> dict:
+    from .plots import plot_all
+    from .tables import render_markdown
+
+    summary = summarize(out, cfg, methods, task)
+    summary["environment"] = env
+    summary["demo"] = demo
+    # relative to the comparison directory, so the summary stays valid when the directory is moved or shared
+    summary["plots"] = [str(Path(p).relative_to(out)) for p in plot_all(out, summary)]
+    atomic_write_text(out / "summary.json", json.dumps(summary, indent=2))
+    atomic_write_text(out / "summary.md", render_markdown(summary))
+    return summary

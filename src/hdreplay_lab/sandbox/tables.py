@@ -1,0 +1,200 @@
+"""summary.md from summary.json's numbers (summary.py): tables and plain-language verdict lines."""
+
+from __future__ import annotations
+
+from ..analysis.markdown import table
+
+
+def _f(x, spec: str = ".3f", none: str = "n/a") -> str:
+    return none if x is None else format(x, spec)
+
+
+def _pct(x) -> str:
+    return "n/a" if x is None else f"{100 * x:.0f}%"
+
+
+def _cell(best: dict, mean: dict) -> str:
+    f = lambda s: "n/a" if s["mean"] is None else (f"{s['mean']:.3f}" + (f"±{s['std']:.3f}" if s["n"] > 1 else ""))  # noqa: E731
+    return f"{f(best)} / {f(mean)}"
+
+
+def _count(s: dict) -> str:
+    """A per-run count, seed mean (and its spread when seeds differ, e.g. dynamic sampling's generations)."""
+    if s["mean"] is None:
+        return "n/a"
+    return f"{s['mean']:,.0f}" + (f" ± {s['std']:,.0f}" if s["n"] > 1 and s["std"] else "")
+
+
+def render_markdown(summary: dict) -> str:
+    ms = summary["methods"]
+    names = list(ms)
+    n = summary["n"]
+    seeds = max(e["seeds"] for e in ms.values())
+    lines = [f"# hdreplay compare: task `{summary['task']}`", "",
+             f"Each cell: Best@{n} / Mean@{n} on the held-out benchmark"
+             + (f", mean ± standard deviation over {seeds} seeds." if seeds > 1 else f", {seeds} seed.")
+             + " Costs are per run (seed mean): fresh responses generated (dynamic sampling's discarded ones included), "
+             "stored responses forwarded under the current policy to select replay, groups replayed (single-rollout "
+             "replay: rows / n), training wall-clock.", ""]
+    cells = lambda fn: [fn(ms[k]) for k in names]  # noqa: E731
+    rows = [[f"{b} (n={size})", *cells(lambda e: _cell(e["benchmarks"][b]["best_at_n"], e["benchmarks"][b]["mean_at_n"]))]
+            for b, size in summary["benchmarks"].items()]
+    rows += [["Macro Avg", *cells(lambda e: _cell(e["macro_best_at_n"], e["macro_mean_at_n"]))],
+             ["Weighted Avg", *cells(lambda e: _cell(e["weighted_best_at_n"], e["weighted_mean_at_n"]))],
+             ["Fresh responses generated", *cells(lambda e: _count(e["fresh_responses"]))],
+             ["Rows re-scored to select", *cells(lambda e: _count(e["rescored_rows"]))],
+             ["Groups replayed", *cells(lambda e: _count(e["replayed_groups"]))],
+             ["Train wall-clock (s)", *cells(lambda e: _f(e["train_wall_s"]["mean"]))],
+             ["Step time (s)", *cells(lambda e: _f(e["mean_step_s"]["mean"]))]]
+    lines.append(table(["Metric", *(ms[k]["label"] for k in names)], rows))
+    if summary.get("multiturn"):
+        lines += _tool_table(summary)
+    lines += _gate(summary) + _regime(summary) + _paired(summary, seeds) + _efficiency(summary)
+    lines += _environment(summary)
+    return "\n".join(lines) + "\n"
+
+
+def _gate(summary: dict) -> list[str]:
+    g = summary.get("gate") or {}
+    hdr, rec = g.get("headroom_drift"), g.get("recency_matched")
+    if not hdr:
+        return []
+    out = ["", "## What did the gate do?", ""]
+    out.append(f"* **Acceptance.** The Drift gate (tau = {summary['tau']:g}) passed "
+               f"{_pct(hdr['acceptance'])} of the buffered groups it re-scored, scanning "
+               f"{_f(hdr['scanned_per_step'], '.1f')} groups per step in Headroom order to fill "
+               f"{_pct(hdr['budget_fill'])} of the replay budget.")
+    if rec and rec.get("replay_kl") is not None and hdr.get("replay_kl") is not None:
+        ratio = rec["replay_kl"] / hdr["replay_kl"] if hdr["replay_kl"] > 0 else float("inf")
+        out.append(f"* **Replay KL, gated vs ungated.** At the same replay budget, the groups Headroom-Drift "
+                   f"replayed were {ratio:.1f}x closer to the current policy than recency replay's "
+                   f"(mean k3 KL {hdr['replay_kl']:.4f} vs {rec['replay_kl']:.4f}).")
+    if rec and hdr.get("mean_age") is not None and rec.get("mean_age") is not None:
+        out.append(f"* **Ages replayed.** Headroom-Drift mixed ages 1-{hdr['max_age']} (mean {hdr['mean_age']:.2f} "
+                   f"steps; {_pct(1 - hdr['share_age_1'])} older than one step); recency replayed "
+                   + ("only age 1" if rec["max_age"] == 1 else
+                      f"ages 1-{rec['max_age']} ({_pct(rec['share_age_1'])} age 1, mean {rec['mean_age']:.2f})")
+                   + ".")
+    zv = summary["methods"].get("headroom_drift", {}).get("regime", {}).get("zero_variance_share")
+    if zv is not None:
+        out.append(f"* **Why there is something to replay.** {_pct(zv)} of Headroom-Drift's fresh groups were "
+                   "zero-variance (all answers right or all wrong: no GRPO gradient); they never enter the buffer.")
+    return out
+
+
+def _regime(summary: dict) -> list[str]:
+    ms = summary["methods"]
+    c = summary["modelled_ms_per_token"]
+    out = ["", "## Regime", "",
+           "Per-step means over steps 1..T (step 0 has an empty buffer); \"in band\": share of steps with the "
+           "zero-variance share in 40-60 % / the acceptance in 30-50 %. Generation share: seconds in TRL's "
+           f"`_generate` / step seconds, natively and with the modelled rollout cost of {c:g} ms per generated "
+           "token added" + (f" (the smallest round cost making generation >= 2/3 of "
+                             f"{ms[summary['modelled_from']]['label']}'s step here)" if summary.get("modelled_from") else "")
+           + ".", "",
+           ]
+    rows = []
+    for k, e in ms.items():
+        r = e["regime"]
+        if r.get("acceptance") is None:
+            acc = "-"
+        elif not e.get("gated", True):  # no Drift gate: everything scanned is replayed
+            acc = "ungated"
+        else:
+            acc = f"{_pct(r['acceptance'])} ({_pct(r.get('acceptance_in_band'))})"
+        rows.append([e["label"], f"{_pct(r.get('zero_variance_share'))} ({_pct(r.get('zero_variance_in_band'))})", acc,
+                     _pct(r.get("budget_fill")) if r.get("budget_fill") is not None else "-",
+                     _f(r.get("scanned"), ".1f", "-"), _f(r.get("replay_kl"), ".4f", "-"),
+                     f"{_pct(r.get('generation_share_native'))} / {_pct(r.get('generation_share_modelled'))}"])
+    return out + [table(["Method", "Zero-variance share (in band)", "Acceptance (in band)", "Budget fill",
+                         "Scanned / step", "Replay KL", f"Generation share native / at {c:g} ms/token"], rows)]
+
+
+def _paired(summary: dict, seeds: int) -> list[str]:
+    ref = summary.get("reference")
+    rows = [(k, e) for k, e in summary["methods"].items() if "paired" in e]
+    if not ref or not rows:
+        return []
+    if seeds < 2:  # an interval over prompts alone would read as a verdict that seed noise can overturn
+        return ["", f"## Paired differences against {summary['methods'][ref]['label']}", "",
+                "One seed: no paired intervals (they need several seeds; `hdreplay compare` runs them)."]
+    n = summary["n"]
+    p0 = rows[0][1]["paired"]
+    prompts = sum(p0["prompts"].values())
+    po = summary.get("prompt_order") or {}
+    order = ("" if not po else " Prompt order checked from the runs' logs: " + (
+        f"every method of a seed read the same prompt sequence (each at its own rate) in all {po['seeds']} seed(s)."
+        if po["same_order"] else f"MISMATCH in {', '.join(po['mismatches'][:5])}."))
+    out = ["", f"## Paired differences against {summary['methods'][ref]['label']}", "",
+           f"Macro Mean@{n} of the method minus Headroom-Drift's, mean over {seeds} seed(s); 95 % percentile "
+           f"interval of {p0['reps']} bootstrap replicates resampling seeds and the {prompts} held-out prompts "
+           "(crossed, paired: same seeds, warm start, prompt order and held-out prompts for both). Half-width "
+           "parts: seeds only / prompts only. Last column: seeds a half-width of 0.01 would need at this "
+           "step count (n/a: the prompt part alone exceeds it)." + order, "",
+           ]
+    out.append(table(["Method", "Difference", "95 % interval", "Excludes 0", "Half-width (seeds / prompts)",
+                      "Seeds for ±0.01"],
+                     [[e["label"], f"{p['diff']:+.4f}", f"[{p['lo']:+.4f}, {p['hi']:+.4f}]",
+                       "yes" if p["excludes_zero"] else "no",
+                       f"{p['half_width']:.4f} ({p['seed_half_width']:.4f} / {p['prompt_half_width']:.4f})",
+                       _f(p["seeds_for_target"], "d")] for p, e in ((e["paired"], e) for _, e in rows)]))
+    better = [e["label"] for _, e in rows if e["paired"]["excludes_zero"] and e["paired"]["diff"] > 0]
+    worse = [e["label"] for _, e in rows if e["paired"]["excludes_zero"] and e["paired"]["diff"] < 0]
+    hw = max(e["paired"]["half_width"] for _, e in rows)
+    out += ["", f"Verdict: Headroom-Drift is better than {', '.join(worse) or 'no method'} and worse than "
+                f"{', '.join(better) or 'no method'} at 95 % (intervals excluding 0); the rest are not separated. "
+                f"Largest half-width {hw:.4f}" + (" (<= 0.01)." if hw <= 0.01 else " (> 0.01: see the last column).")]
+    return out
+
+
+def _efficiency(summary: dict) -> list[str]:
+    ms = summary["methods"]
+    if "target" not in summary:
+        return []
+    c = summary["config"]
+    src = summary.get("target_from")
+    out = ["", "## Efficiency curves", "",
+           f"Held-out macro Mean@{c['curve_n']} on the first {c['curve_prompts']} prompts of each benchmark, every "
+           f"{c['eval_every']} steps (seed mean). Target {summary['target']:.3f}"
+           + (f" = the final value of {ms[src]['label']}" if src else "")
+           + ". AUC: mean of the curve over training (trapezoid). Cost to reach the target, linearly interpolated "
+           f"between evaluation points; wall-clock natively and with {summary['modelled_ms_per_token']:g} ms per "
+           "generated token of modelled rollout cost.", "",
+           ]
+    rows = []
+    for k, e in ms.items():
+        cv = e.get("curve")
+        if not cv:
+            continue
+        t, ap, nr = cv["to_target"], cv.get("auc_paired"), "not reached"
+        rows.append([e["label"], _f(cv["auc"]["mean"], ".4f"),
+                     "-" if not ap else f"{ap['diff']:+.4f} [{ap['lo']:+.4f}, {ap['hi']:+.4f}]",
+                     _f(t["step"], ".0f", nr), _f(t["fresh_responses"], ",.0f", nr), _f(t["wall_s"], ".0f", nr),
+                     _f(t["wall_s_modelled"], ".0f", nr)])
+    return out + [table(["Method", "AUC", "AUC - HDR [95 %]", "Steps", "Fresh responses", "Wall-clock (s)",
+                         "Wall-clock modelled (s)"], rows)]
+
+
+def _environment(summary: dict) -> list[str]:
+    env = summary.get("environment") or {}
+    if not env:
+        return []
+    la0, la1 = env.get("loadavg_start") or [None] * 3, env.get("loadavg_end") or [None] * 3
+    return ["", "## Environment", "",
+            f"Wall-clock {env['wall_s'] / 60:.1f} min for {env['runs_trained']} run(s) trained "
+            f"({env['runs_reused']} reused), {env['workers']} worker(s) of one torch thread each on "
+            f"{env['cpus']} CPU(s); load average (1/5/15 min) at start {', '.join(_f(x, '.2f') for x in la0)}, "
+            f"at end {', '.join(_f(x, '.2f') for x in la1)}. Step times and wall-clock depend on that load; "
+            "held-out accuracies do not."]
+
+
+def _tool_table(summary: dict) -> list[str]:
+    ms = summary["methods"]
+    names = list(ms)
+    fastest = sorted(names, key=lambda k: ms[k]["mean_step_s"]["mean"] or 0)
+    return ["", f"Mean per-step wall-clock time (environment latency {ms[names[0]]['env_latency_ms']:g} ms per tool "
+                "call), fastest first, like the paper's step-time table:", "",
+            table(["Method", "Step time (s)", "Tool calls / step", "Fresh responses", "Macro Mean@n", "Macro Best@n"],
+                  [[e["label"], _f(e["mean_step_s"]["mean"]), f"{e['env_calls_per_step']['mean']:.1f}",
+                    _count(e["fresh_responses"]), _f(e["macro_mean_at_n"]["mean"]), _f(e["macro_best_at_n"]["mean"])]
+                   for e in (ms[k] for k in fastest)])]
