@@ -229,6 +229,10 @@ def test_compare_runs_the_peer_strategies_and_reports_their_costs(tiny_model, tm
     gen = sum(r["dynamic/generated_rows"] for r in logs["dapo_dynamic"])
     assert ms["dapo_dynamic"]["fresh_responses"]["mean"] == gen >= 48
     assert gen == 16 * sum(r["dynamic/rounds"] for r in logs["dapo_dynamic"])
+    # the held-out curve's cost axis counts the discarded rounds too (its last point is after step 3)
+    curves = {k: [json.loads(x) for x in open(out / "runs" / k / "seed0" / "curve.jsonl")] for k in ms}
+    assert curves["dapo_dynamic"][-1]["step"] == 3 and curves["dapo_dynamic"][-1]["fresh_responses"] == gen
+    assert [c["fresh_responses"] for c in curves["uniform_fifo"]] == [48 * c["step"] // 3 for c in curves["uniform_fifo"]]
     replayed = sum(r.get("replay/replayed_rows") or 0 for r in logs["adv_priority"])
     assert ms["adv_priority"]["replayed_groups"]["mean"] == replayed / 4
     assert "Groups replayed" in (out / "summary.md").read_text()

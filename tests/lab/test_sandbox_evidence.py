@@ -28,6 +28,7 @@ def test_step_stats_reset_and_accumulate():
     s.gen_tokens = 5
     second = s.take()
     assert second["cum_gen_tokens"] == 15 and second["groups"] == 0 and second["zero_variance_share"] is None
+    assert s.cum_groups == 4
 
 
 def _write_run(d, log, steps=None, ms=0.0):

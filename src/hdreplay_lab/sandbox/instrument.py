@@ -49,10 +49,13 @@ class StepStats:
     zero_var_groups: int = 0
     prompts: list = field(default_factory=list)
     cum_gen_tokens: int = 0
+    #: fresh groups generated so far, over every generation round (DAPO dynamic sampling's discarded ones included)
+    cum_groups: int = 0
 
     def take(self) -> dict:
         """This step's fields for train_log.jsonl; resets the per-step counters."""
         self.cum_gen_tokens += self.gen_tokens
+        self.cum_groups += self.groups
         out = {"gen_s": self.gen_s, "gen_tokens": self.gen_tokens, "cum_gen_tokens": self.cum_gen_tokens,
                "groups": self.groups, "zero_var_groups": self.zero_var_groups,
                "zero_variance_share": self.zero_var_groups / self.groups if self.groups else None,
@@ -127,9 +130,9 @@ class Instrument:
 
         class _Instrument(TrainerCallback):
             def __init__(self, run_dir: Path, stats: StepStats, *, curve_fn: Callable[[], dict] | None = None,
-                         eval_every: int = 0, fresh_per_step: int = 0):
+                         eval_every: int = 0, generations: int = 1):
                 self.stats, self.curve_fn, self.eval_every = stats, curve_fn, eval_every
-                self.fresh_per_step = fresh_per_step
+                self.generations = generations
                 self.t0 = None
                 self.eval_s = 0.0
                 self.prompts = open(run_dir / "prompts.jsonl", "w")
@@ -143,7 +146,8 @@ class Instrument:
                 t = time.perf_counter()
                 res = self.curve_fn()
                 self.eval_s += time.perf_counter() - t
-                rec = {"step": step, "fresh_responses": step * self.fresh_per_step, "wall_s": wall,
+                # responses generated so far: every generation round counted (steps x b x n unless dynamic sampling)
+                rec = {"step": step, "fresh_responses": self.stats.cum_groups * self.generations, "wall_s": wall,
                        "cum_gen_tokens": self.stats.cum_gen_tokens, **res}
                 self.curve.write(json.dumps(rec) + "\n")
                 self.curve.flush()

@@ -170,7 +170,7 @@ def run_one(spec: RunSpec, method: Method, task: Task, model_dir: Path, run_dir:
                 "benchmarks": {k: v["mean_at_n"] for k, v in ev["benchmarks"].items()}}
 
     inst = Instrument(run_dir, stats, curve_fn=curve_fn if spec.eval_every else None, eval_every=spec.eval_every,
-                      fresh_per_step=b * spec.generations)
+                      generations=spec.generations)
     rec = HDRLogCallback(run_dir, on_step=on_step)  # after inst: it writes the step's log with inst's additions
     trainer = holder["trainer"] = build_trainer(spec, method, task, model_dir, run_dir, callbacks=[inst, rec],
                                                 stats=stats)
