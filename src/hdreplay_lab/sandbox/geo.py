@@ -218,10 +218,9 @@ class GeoTask:
         return geo_score(completion, answer)
 
     def reward_func(self):
-        def geo_reward(completions, answer, **kw):
-            return [geo_score(c, a) for c, a in zip(completions, answer)]
+        from .tasks import score_reward  # lazily: tasks.py registers this task at import
 
-        return geo_reward
+        return score_reward(self.name, self.score)
 
     def dataset(self, problems):
         """A ``datasets.Dataset`` with TRL's VLM columns: conversational ``prompt``, ``image``, ``answer``."""

@@ -217,10 +217,9 @@ class SearchTask:
         return exact_answer(completion, answer)
 
     def reward_func(self):
-        def search_reward(completions, answer, **kw):
-            return [exact_answer(c, a) for c, a in zip(completions, answer)]
+        from .tasks import score_reward  # lazily: tasks.py registers this task at import
 
-        return search_reward
+        return score_reward(self.name, self.score)
 
     def conversation(self, p: SearchProblem) -> list[dict]:
         """The ideal trajectory (for the warm start)."""

@@ -26,9 +26,20 @@ from __future__ import annotations
 import random
 import re
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 VOCAB = "0123456789+-=.?"
+
+
+def score_reward(name: str, score: Callable[[Any, str], float]) -> Callable[..., list[float]]:
+    """A TRL reward function named ``<name>_reward`` (TRL's metric name) that scores each completion against the
+    dataset's ``answer`` column with ``score(completion, answer) -> float``."""
+
+    def reward(completions, answer, **kw):
+        return [score(c, a) for c, a in zip(completions, answer)]
+
+    reward.__name__ = f"{name}_reward"
+    return reward
 
 
 @dataclass(frozen=True)
@@ -131,13 +142,7 @@ class Task:
 
     def reward_func(self):
         """A TRL reward function: reads the ``answer`` column of the dataset."""
-        score = self.score
-
-        def reward(completions, answer, **kw):
-            return [score(c, a) for c, a in zip(completions, answer)]
-
-        reward.__name__ = f"{self.name}_reward"
-        return reward
+        return score_reward(self.name, self.score)
 
 
 TASKS: dict[str, Task] = {
