@@ -216,3 +216,92 @@ def test_repo_off_policy_term_has_its_own_coefficient(model_dir, tmp_path):
     # equal up to float32 summation order (the fresh part is back-propagated on its own before the replay chunk)
     assert np.allclose(zero, plain, rtol=1e-5, atol=1e-7)
     assert not np.allclose(one, plain, rtol=1e-3, atol=1e-4)
+
+
+class ExgrpoRecordingTrainer(PromptRecordingTrainer):
+    """Records each generation's expected pick per stored prompt (entropies from a plain forward of the model, not
+    TRL's), and every shaped (injected-row) loss call."""
+
+    def __init__(self, *a, **k):
+        super().__init__(*a, **k)
+        self.expected: list[dict] = []
+        self.shaped: list[dict] = []
+
+    def _generate_and_score_completions(self, inputs):
+        if self.model.training:
+            want = {}
+            m = self.accelerator.unwrap_model(self.model)
+            for key, cands in self.replay.pool.items():
+                ents = []
+                for r in cands:
+                    ids = torch.cat([r.prompt_ids, r.completion_ids])[None]
+                    with torch.no_grad():
+                        logits = m(input_ids=ids).logits[0, r.prompt_ids.numel() - 1:-1].float() / self.temperature
+                    ents.append(float(torch.distributions.Categorical(logits=logits).entropy().mean()))
+                best = int(np.argmin(ents))
+                want[key] = (cands[best].completion_ids.tolist(), cands[best].logprobs.clone(), best)
+            self.expected.append(want)
+        return super()._generate_and_score_completions(inputs)
+
+    def _commit_step(self):  # ExGRPO keeps a per-prompt pool, not the buffer the parent hashes
+        HDRGRPOTrainer._commit_step(self)
+
+    def _shaped_loss(self, model, part):
+        self.shaped.append({"global_step": self.state.global_step, **{k: v.detach().cpu() for k, v in part.items()
+                                                                       if isinstance(v, torch.Tensor)}})
+        return super()._shaped_loss(model, part)
+
+
+def test_exgrpo_injects_the_lowest_entropy_stored_correct_trajectory_with_group_advantages(model_dir, tmp_path):
+    from hdreplay.strategies.repo import key_of
+
+    model, tok = tiny_model(model_dir)
+    n = 4
+    args = make_args(tmp_path, replay_selector="none", replay_exgrpo={"start_solved": 0.0, "ratio": 0.5},
+                     gradient_accumulation_steps=1, per_device_train_batch_size=16, num_generations=n, max_steps=6,
+                     seed=2, loss_type="dr_grpo", scale_rewards="none")
+    tr = ExgrpoRecordingTrainer(model=model, reward_funcs=reward_digit, args=args, train_dataset=prompts(8),
+                                processing_class=tok)
+    tr.train()
+    fresh_by_step: dict[int, dict[int, list[float]]] = {}  # step -> group -> rewards of its generated rows
+    for rec in tr.records:
+        for (p, c), h in zip(_texts(tok, rec), rec["hdr_row"].tolist()):
+            fresh_by_step.setdefault(rec["global_step"], {}).setdefault(h // n, []).append(reward_digit([c])[0])
+    injected, not_first = 0, 0
+    for part in tr.shaped:
+        step = part["global_step"]
+        want = tr.expected[step]
+        assert part["prompt_ids"].shape[0] <= 2  # at most int(B x ratio) = 2 experience prompts of B = 4
+        for i in range(part["prompt_ids"].shape[0]):
+            key = key_of(part["prompt_ids"][i][part["prompt_mask"][i].bool()])
+            comp = part["completion_ids"][i][part["completion_mask"][i].bool()].tolist()
+            ids, logps, best = want[key]  # the prompt was in the pool before this generation ...
+            not_first += best > 0
+            assert comp == ids  # ... and the injected trajectory is its lowest-entropy stored one
+            assert reward_digit([tok.decode(comp, skip_special_tokens=True)])[0] == 1.0  # a correct trajectory
+            assert torch.allclose(part["hdr_shaped_logps"][i, :len(comp)], logps.float())  # with its stored pi_gen
+            others = fresh_by_step[step][int(part["hdr_row"][i]) // n]
+            assert len(others) == n - 1  # the group's other rows were generated and trained on-policy
+            group = torch.tensor([1.0, *others])
+            assert float(part["advantages"][i]) == pytest.approx(float(1.0 - group.mean()), abs=1e-6)  # r - mean
+            injected += 1
+    assert injected >= 4 and not_first >= 1  # some picks were not simply the oldest stored trajectory
+    logs = [x for x in tr.state.log_history if "exgrpo/started" in x]
+    assert sum(x["replay/replayed_rows"] for x in logs) == injected
+    assert all(x["replay/rescored_rows"] >= x["replay/replayed_rows"] for x in logs)
+
+
+def test_exgrpo_settings_are_validated(model_dir, tmp_path):
+    for bad, field in (({"ratio": 2}, "replay_exgrpo"), ({"bogus": 1}, "replay_exgrpo"), ("{", "replay_exgrpo")):
+        with pytest.raises(ReplayConfigError) as e:
+            make_args(tmp_path, replay_selector="none", replay_exgrpo=bad)
+        assert e.value.field == field
+    with pytest.raises(ReplayConfigError) as e:
+        make_args(tmp_path, replay_selector="recency", replay_exgrpo={})
+    assert e.value.field == "replay_exgrpo"
+    with pytest.raises(ReplayConfigError):
+        make_args(tmp_path, replay_selector="none", replay_exgrpo={}, replay_repo={})
+    model, tok = tiny_model(model_dir)
+    with pytest.raises(ValueError, match="loss_type='sapo'"):
+        HDRGRPOTrainer(model=model, reward_funcs=reward_digit, train_dataset=prompts(8), processing_class=tok,
+                       args=make_args(tmp_path, replay_selector="none", replay_exgrpo={}, loss_type="sapo"))

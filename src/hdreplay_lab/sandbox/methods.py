@@ -59,6 +59,8 @@ class Method:
     #: RePO's per-prompt replay (HDRGRPOConfig.replay_repo: RepoOptions fields)
     repo: tuple[tuple[str, object], ...] = ()
     tau_scale: float = 1.0  # this method's tau = tau_scale x the comparison's tau
+    #: further HDRGRPOConfig fields of the strategy (name -> value), e.g. ExGRPO's replay_exgrpo
+    trl: tuple[tuple[str, object], ...] = ()
 
     def fresh_groups(self, b: int) -> int:
         return _whole(self.fresh_mult * b, f"{self.name} needs {self.fresh_mult} x b fresh groups")
@@ -105,6 +107,11 @@ METHODS: dict[str, Method] = {
         # replays only prompts seen twice before, so compare with --train-pool (prompts cycled over epochs)
         *(Method(f"repo_{name}", f"RePO {name} (b+8/prompt)", repo=(("retrieval", rule),))
           for name, rule in (("recency", "recent"), ("reward", "highest"), ("variance", "max_variance"))),
+        # ExGRPO (arXiv 2510.02245; LUFFY/ExGRPO run_exgrpo.sh): b prompts, up to b/2 of them experience prompts
+        # whose group holds one stored correct trajectory (policy-shaped, unclipped); dr_grpo aggregation
+        # (loss_remove_token_mean), advantages r - mean (grpo_use_std=False)
+        Method("exgrpo", "ExGRPO (b, mixed groups)", loss_type="dr_grpo",
+               trl=(("replay_exgrpo", "{}"), ("scale_rewards", "none"))),
     )
 }
 
@@ -115,7 +122,8 @@ COMPARE_METHODS = ("onpolicy_matched", "onpolicy_larger", "recency_matched", "da
                    "headroom_drift")
 #: the strategy comparison (docs/results/strategies): the paper's method, its role-aligned baselines, the peers
 STRATEGY_METHODS = ("onpolicy_matched", "onpolicy_larger", "recency_matched", "headroom_drift", "uniform_fifo",
-                    "freshper", "adv_priority", "dapo_dynamic", "repo_recency", "repo_reward", "repo_variance")
+                    "freshper", "adv_priority", "dapo_dynamic", "repo_recency", "repo_reward", "repo_variance",
+                    "exgrpo")
 DEMO_METHODS = ("onpolicy_matched", "recency_matched", "headroom_drift")
 #: the paper's agentic-search set (Search-R1): no recency-larger, no ablations
 SEARCH_METHODS = ("onpolicy_matched", "onpolicy_larger", "recency_matched", "dapo", "headroom_drift")

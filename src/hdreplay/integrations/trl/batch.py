@@ -47,6 +47,8 @@ ROW_KEYS: dict[str, tuple[str | None, Any]] = {
     "tool_mask": ("right", 1),
     "advantages": (None, None),
     "hdr_row": (None, None),
+    "hdr_off": (None, None),  # ExGRPO: (B,) which rows are injected stored trajectories
+    "hdr_off_logps": ("right", 0.0),  # ExGRPO: their stored generation log-probs
 }
 SCALAR_KEYS = ("num_items_in_batch",)
 #: stored extra -> the TRL key a replayed row carries it as

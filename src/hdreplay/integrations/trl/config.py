@@ -45,6 +45,11 @@ _TRL_KNOBS = (
          "hdreplay.strategies.repo.RepoOptions fields, e.g. {\"retrieval\": \"recent\"} (retrieval recent | highest | "
          "max_variance, num_replays 8, min_cache 16, max_cache 16, off_coef 1.0); one process, micro_step chunk, "
          "a row-mean loss_type", None),
+    Knob("exgrpo", "json", None, True,
+         "ExGRPO's experience pool instead of a selector (replay_selector='none'): a dict / JSON object of "
+         "hdreplay.strategies.exgrpo.ExgrpoOptions fields, e.g. {} for the released recipe (ratio 0.5, start_solved "
+         "0.35, gamma 0.1, sigma 1.0, correct 1.0, lbound 0, rbound n - 1, seed = the run's seed); one process, text only, "
+         "micro_step chunk, loss_type grpo | bnpo | dr_grpo | dapo, beta 0, entropy_coef 0", None),
     Knob("dynamic_sampling", bool, False, False,
          "DAPO's dynamic sampling: drop groups whose rewards are all equal and generate further prompt batches "
          "until the batch holds only mixed groups (at most dynamic_sampling_max_batches rounds); one process, "
@@ -105,11 +110,16 @@ class HDRGRPOConfig(_ReplayFields, GRPOConfig):
         if isinstance(mb, bool) or not isinstance(mb, int) or mb < 1:
             raise ReplayConfigError(f"HDRGRPOConfig: replay_dynamic_sampling_max_batches must be an int >= 1, got "
                                     f"{mb!r}", field="replay_dynamic_sampling_max_batches")
-        self.repo_options()
-        if self.replay_repo is not None and self.replay_selector != "none":
-            raise ReplayConfigError(f"HDRGRPOConfig: replay_repo replaces the selector; set replay_selector='none' "
-                                    f"(got {self.replay_selector!r})", field="replay_repo")
-        if self.replay_dynamic_sampling and (self.replay_selector != "none" or self.replay_repo is not None):
+        strategies = [name for name, opts in (("replay_repo", self.repo_options()),
+                                              ("replay_exgrpo", self.exgrpo_options())) if opts is not None]
+        for name in strategies:
+            if self.replay_selector != "none":
+                raise ReplayConfigError(f"HDRGRPOConfig: {name} replaces the selector; set replay_selector='none' "
+                                        f"(got {self.replay_selector!r})", field=name)
+        if len(strategies) > 1:
+            raise ReplayConfigError(f"HDRGRPOConfig: {' and '.join(strategies)} are both set; choose one strategy",
+                                    field=strategies[-1])
+        if self.replay_dynamic_sampling and (self.replay_selector != "none" or strategies):
             raise ReplayConfigError(
                 f"HDRGRPOConfig: replay_dynamic_sampling=True with replay_selector={self.replay_selector!r}: dynamic "
                 "sampling is implemented for on-policy training only; set replay_selector='none' or "
@@ -123,25 +133,13 @@ class HDRGRPOConfig(_ReplayFields, GRPOConfig):
         """``replay_repo`` as :class:`~hdreplay.strategies.repo.RepoOptions` (None when unset)."""
         from ...strategies.repo import RepoOptions
 
-        v = self.replay_repo
-        if v is None:
-            return None
-        if isinstance(v, str):
-            try:
-                v = json.loads(v)
-            except json.JSONDecodeError as e:
-                raise ReplayConfigError(f"HDRGRPOConfig: replay_repo is not valid JSON ({e})", field="replay_repo")
-        if not isinstance(v, dict):
-            raise ReplayConfigError(f"HDRGRPOConfig: replay_repo must be a dict of RepoOptions fields, got {v!r}",
-                                    field="replay_repo")
-        unknown = sorted(set(v) - set(RepoOptions.__dataclass_fields__))
-        if unknown:
-            raise ReplayConfigError(f"HDRGRPOConfig: replay_repo has unknown key(s) {unknown}; valid: "
-                                    f"{sorted(RepoOptions.__dataclass_fields__)}", field="replay_repo")
-        try:
-            return RepoOptions(**v)
-        except ReplayConfigError as e:
-            raise ReplayConfigError(f"HDRGRPOConfig: replay_repo.{e.field}: {e}", field="replay_repo") from None
+        return _strategy_options(self.replay_repo, "replay_repo", RepoOptions)
+
+    def exgrpo_options(self):
+        """``replay_exgrpo`` as :class:`~hdreplay.strategies.exgrpo.ExgrpoOptions` (None when unset)."""
+        from ...strategies.exgrpo import ExgrpoOptions
+
+        return _strategy_options(self.replay_exgrpo, "replay_exgrpo", ExgrpoOptions)
 
     @property
     def world(self) -> int:
@@ -186,6 +184,29 @@ class HDRGRPOConfig(_ReplayFields, GRPOConfig):
     def replay_help(cls) -> str:
         """One line per replay field: name, default, help."""
         return "\n".join(f"{f.name} (default {f.default!r}): {f.metadata['help']}" for f in fields(_ReplayFields))
+
+
+def _strategy_options(value, name: str, cls):
+    """A strategy's JSON knob (a dict, a JSON object string or None) as its options dataclass ``cls``; errors name
+    ``name`` and the offending key."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ReplayConfigError(f"HDRGRPOConfig: {name} is not valid JSON ({e})", field=name) from None
+    if not isinstance(value, dict):
+        raise ReplayConfigError(f"HDRGRPOConfig: {name} must be a dict of {cls.__name__} fields, got {value!r}",
+                                field=name)
+    unknown = sorted(set(value) - set(cls.__dataclass_fields__))
+    if unknown:
+        raise ReplayConfigError(f"HDRGRPOConfig: {name} has unknown key(s) {unknown}; valid: "
+                                f"{sorted(cls.__dataclass_fields__)}", field=name)
+    try:
+        return cls(**value)
+    except ReplayConfigError as e:
+        raise ReplayConfigError(f"HDRGRPOConfig: {name}.{e.field}: {e}", field=name) from None
 
 
 def as_replay_config(args, model) -> HDRGRPOConfig:

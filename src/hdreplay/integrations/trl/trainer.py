@@ -41,15 +41,17 @@ from trl.trainer.utils import (
 
 from ...controller import ReplayController
 from ...multimodal import schema_difference, schema_of
+from ...strategies.exgrpo import ExgrpoController
 from ...strategies.repo import RepoController
 from ...padding import pad_groups
 from ..common import STATE_DIR, restore, split_by_schema
 from . import mm
 from .batch import check_keys, gather_objects, gather_rows, groups_from_rows, ingress_rows, replay_rows
-from .checks import check_padding_drift, check_supported
+from .checks import check_exgrpo, check_padding_drift, check_supported
 from .checkpoints import clear_pending, mark_pending, refuse_incomplete, resume_target, rotation_held
 from .config import as_replay_config
 from .dynamic import DynamicSampler
+from .exgrpo import ExperienceMixer, shaped_loss, split_off
 from .positions import install_position_ids, padding_drift
 from .reference import refresh_reference
 from .rescore import can_share_prompt, share_pays, shared_prompt_logps
@@ -84,19 +86,28 @@ class HDRGRPOTrainer(GRPOTrainer):
         a = self.args
         self.replay_plan = a.replay_plan()
         self.replay_config = a.to_replay_config()
-        repo = a.repo_options()
-        self.replay_active = self.replay_config.selector != "none" or repo is not None
+        repo, exgrpo = a.repo_options(), a.exgrpo_options()
+        self.replay_active = self.replay_config.selector != "none" or repo is not None or exgrpo is not None
         if self.replay_active:
             check_supported(a, self.replay_plan, self.accelerator.unwrap_model(self.model), loss_type=self.loss_type,
                             processes=self.accelerator.num_processes, vlm=self._is_vlm, repo=repo is not None,
                             deepspeed=self.is_deepspeed_enabled)
+        if exgrpo is not None:
+            check_exgrpo(self, a)
         diag = a.replay_diagnostics_dir
         if diag is None:
             diag = os.path.join(a.output_dir, "replay")
-        self.replay = RepoController(repo) if repo is not None else ReplayController(
-            self.replay_config,
-            diagnostics_dir=diag if (diag and self.accelerator.is_main_process and self.replay_active) else None,
-        )
+        self._mixer = None  # ExGRPO's mixed-policy groups (replay_exgrpo)
+        if repo is not None:
+            self.replay = RepoController(repo)
+        elif exgrpo is not None:
+            self.replay = ExgrpoController(exgrpo, n=a.num_generations, seed=a.seed)
+            self._mixer = ExperienceMixer(self.replay, n=a.num_generations, pad_token_id=self._tokenizer.pad_token_id,
+                                          entropies=self._token_entropies, scale_rewards=self.scale_rewards)
+        else:
+            self.replay = ReplayController(
+                self.replay_config,
+                diagnostics_dir=diag if (diag and self.accelerator.is_main_process and self.replay_active) else None)
         self._dynamic = None  # DAPO's dynamic sampling (replay_dynamic_sampling)
         if a.replay_dynamic_sampling:
             if self.accelerator.num_processes > 1:
@@ -145,7 +156,11 @@ class HDRGRPOTrainer(GRPOTrainer):
             self._replay_step = ReplayStep(index=self.state.global_step + self._step_offset)
         step = self._replay_step
         gen = step.open_generation()
-        out = super()._generate_and_score_completions(inputs)
+        if self._mixer is not None:  # ExGRPO: experience prompts substituted, one stored row per such group
+            out, gen.rewards = self._mixer.generate(inputs, super()._generate_and_score_completions,
+                                                    lambda: gen.rewards)
+        else:
+            out = super()._generate_and_score_completions(inputs)
         check_keys(out)
         if self._is_vlm:
             gen.mm_rows, gen.mm_why = mm.row_inputs(out)
@@ -158,6 +173,9 @@ class HDRGRPOTrainer(GRPOTrainer):
             gen.gen_logps = out["old_per_token_logps"]
         else:  # captured from each fresh row's training forward (before this update)
             gen.start_capture(B, C, self.accelerator.device)
+            if "hdr_off" in out:  # injected stored rows: their generation log-probs are the stored ones
+                idx = out["hdr_off"].nonzero().flatten()
+                gen.capture(idx, out["hdr_off_logps"][idx])
         out["hdr_row"] = torch.arange(B, device=self.accelerator.device)
         if len(step.generations) == 1:
             if self._is_vlm:
@@ -233,8 +251,18 @@ class HDRGRPOTrainer(GRPOTrainer):
         return pg.split_by_group(logps[:pg.num_rows].cpu())
 
     def _mm_schema(self):
-        """The buffer's multimodal schema (None for RePO's text-only per-prompt stores)."""
-        return None if isinstance(self.replay, RepoController) else self.replay.buffer.mm_schema
+        """The buffer's multimodal schema (None for the text-only per-prompt stores of RePO and ExGRPO)."""
+        buffer = getattr(self.replay, "buffer", None)
+        return None if buffer is None else buffer.mm_schema
+
+    def _token_entropies(self, input_ids, attention_mask, logits_to_keep) -> torch.Tensor:
+        """(R, C) token entropies of rows under the current policy (TRL's forward, no grad; ExGRPO's pick)."""
+        dev = self.accelerator.device
+        with torch.no_grad(), disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs):
+            _, ent, _ = self._get_per_token_logps_and_entropies(
+                self.model, input_ids.to(dev), attention_mask.to(dev), logits_to_keep,
+                batch_size=self._score_batch_size, compute_entropy=True)
+        return ent
 
     def _check_images(self, out: dict, gen) -> None:
         """First step of a VLM run: the buffer (e.g. resumed) must hold images this processor produces, and
@@ -283,7 +311,10 @@ class HDRGRPOTrainer(GRPOTrainer):
             fresh = [unsplit_pixel_values_by_grid(f) for f in fresh]
             first = gen is step.generations[0] and step.replay_rows
             replay = [[] for _ in fresh]
-            if first:
+            if self._mixer is not None:  # ExGRPO's injected rows: a chunk of their own with the shaped loss
+                fresh, offs = zip(*(split_off(f) for f in fresh))
+                replay = [[o] if o is not None else [] for o in offs]
+            if first:  # (never with ExGRPO: it selects no replay groups)
                 replay = replay_chunks(step.replay_part, spg=spg, max_rows=self.args.per_device_train_batch_size,
                                        num_items=out["num_items_in_batch"])
                 for chunk in (c for cs in replay for c in cs if "hdr_mm" in c):  # TRL's flat image layout per chunk
@@ -307,15 +338,28 @@ class HDRGRPOTrainer(GRPOTrainer):
         scales = chunk_scales(self.loss_type, parts)
         if isinstance(self.replay, RepoController):  # RePO: on-policy term + off_coef x off-policy term
             scales = separate_term_scales(parts, self.replay.options.off_coef)
+        keep = [i for i, p in enumerate(parts) if p["prompt_ids"].shape[0]]  # an all-injected fresh part is empty
+        parts, scales = [parts[i] for i in keep], [scales[i] for i in keep]
         for i, (part, w) in enumerate(zip(parts, scales)):
             last = i == len(parts) - 1
             with (nullcontext() if last else self.accelerator.no_sync(model)), \
-                    self._capturing(inputs.generation if i == 0 else None, part):
-                loss = super().compute_loss(model, part) * w
+                    self._capturing(inputs.generation if i == 0 and keep[0] == 0 else None, part):
+                loss = (self._shaped_loss(model, part) if "hdr_shaped_logps" in part
+                        else super().compute_loss(model, part)) * w
                 if not last:  # earlier chunks: their own backward now, so one chunk's activations are alive at a time
                     self.accelerator.backward(loss)
                     done = loss.detach() if done is None else done + loss.detach()
         return loss if done is None else loss + done
+
+    def _shaped_loss(self, model, part: dict) -> torch.Tensor:
+        """ExGRPO's policy-shaped off-policy term on injected rows (:func:`.exgrpo.shaped_loss`)."""
+        ids = torch.cat([part["prompt_ids"], part["completion_ids"]], 1)
+        mask = torch.cat([part["prompt_mask"], part["completion_mask"]], 1)
+        logps, _, _ = self._get_per_token_logps_and_entropies(model, ids, mask, part["completion_ids"].shape[1])
+        a = self.args
+        return shaped_loss(logps, part, gamma=self.replay.options.gamma, loss_type=self.loss_type,
+                           max_completion_length=a.max_completion_length, processes=self.accelerator.num_processes,
+                           grad_accum=self.current_gradient_accumulation_steps, spg=a.steps_per_generation)
 
     @contextmanager
     def _capturing(self, generation, part):
