@@ -20,6 +20,7 @@ dapo_dynamic       DAPO + dynamic sampling (drop all-equal)    b kept    -      
 repo_recency       RePO: newest 8 stored responses per prompt  b         8/prompt   grpo+off
 repo_reward        RePO: 8 highest-reward stored responses     b         8/prompt   grpo+off
 repo_variance      RePO: 8 stored responses of max variance    b         8/prompt   grpo+off
+exgrpo             ExGRPO: 1 stored correct row in b/2 groups  b         b/2 rows   dr_grpo+shaped
 hdr_l1             Headroom-Drift with L1 Drift                b         r          grpo
 hdr_advantage      Headroom-Drift, |A|-weighted Headroom       b         r          grpo
 =================  ==========================================  ========  =========  ========
@@ -35,7 +36,7 @@ The DAPO baseline is TRL's ``loss_type="dapo"`` (token-level normalisation) with
 (``replay_dynamic_sampling``: over-generate and drop groups whose rewards are all equal until the batch
 holds b mixed groups; the extra fresh responses are counted).  The peer strategies are compositions of
 the same machinery (selector, ingress rule, priority knobs, max age); docs/strategies.md has their sources,
-rules as implemented and deviations.  ExGRPO and BAPO are not in this registry yet (see there).
+rules as implemented and deviations.
 """
 
 from __future__ import annotations

@@ -141,9 +141,11 @@ def _paired(summary: dict, seeds: int) -> list[str]:
     better = [e["label"] for _, e in rows if e["paired"]["excludes_zero"] and e["paired"]["diff"] > 0]
     worse = [e["label"] for _, e in rows if e["paired"]["excludes_zero"] and e["paired"]["diff"] < 0]
     hw = max(e["paired"]["half_width"] for _, e in rows)
-    out += ["", f"Verdict: Headroom-Drift is better than {', '.join(worse) or 'no method'} and worse than "
-                f"{', '.join(better) or 'no method'} at 95 % (intervals excluding 0); the rest are not separated. "
-                f"Largest half-width {hw:.4f}" + (" (<= 0.01)." if hw <= 0.01 else " (> 0.01: see the last column).")]
+    parts = ([f"better than {', '.join(worse)}"] if worse else []) + ([f"worse than {', '.join(better)}"] if better else [])
+    said = (f"Headroom-Drift is {' and '.join(parts)} at 95 % (intervals excluding 0); the rest are not separated"
+            if parts else "no interval excludes 0: Headroom-Drift is not separated from any method")
+    out += ["", f"Verdict: {said}. Largest half-width {hw:.4f}"
+                + (" (<= 0.01)." if hw <= 0.01 else " (> 0.01: see the last column).")]
     return out
 
 

@@ -175,3 +175,26 @@ def split_off(part: dict) -> tuple[dict, dict | None]:
     on, shaped = take_rows(part, on_rows), take_rows(part, off_rows)
     shaped["hdr_shaped_logps"] = off_logps[off_rows]  # (keeps hdr_row: only a fresh part's forward is captured)
     return on, shaped
+
+
+def token_entropies(trainer, input_ids, attention_mask, logits_to_keep) -> torch.Tensor:
+    """(R, C) token entropies of rows under ``trainer``'s current policy (TRL's forward, no grad; ExGRPO's pick)."""
+    from trl.models.utils import disable_gradient_checkpointing
+
+    dev = trainer.accelerator.device
+    with torch.no_grad(), disable_gradient_checkpointing(trainer.model, trainer.args.gradient_checkpointing_kwargs):
+        _, ent, _ = trainer._get_per_token_logps_and_entropies(
+            trainer.model, input_ids.to(dev), attention_mask.to(dev), logits_to_keep,
+            batch_size=trainer._score_batch_size, compute_entropy=True)
+    return ent
+
+
+def shaped_part_loss(trainer, model, part: dict) -> torch.Tensor:
+    """:func:`shaped_loss` of an injected-rows part, its current log-probs from TRL's forward (with grad)."""
+    ids = torch.cat([part["prompt_ids"], part["completion_ids"]], 1)
+    mask = torch.cat([part["prompt_mask"], part["completion_mask"]], 1)
+    logps, _, _ = trainer._get_per_token_logps_and_entropies(model, ids, mask, part["completion_ids"].shape[1])
+    a = trainer.args
+    return shaped_loss(logps, part, gamma=trainer.replay.options.gamma, loss_type=trainer.loss_type,
+                       max_completion_length=a.max_completion_length, processes=trainer.accelerator.num_processes,
+                       grad_accum=trainer.current_gradient_accumulation_steps, spg=a.steps_per_generation)

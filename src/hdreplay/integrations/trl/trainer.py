@@ -29,6 +29,7 @@ import inspect
 import os
 import warnings
 from contextlib import contextmanager, nullcontext
+from functools import partial
 
 import torch
 from transformers import TrainerCallback
@@ -51,7 +52,7 @@ from .checks import check_exgrpo, check_padding_drift, check_supported
 from .checkpoints import clear_pending, mark_pending, refuse_incomplete, resume_target, rotation_held
 from .config import as_replay_config
 from .dynamic import DynamicSampler
-from .exgrpo import ExperienceMixer, shaped_loss, split_off
+from .exgrpo import ExperienceMixer, shaped_part_loss, split_off, token_entropies
 from .positions import install_position_ids, padding_drift
 from .reference import refresh_reference
 from .rescore import can_share_prompt, share_pays, shared_prompt_logps
@@ -103,7 +104,7 @@ class HDRGRPOTrainer(GRPOTrainer):
         elif exgrpo is not None:
             self.replay = ExgrpoController(exgrpo, n=a.num_generations, seed=a.seed)
             self._mixer = ExperienceMixer(self.replay, n=a.num_generations, pad_token_id=self._tokenizer.pad_token_id,
-                                          entropies=self._token_entropies, scale_rewards=self.scale_rewards)
+                                          entropies=partial(token_entropies, self), scale_rewards=self.scale_rewards)
         else:
             self.replay = ReplayController(
                 self.replay_config,
@@ -255,15 +256,6 @@ class HDRGRPOTrainer(GRPOTrainer):
         buffer = getattr(self.replay, "buffer", None)
         return None if buffer is None else buffer.mm_schema
 
-    def _token_entropies(self, input_ids, attention_mask, logits_to_keep) -> torch.Tensor:
-        """(R, C) token entropies of rows under the current policy (TRL's forward, no grad; ExGRPO's pick)."""
-        dev = self.accelerator.device
-        with torch.no_grad(), disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs):
-            _, ent, _ = self._get_per_token_logps_and_entropies(
-                self.model, input_ids.to(dev), attention_mask.to(dev), logits_to_keep,
-                batch_size=self._score_batch_size, compute_entropy=True)
-        return ent
-
     def _check_images(self, out: dict, gen) -> None:
         """First step of a VLM run: the buffer (e.g. resumed) must hold images this processor produces, and
         re-padding a real row (with its image) must not change its log-probs."""
@@ -352,14 +344,7 @@ class HDRGRPOTrainer(GRPOTrainer):
         return loss if done is None else loss + done
 
     def _shaped_loss(self, model, part: dict) -> torch.Tensor:
-        """ExGRPO's policy-shaped off-policy term on injected rows (:func:`.exgrpo.shaped_loss`)."""
-        ids = torch.cat([part["prompt_ids"], part["completion_ids"]], 1)
-        mask = torch.cat([part["prompt_mask"], part["completion_mask"]], 1)
-        logps, _, _ = self._get_per_token_logps_and_entropies(model, ids, mask, part["completion_ids"].shape[1])
-        a = self.args
-        return shaped_loss(logps, part, gamma=self.replay.options.gamma, loss_type=self.loss_type,
-                           max_completion_length=a.max_completion_length, processes=self.accelerator.num_processes,
-                           grad_accum=self.current_gradient_accumulation_steps, spg=a.steps_per_generation)
+        return shaped_part_loss(self, model, part)  # ExGRPO's policy-shaped term on injected rows
 
     @contextmanager
     def _capturing(self, generation, part):
