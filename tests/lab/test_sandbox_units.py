@@ -136,3 +136,20 @@ def test_warm_start_can_stop_at_a_zero_variance_share(tmp_path):
     assert meta["steps"] == 20 and [("mean_at_n" in h) for h in meta["history"]] == [False, True]
     assert all(1 / 6 * k == pytest.approx(h["zero_variance_share"]) for h in meta["history"]
                for k in [round(h["zero_variance_share"] * 6)])  # a share of 6 probe prompts
+
+
+def test_a_comparison_written_before_a_setting_existed_is_reused_with_that_setting_at_its_default(tmp_path):
+    """compare.json from before ``train_pool`` existed still identifies the same comparison (its runs did the
+    default); a real difference is still refused, naming the setting."""
+    import json
+
+    import pytest
+
+    from hdreplay_lab.sandbox.compare import CompareConfig, _marker, check_out_dir
+
+    marker = _marker(CompareConfig(task="add", seeds=2))
+    del marker["config"]["train_pool"]
+    (tmp_path / "compare.json").write_text(json.dumps(marker))
+    assert check_out_dir(tmp_path, CompareConfig(task="add", seeds=5), overwrite=False) is False  # seeds: neutral
+    with pytest.raises(FileExistsError, match="train_pool"):
+        check_out_dir(tmp_path, CompareConfig(task="add", train_pool=100), overwrite=False)

@@ -26,7 +26,7 @@ import math
 import os
 import shutil
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 from hdreplay.config import ReplayConfig
@@ -201,8 +201,11 @@ def _marker(cfg: CompareConfig) -> dict:
 
 
 def _identity(marker: dict) -> dict:
-    """What must match for finished runs to be reused: everything but :data:`RUN_NEUTRAL`."""
-    return {**marker, "config": {k: v for k, v in marker.get("config", {}).items() if k not in RUN_NEUTRAL}}
+    """What must match for finished runs to be reused: everything but :data:`RUN_NEUTRAL`.  A setting added to
+    CompareConfig after the marker was written counts at its default (what those runs did)."""
+    defaults = {f.name: f.default for f in fields(CompareConfig) if f.default is not MISSING}
+    config = {**defaults, **marker.get("config", {})}
+    return {**marker, "config": {k: v for k, v in config.items() if k not in RUN_NEUTRAL}}
 
 
 def check_out_dir(out: Path, cfg: CompareConfig, overwrite: bool) -> bool:
