@@ -45,6 +45,11 @@ _TRL_KNOBS = (
          "hdreplay.strategies.repo.RepoOptions fields, e.g. {\"retrieval\": \"recent\"} (retrieval recent | highest | "
          "max_variance, num_replays 8, min_cache 16, max_cache 16, off_coef 1.0); one process, micro_step chunk, "
          "a row-mean loss_type", None),
+    Knob("bapo", "json", None, True,
+         "BAPO's buffer-driven batch construction instead of a selector (replay_selector='none'): a dict / JSON "
+         "object of hdreplay.strategies.bapo.BapoOptions fields, e.g. {\"max_reeval\": 16} (bad_thr 1/8, "
+         "target_range [1/8, 2/8], train_range [1/8, 7/8], reeval_every 2, max_reeval 16, max_uids 128, max_target "
+         "8, stale_steps 3, seed 0); one process, text only, one generation per update", None),
     Knob("dynamic_sampling", bool, False, False,
          "DAPO's dynamic sampling: drop groups whose rewards are all equal and generate further prompt batches "
          "until the batch holds only mixed groups (at most dynamic_sampling_max_batches rounds); one process, "
@@ -106,6 +111,12 @@ class HDRGRPOConfig(_ReplayFields, GRPOConfig):
             raise ReplayConfigError(f"HDRGRPOConfig: replay_dynamic_sampling_max_batches must be an int >= 1, got "
                                     f"{mb!r}", field="replay_dynamic_sampling_max_batches")
         self.repo_options()
+        if self.bapo_options() is not None and (self.replay_selector != "none" or self.replay_repo is not None
+                                                 or self.replay_dynamic_sampling):
+            raise ReplayConfigError(
+                "HDRGRPOConfig: replay_bapo builds its own batches and replay; set replay_selector='none', "
+                f"replay_repo=None and replay_dynamic_sampling=False (got {self.replay_selector!r}, "
+                f"{self.replay_repo!r}, {self.replay_dynamic_sampling!r})", field="replay_bapo")
         if self.replay_repo is not None and self.replay_selector != "none":
             raise ReplayConfigError(f"HDRGRPOConfig: replay_repo replaces the selector; set replay_selector='none' "
                                     f"(got {self.replay_selector!r})", field="replay_repo")
@@ -123,25 +134,13 @@ class HDRGRPOConfig(_ReplayFields, GRPOConfig):
         """``replay_repo`` as :class:`~hdreplay.strategies.repo.RepoOptions` (None when unset)."""
         from ...strategies.repo import RepoOptions
 
-        v = self.replay_repo
-        if v is None:
-            return None
-        if isinstance(v, str):
-            try:
-                v = json.loads(v)
-            except json.JSONDecodeError as e:
-                raise ReplayConfigError(f"HDRGRPOConfig: replay_repo is not valid JSON ({e})", field="replay_repo")
-        if not isinstance(v, dict):
-            raise ReplayConfigError(f"HDRGRPOConfig: replay_repo must be a dict of RepoOptions fields, got {v!r}",
-                                    field="replay_repo")
-        unknown = sorted(set(v) - set(RepoOptions.__dataclass_fields__))
-        if unknown:
-            raise ReplayConfigError(f"HDRGRPOConfig: replay_repo has unknown key(s) {unknown}; valid: "
-                                    f"{sorted(RepoOptions.__dataclass_fields__)}", field="replay_repo")
-        try:
-            return RepoOptions(**v)
-        except ReplayConfigError as e:
-            raise ReplayConfigError(f"HDRGRPOConfig: replay_repo.{e.field}: {e}", field="replay_repo") from None
+        return _options(self.replay_repo, RepoOptions, "replay_repo")
+
+    def bapo_options(self):
+        """``replay_bapo`` as :class:`~hdreplay.strategies.bapo.BapoOptions` (None when unset)."""
+        from ...strategies.bapo import BapoOptions
+
+        return _options(self.replay_bapo, BapoOptions, "replay_bapo")
 
     @property
     def world(self) -> int:
@@ -186,6 +185,28 @@ class HDRGRPOConfig(_ReplayFields, GRPOConfig):
     def replay_help(cls) -> str:
         """One line per replay field: name, default, help."""
         return "\n".join(f"{f.name} (default {f.default!r}): {f.metadata['help']}" for f in fields(_ReplayFields))
+
+
+def _options(v, cls, name: str):
+    """A JSON knob (``name``: a dict or a JSON object of ``cls``'s fields) as ``cls`` (None when unset)."""
+    if v is None:
+        return None
+    if isinstance(v, str):
+        try:
+            v = json.loads(v)
+        except json.JSONDecodeError as e:
+            raise ReplayConfigError(f"HDRGRPOConfig: {name} is not valid JSON ({e})", field=name)
+    if not isinstance(v, dict):
+        raise ReplayConfigError(f"HDRGRPOConfig: {name} must be a dict of {cls.__name__} fields, got {v!r}",
+                                field=name)
+    unknown = sorted(set(v) - set(cls.__dataclass_fields__))
+    if unknown:
+        raise ReplayConfigError(f"HDRGRPOConfig: {name} has unknown key(s) {unknown}; valid: "
+                                f"{sorted(cls.__dataclass_fields__)}", field=name)
+    try:
+        return cls(**v)
+    except ReplayConfigError as e:
+        raise ReplayConfigError(f"HDRGRPOConfig: {name}.{e.field}: {e}", field=name) from None
 
 
 def as_replay_config(args, model) -> HDRGRPOConfig:

@@ -41,10 +41,12 @@ from trl.trainer.utils import (
 
 from ...controller import ReplayController
 from ...multimodal import schema_difference, schema_of
+from ...strategies.bapo import BapoController
 from ...strategies.repo import RepoController
 from ...padding import pad_groups
 from ..common import STATE_DIR, restore, split_by_schema
 from . import mm
+from .bapo import BapoSampler, check_bapo
 from .batch import check_keys, gather_objects, gather_rows, groups_from_rows, ingress_rows, replay_rows
 from .checks import check_padding_drift, check_supported
 from .checkpoints import clear_pending, mark_pending, refuse_incomplete, resume_target, rotation_held
@@ -84,8 +86,8 @@ class HDRGRPOTrainer(GRPOTrainer):
         a = self.args
         self.replay_plan = a.replay_plan()
         self.replay_config = a.to_replay_config()
-        repo = a.repo_options()
-        self.replay_active = self.replay_config.selector != "none" or repo is not None
+        repo, bapo = a.repo_options(), a.bapo_options()
+        self.replay_active = self.replay_config.selector != "none" or repo is not None or bapo is not None
         if self.replay_active:
             check_supported(a, self.replay_plan, self.accelerator.unwrap_model(self.model), loss_type=self.loss_type,
                             processes=self.accelerator.num_processes, vlm=self._is_vlm, repo=repo is not None,
@@ -93,10 +95,15 @@ class HDRGRPOTrainer(GRPOTrainer):
         diag = a.replay_diagnostics_dir
         if diag is None:
             diag = os.path.join(a.output_dir, "replay")
+        self._bapo = None  # BAPO's batch construction (replay_bapo): its controller replaces the selector's
+        if bapo is not None:
+            check_bapo(a, processes=self.accelerator.num_processes, vlm=self._is_vlm)
+            self._bapo = BapoSampler(BapoController(bapo), n=a.num_generations,
+                                     pad_token_id=self._tokenizer.pad_token_id)
         self.replay = RepoController(repo) if repo is not None else ReplayController(
             self.replay_config,
             diagnostics_dir=diag if (diag and self.accelerator.is_main_process and self.replay_active) else None,
-        )
+        ) if bapo is None else self._bapo.controller
         self._dynamic = None  # DAPO's dynamic sampling (replay_dynamic_sampling)
         if a.replay_dynamic_sampling:
             if self.accelerator.num_processes > 1:
@@ -124,8 +131,8 @@ class HDRGRPOTrainer(GRPOTrainer):
         if (self._replay_step is not None or self._dynamic is not None) and self.model.training:
             w = self.reward_weights.to(rewards_per_func.device)
             total = (rewards_per_func * w.unsqueeze(0)).nansum(dim=1)  # global (N,)
-            if self._dynamic is not None:
-                self._dynamic.rewards = total
+            if self._dynamic is not None or self._bapo is not None:
+                (self._dynamic or self._bapo).rewards = total
             else:
                 self._replay_step.current.rewards = total
         return rewards_per_func
@@ -145,7 +152,11 @@ class HDRGRPOTrainer(GRPOTrainer):
             self._replay_step = ReplayStep(index=self.state.global_step + self._step_offset)
         step = self._replay_step
         gen = step.open_generation()
-        out = super()._generate_and_score_completions(inputs)
+        if self._bapo is not None:  # BAPO: filtered fresh + promoted groups; gen.rewards are the batch's
+            out = self._bapo.generate(inputs, super()._generate_and_score_completions, step=step.index)
+            gen.rewards = self._bapo.batch_rewards
+        else:
+            out = super()._generate_and_score_completions(inputs)
         check_keys(out)
         if self._is_vlm:
             gen.mm_rows, gen.mm_why = mm.row_inputs(out)
@@ -234,7 +245,7 @@ class HDRGRPOTrainer(GRPOTrainer):
 
     def _mm_schema(self):
         """The buffer's multimodal schema (None for RePO's text-only per-prompt stores)."""
-        return None if isinstance(self.replay, RepoController) else self.replay.buffer.mm_schema
+        return None if isinstance(self.replay, (RepoController, BapoController)) else self.replay.buffer.mm_schema
 
     def _check_images(self, out: dict, gen) -> None:
         """First step of a VLM run: the buffer (e.g. resumed) must hold images this processor produces, and
