@@ -17,6 +17,7 @@ uniform_fifo       uniform sampling from a FIFO of all groups  b         r      
 freshper           FreshPER: |r| priority x exp(-age/2) PER    b         r          grpo
 adv_priority       rollouts by |A|, evicted after 4 steps      b         r rows     grpo
 dapo_dynamic       DAPO + dynamic sampling (drop all-equal)    b kept    -          dapo
+bapo               BAPO: filtered fresh + promoted + targets   <= b      fill to b  dapo
 repo_recency       RePO: newest 8 stored responses per prompt  b         8/prompt   grpo+off
 repo_reward        RePO: 8 highest-reward stored responses     b         8/prompt   grpo+off
 repo_variance      RePO: 8 stored responses of max variance    b         8/prompt   grpo+off
@@ -35,7 +36,9 @@ The DAPO baseline is TRL's ``loss_type="dapo"`` (token-level normalisation) with
 (``replay_dynamic_sampling``: over-generate and drop groups whose rewards are all equal until the batch
 holds b mixed groups; the extra fresh responses are counted).  The peer strategies are compositions of
 the same machinery (selector, ingress rule, priority knobs, max age); docs/strategies.md has their sources,
-rules as implemented and deviations.  ExGRPO and BAPO are not in this registry yet (see there).
+rules as implemented and deviations.  ``bapo`` (BAPO's buffer-driven batch: fresh groups filtered to
+accuracy [1/8, 7/8], re-evaluated difficult prompts promoted into the batch, stored 1/8..2/8 groups replayed to
+fill b) counts its re-evaluation rollouts as fresh responses.  ExGRPO is not in this registry yet (see there).
 """
 
 from __future__ import annotations
@@ -58,6 +61,8 @@ class Method:
     dynamic_sampling: bool = False
     #: RePO's per-prompt replay (HDRGRPOConfig.replay_repo: RepoOptions fields)
     repo: tuple[tuple[str, object], ...] = ()
+    #: BAPO's buffer-driven batches (HDRGRPOConfig.replay_bapo: BapoOptions fields; None = off)
+    bapo: tuple[tuple[str, object], ...] | None = None
     tau_scale: float = 1.0  # this method's tau = tau_scale x the comparison's tau
 
     def fresh_groups(self, b: int) -> int:
@@ -105,6 +110,9 @@ METHODS: dict[str, Method] = {
         # replays only prompts seen twice before, so compare with --train-pool (prompts cycled over epochs)
         *(Method(f"repo_{name}", f"RePO {name} (b+8/prompt)", repo=(("retrieval", rule),))
           for name, rule in (("recency", "recent"), ("reward", "highest"), ("variance", "max_variance"))),
+        # BAPO (arXiv 2602.20722), released recipe (token-mean loss, clip 0.2 / 0.28) at b = 16: re-evaluation of
+        # <= 16 difficult prompts every 2 steps, 128 uids; no delayed behaviour policy (rho_tis = 1)
+        Method("bapo", "BAPO (b, buffer-filled)", loss_type="dapo", epsilon_high=0.28, bapo=()),
     )
 }
 
@@ -115,7 +123,7 @@ COMPARE_METHODS = ("onpolicy_matched", "onpolicy_larger", "recency_matched", "da
                    "headroom_drift")
 #: the strategy comparison (docs/results/strategies): the paper's method, its role-aligned baselines, the peers
 STRATEGY_METHODS = ("onpolicy_matched", "onpolicy_larger", "recency_matched", "headroom_drift", "uniform_fifo",
-                    "freshper", "adv_priority", "dapo_dynamic", "repo_recency", "repo_reward", "repo_variance")
+                    "freshper", "adv_priority", "dapo_dynamic", "repo_recency", "repo_reward", "repo_variance", "bapo")
 DEMO_METHODS = ("onpolicy_matched", "recency_matched", "headroom_drift")
 #: the paper's agentic-search set (Search-R1): no recency-larger, no ablations
 SEARCH_METHODS = ("onpolicy_matched", "onpolicy_larger", "recency_matched", "dapo", "headroom_drift")
