@@ -192,3 +192,35 @@ def test_bapo_settings_are_validated(tmp_path):
     with pytest.raises(ValueError, match="steps_per_generation"):
         check_bapo(make_args(tmp_path, replay_selector="none", replay_bapo={}, gradient_accumulation_steps=2,
                              steps_per_generation=1), processes=1, vlm=False)
+
+
+def test_bapo_state_round_trips_through_a_trainer_checkpoint_and_resumes(model_dir, tmp_path):
+    from hdreplay.integrations.common import STATE_DIR
+    from hdreplay.strategies.bapo import BapoController, BapoOptions
+
+    model, tok = tiny_model(model_dir)
+    data = Dataset.from_dict({"prompt": list(dict.fromkeys(prompts()["prompt"]))})
+    kw = dict(replay_selector="none", replay_bapo={"seed": 3, "max_reeval": 3}, gradient_accumulation_steps=1,
+              per_device_train_batch_size=B * N, num_generations=N, seed=3, loss_type="dapo", save_strategy="steps",
+              save_steps=2)
+    tr = BapoTrainer(model=model, reward_funcs=reward, args=make_args(tmp_path, max_steps=4, **kw),
+                     train_dataset=data, processing_class=tok)
+    tr.train()
+    back = BapoController(BapoOptions(max_reeval=3))  # another seed: the state carries the generator
+    back.load(tmp_path / "checkpoint-4" / STATE_DIR)
+    assert back.last_step == 3 and list(back.store) == list(tr.replay.store) and len(back.store) > 0
+    for (u, a), b in zip(tr.replay.store.items(), back.store.values()):
+        assert (a.alpha, a.current, a.last_step, a.row) == (b.alpha, b.current, b.last_step, b.row), u
+        assert (a.record is None) == (b.record is None)
+        if a.record is not None:
+            assert torch.equal(a.record.logprobs, b.record.logprobs)
+            assert torch.equal(a.record.completion_ids, b.record.completion_ids)
+    # the generator continues where it stopped: the same draws as the live controller
+    assert back.reeval_candidates(4) == tr.replay.reeval_candidates(4)
+    model, tok = tiny_model(model_dir)
+    again = BapoTrainer(model=model, reward_funcs=reward, args=make_args(tmp_path, max_steps=6, **kw),
+                        train_dataset=data, processing_class=tok)
+    again.train(resume_from_checkpoint=True)
+    logs = [x for x in again.state.log_history if "bapo/reeval_prompts" in x and x["step"] > 4]  # after the resume
+    assert len(logs) == 2 and logs[0]["bapo/reeval_prompts"] > 0 and logs[1]["bapo/reeval_prompts"] == 0  # steps 4, 5
+    assert [r[0] for r in again.rounds] == [4, 4, 5]  # fresh + re-evaluation at step 4, fresh at step 5
