@@ -74,8 +74,8 @@ def test_controller_ingress_stores_eligible_fresh_groups_and_replays_only_target
     assert ctl.store["s0.0"].record is not None and ctl.store["s0.1"].record is None  # dropped: no log-probs
     assert ctl.store["s0.0"].alpha == [1, 0, 0, 0] and ctl.store["s0.1"].row == {"prompt": "p0.1"}
     assert m["replay/buffer_size"] == 2 and m["bapo/stored"] == 2 and m["replay/accepted"] == 0
-    assert ctl.reeval_candidates(1) == []  # odd step: no re-evaluation
-    assert ctl.reeval_candidates(2) == [("s0.1", {"prompt": "p0.1"})]  # only the difficult uid
+    assert ctl.reeval_candidates(2) == []  # BAPO's step 3: no re-evaluation
+    assert ctl.reeval_candidates(1) == [("s0.1", {"prompt": "p0.1"})]  # BAPO's step 2: only the difficult uid
     assert ctl.record_reeval("s0.1", [1, 1, 0, 0]) and ctl.store["s0.1"].current == [1, 1, 0, 0]
     sel, m = _step(ctl, 2, [[0, 1, 1, 1]] * 4, kept=[0, 1, 2, 3])
     # s0.1 is now a target by its latest score but has no log-probs: the one replayable target is s0.0
@@ -92,8 +92,8 @@ def test_uniform_picks_are_uniform_and_the_checkpoint_restores_the_generator(tmp
     twin.load(tmp_path / "s")
     assert [(u, e.alpha, e.last_step, e.record is None) for u, e in twin.store.items()] == \
         [(u, e.alpha, e.last_step, e.record is None) for u, e in ctl.store.items()]
-    got = [ctl.reeval_candidates(2 * i) for i in range(300)]
-    assert got == [twin.reeval_candidates(2 * i) for i in range(300)]  # same draws after the restore
+    got = [ctl.reeval_candidates(2 * i + 1) for i in range(300)]
+    assert got == [twin.reeval_candidates(2 * i + 1) for i in range(300)]  # same draws after the restore
     counts = Counter(u for c in got for u, _ in c)
     assert all(len(c) == 2 and len({u for u, _ in c}) == 2 for c in got)  # without replacement
     assert set(counts) == {u for u, e in ctl.store.items() if is_difficult(e, ctl.options)}  # 9 difficult uids

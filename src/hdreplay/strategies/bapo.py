@@ -7,7 +7,8 @@ The rules as the released trainer implements them (``OffPolicyManager`` / ``OffP
 * ingress (after the update, on the step's *unfiltered* fresh groups): a group whose mean lies in
   ``[0, bad_thr]`` (difficult) or in ``target_range`` (high quality) is stored under its own uid (one uid per
   generated group) with its rewards as collection ("alpha") scores; the uid moves to the end of the LRU order;
-* re-evaluation, on steps divisible by ``reeval_every``: up to ``max_reeval`` uids with mean(alpha) <= bad_thr,
+* re-evaluation, on BAPO's 1-based steps divisible by ``reeval_every`` (``global_steps % off_policy_reeval_freq``;
+  hdreplay's 0-based steps 1, 3, 5, ... at 2): up to ``max_reeval`` uids with mean(alpha) <= bad_thr,
   uniformly at random, are regenerated under the current policy; their rewards join the uid's "current" scores
   (capped at ``max_scores``); the new group is *promoted* into the batch iff mean(new) > mean(alpha);
 * target replay: uids whose latest score (mean current if any, else mean alpha) lies in ``target_range``, uniformly
@@ -190,9 +191,10 @@ class BapoController:
 
     # ---------------------------------------------------------------- the sampler's side
     def reeval_candidates(self, step: int) -> list[tuple[str, dict]]:
-        """(uid, input row) of the difficult uids to regenerate this step (none unless step % reeval_every == 0)."""
+        """(uid, input row) of the difficult uids to regenerate at 0-based ``step`` (none unless verl's 1-based step
+        number, step + 1, is divisible by reeval_every)."""
         o = self.options
-        if step % o.reeval_every:
+        if (step + 1) % o.reeval_every:
             return []
         cands = [u for u, e in self.store.items() if is_difficult(e, o)]
         return [(u, self.store[u].row) for u in uniform_pick(cands, o.max_reeval, self.rng)]

@@ -6,7 +6,7 @@ generation, rewards and advantages are TRL's) and builds the batch of B groups a
 1. the dataloader's B prompts x n are generated; a group is kept iff its mean reward lies in ``train_range``
    (if none is, BAPO's fallback: the whole unfiltered batch is trained); every fresh group -- kept or dropped --
    goes to the controller for ingress after the update;
-2. on steps divisible by ``reeval_every``, up to ``max_reeval`` difficult stored prompts (their stored input rows
+2. every ``reeval_every`` steps (BAPO's 1-based step numbers divisible by it: steps 1, 3, 5, ... here), up to ``max_reeval`` difficult stored prompts (their stored input rows
    x n) are regenerated through the same call under the current policy; their rewards update the stored scores;
    the promoted groups (:func:`~hdreplay.strategies.bapo.promoted`) join the batch as fresh on-policy rows, a
    seeded subset of whole groups when more are promoted than the batch has room for (BAPO takes a row subset);
