@@ -216,7 +216,7 @@ def test_compare_runs_the_peer_strategies_and_reports_their_costs(tiny_model, tm
     helptext = cli("compare", "--help").stdout
     assert all(name in helptext for name in STRATEGY_METHODS)
     out = tmp_path / "strategies"
-    p = cli("compare", "--methods", "uniform_fifo,adv_priority,dapo_dynamic", "--seeds", "1", "--model", tiny_model,
+    p = cli("compare", "--methods", "uniform_fifo,adv_priority,dapo_dynamic,bapo", "--seeds", "1", "--model", tiny_model,
             "--out", out, *TINY)
     assert p.returncode == 0, p.stderr[-4000:]
     ms = json.loads((out / "summary.json").read_text())["methods"]
@@ -235,4 +235,10 @@ def test_compare_runs_the_peer_strategies_and_reports_their_costs(tiny_model, tm
     assert [c["fresh_responses"] for c in curves["uniform_fifo"]] == [48 * c["step"] // 3 for c in curves["uniform_fifo"]]
     replayed = sum(r.get("replay/replayed_rows") or 0 for r in logs["adv_priority"])
     assert ms["adv_priority"]["replayed_groups"]["mean"] == replayed / 4
+    # BAPO: every generated response counted (the b groups, plus n per re-evaluated prompt on even steps)
+    bapo = logs["bapo"]
+    assert [r["dynamic/generated_rows"] for r in bapo] == [16 + 4 * r["bapo/reeval_prompts"] for r in bapo]
+    assert bapo[0]["bapo/reeval_prompts"] == bapo[2]["bapo/reeval_prompts"] == 0  # BAPO's steps 1 and 3
+    assert ms["bapo"]["fresh_responses"]["mean"] == sum(r["dynamic/generated_rows"] for r in bapo)
+    assert ms["bapo"]["replayed_groups"]["mean"] == sum(r["replay/replayed_rows"] for r in bapo) / 4
     assert "Groups replayed" in (out / "summary.md").read_text()

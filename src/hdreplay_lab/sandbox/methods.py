@@ -17,6 +17,7 @@ uniform_fifo       uniform sampling from a FIFO of all groups  b         r      
 freshper           FreshPER: |r| priority x exp(-age/2) PER    b         r          grpo
 adv_priority       rollouts by |A|, evicted after 4 steps      b         r rows     grpo
 dapo_dynamic       DAPO + dynamic sampling (drop all-equal)    b kept    -          dapo
+bapo               BAPO: filtered fresh + promoted + targets   <= b      fill to b  dapo
 repo_recency       RePO: newest 8 stored responses per prompt  b         8/prompt   grpo+off
 repo_reward        RePO: 8 highest-reward stored responses     b         8/prompt   grpo+off
 repo_variance      RePO: 8 stored responses of max variance    b         8/prompt   grpo+off
@@ -36,7 +37,9 @@ The DAPO baseline is TRL's ``loss_type="dapo"`` (token-level normalisation) with
 (``replay_dynamic_sampling``: over-generate and drop groups whose rewards are all equal until the batch
 holds b mixed groups; the extra fresh responses are counted).  The peer strategies are compositions of
 the same machinery (selector, ingress rule, priority knobs, max age); docs/strategies.md has their sources,
-rules as implemented and deviations.
+rules as implemented and deviations.  ``bapo`` (BAPO's buffer-driven batch: fresh groups filtered to
+accuracy [1/8, 7/8], re-evaluated difficult prompts promoted into the batch, stored 1/8..2/8 groups replayed to
+fill b) counts its re-evaluation rollouts as fresh responses.
 """
 
 from __future__ import annotations
@@ -59,6 +62,8 @@ class Method:
     dynamic_sampling: bool = False
     #: RePO's per-prompt replay (HDRGRPOConfig.replay_repo: RepoOptions fields)
     repo: tuple[tuple[str, object], ...] = ()
+    #: BAPO's buffer-driven batches (HDRGRPOConfig.replay_bapo: BapoOptions fields; None = off)
+    bapo: tuple[tuple[str, object], ...] | None = None
     tau_scale: float = 1.0  # this method's tau = tau_scale x the comparison's tau
     #: further HDRGRPOConfig fields of the strategy (name -> value), e.g. ExGRPO's replay_exgrpo
     trl: tuple[tuple[str, object], ...] = ()
@@ -113,6 +118,9 @@ METHODS: dict[str, Method] = {
         # (loss_remove_token_mean), advantages r - mean (grpo_use_std=False)
         Method("exgrpo", "ExGRPO (b, mixed groups)", loss_type="dr_grpo",
                trl=(("replay_exgrpo", "{}"), ("scale_rewards", "none"))),
+        # BAPO (arXiv 2602.20722), released recipe (token-mean loss, clip 0.2 / 0.28) at b = 16: re-evaluation of
+        # <= 16 difficult prompts every 2 steps, 128 uids; no delayed behaviour policy (rho_tis = 1)
+        Method("bapo", "BAPO (b, buffer-filled)", loss_type="dapo", epsilon_high=0.28, bapo=()),
     )
 }
 
@@ -124,7 +132,7 @@ COMPARE_METHODS = ("onpolicy_matched", "onpolicy_larger", "recency_matched", "da
 #: the strategy comparison (docs/results/strategies): the paper's method, its role-aligned baselines, the peers
 STRATEGY_METHODS = ("onpolicy_matched", "onpolicy_larger", "recency_matched", "headroom_drift", "uniform_fifo",
                     "freshper", "adv_priority", "dapo_dynamic", "repo_recency", "repo_reward", "repo_variance",
-                    "exgrpo")
+                    "exgrpo", "bapo")
 DEMO_METHODS = ("onpolicy_matched", "recency_matched", "headroom_drift")
 #: the paper's agentic-search set (Search-R1): no recency-larger, no ablations
 SEARCH_METHODS = ("onpolicy_matched", "onpolicy_larger", "recency_matched", "dapo", "headroom_drift")

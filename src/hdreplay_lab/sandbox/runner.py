@@ -98,6 +98,7 @@ def trainer_args(spec: RunSpec, method: Method, task: Task, run_dir: Path):
         disable_tqdm=True, disable_dropout=True, dataloader_num_workers=0,
         **{"replay_diagnose_ungated": False, **replay}, replay_diagnostics_dir=str(run_dir / "replay"),
         replay_dynamic_sampling=method.dynamic_sampling, replay_repo=dict(method.repo) if method.repo else None,
+        replay_bapo=None if method.bapo is None else {"seed": spec.seed, **dict(method.bapo)},
         max_tool_calling_iterations=getattr(task, "max_tool_calls", None), **dict(method.trl),
     )
 

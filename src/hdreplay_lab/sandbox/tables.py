@@ -33,9 +33,9 @@ def render_markdown(summary: dict) -> str:
     lines = [f"# hdreplay compare: task `{summary['task']}`", "",
              f"Each cell: Best@{n} / Mean@{n} on the held-out benchmark"
              + (f", mean ± standard deviation over {seeds} seeds." if seeds > 1 else f", {seeds} seed.")
-             + " Costs are per run (seed mean): fresh responses generated (dynamic sampling's discarded ones included), "
-             "stored responses forwarded under the current policy to select replay, groups replayed (single-rollout "
-             "replay: rows / n), training wall-clock.", ""]
+             + " Costs are per run (seed mean): fresh responses generated (dynamic sampling's discarded ones and "
+             "BAPO's re-evaluations included), stored responses forwarded under the current policy to select replay, "
+             "groups replayed (single-rollout replay: rows / n), training wall-clock.", ""]
     cells = lambda fn: [fn(ms[k]) for k in names]  # noqa: E731
     rows = [[f"{b} (n={size})", *cells(lambda e: _cell(e["benchmarks"][b]["best_at_n"], e["benchmarks"][b]["mean_at_n"]))]
             for b, size in summary["benchmarks"].items()]

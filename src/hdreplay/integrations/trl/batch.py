@@ -235,6 +235,13 @@ def take_rows(batch: dict, sl: slice) -> dict:
     return {k: (v if k in SCALAR_KEYS else v[sl]) for k, v in batch.items()}
 
 
+def recount_items(batch: dict, dtype: torch.dtype) -> dict:
+    """Set ``num_items_in_batch`` of a batch re-assembled from rows: its loss tokens (completion x tool mask)."""
+    mask = batch["completion_mask"] * batch["tool_mask"] if "tool_mask" in batch else batch["completion_mask"]
+    batch["num_items_in_batch"] = mask.sum().to(dtype)
+    return batch
+
+
 def gather_objects(accelerator, items: list | None) -> list | None:
     """Per-row Python objects of every rank, rank-major like :func:`gather_rows` (None stays None)."""
     if items is None or accelerator.num_processes == 1:

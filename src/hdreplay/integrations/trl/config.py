@@ -50,6 +50,11 @@ _TRL_KNOBS = (
          "hdreplay.strategies.exgrpo.ExgrpoOptions fields, e.g. {} for the released recipe (ratio 0.5, start_solved "
          "0.35, gamma 0.1, sigma 1.0, correct 1.0, lbound 0, rbound n - 1, seed = the run's seed); one process, text only, "
          "micro_step chunk, loss_type grpo | bnpo | dr_grpo | dapo, beta 0, entropy_coef 0", None),
+    Knob("bapo", "json", None, True,
+         "BAPO's buffer-driven batch construction instead of a selector (replay_selector='none'): a dict / JSON "
+         "object of hdreplay.strategies.bapo.BapoOptions fields, e.g. {\"max_reeval\": 16} (bad_thr 1/8, "
+         "target_range [1/8, 2/8], train_range [1/8, 7/8], reeval_every 2, max_reeval 16, max_uids 128, max_target "
+         "8, stale_steps 3, seed 0); one process, text only, one generation per update", None),
     Knob("dynamic_sampling", bool, False, False,
          "DAPO's dynamic sampling: drop groups whose rewards are all equal and generate further prompt batches "
          "until the batch holds only mixed groups (at most dynamic_sampling_max_batches rounds); one process, "
@@ -111,7 +116,8 @@ class HDRGRPOConfig(_ReplayFields, GRPOConfig):
             raise ReplayConfigError(f"HDRGRPOConfig: replay_dynamic_sampling_max_batches must be an int >= 1, got "
                                     f"{mb!r}", field="replay_dynamic_sampling_max_batches")
         strategies = [name for name, opts in (("replay_repo", self.repo_options()),
-                                              ("replay_exgrpo", self.exgrpo_options())) if opts is not None]
+                                              ("replay_exgrpo", self.exgrpo_options()),
+                                              ("replay_bapo", self.bapo_options())) if opts is not None]
         for name in strategies:
             if self.replay_selector != "none":
                 raise ReplayConfigError(f"HDRGRPOConfig: {name} replaces the selector; set replay_selector='none' "
@@ -119,6 +125,9 @@ class HDRGRPOConfig(_ReplayFields, GRPOConfig):
         if len(strategies) > 1:
             raise ReplayConfigError(f"HDRGRPOConfig: {' and '.join(strategies)} are both set; choose one strategy",
                                     field=strategies[-1])
+        if self.replay_dynamic_sampling and strategies and strategies[0] != "replay_repo":
+            raise ReplayConfigError(f"HDRGRPOConfig: {strategies[0]} builds its own batches; set "
+                                    "replay_dynamic_sampling=False", field=strategies[0])
         if self.replay_dynamic_sampling and (self.replay_selector != "none" or strategies):
             raise ReplayConfigError(
                 f"HDRGRPOConfig: replay_dynamic_sampling=True with replay_selector={self.replay_selector!r}: dynamic "
@@ -140,6 +149,12 @@ class HDRGRPOConfig(_ReplayFields, GRPOConfig):
         from ...strategies.exgrpo import ExgrpoOptions
 
         return _strategy_options(self.replay_exgrpo, "replay_exgrpo", ExgrpoOptions)
+
+    def bapo_options(self):
+        """``replay_bapo`` as :class:`~hdreplay.strategies.bapo.BapoOptions` (None when unset)."""
+        from ...strategies.bapo import BapoOptions
+
+        return _strategy_options(self.replay_bapo, "replay_bapo", BapoOptions)
 
     @property
     def world(self) -> int:

@@ -28,7 +28,7 @@ from typing import Any, Callable
 
 import torch
 
-from .batch import check_keys, concat_rows, take_rows
+from .batch import check_keys, concat_rows, recount_items, take_rows
 
 
 class DynamicSampler:
@@ -79,9 +79,7 @@ class DynamicSampler:
             batch = self._next_prompts(B)
         short = max(0, B - len(kept))
         parts = kept[:B] + (spare[len(spare) - short:] if short else [])
-        result = concat_rows(parts, pad_token_id=self.pad_token_id)
-        mask = result["completion_mask"] * result["tool_mask"] if "tool_mask" in result else result["completion_mask"]
-        result["num_items_in_batch"] = mask.sum().to(out["num_items_in_batch"].dtype)
+        result = recount_items(concat_rows(parts, pad_token_id=self.pad_token_id), out["num_items_in_batch"].dtype)
         self.last = {"dynamic/rounds": float(rounds), "dynamic/generated_rows": float(rounds * B * n),
                      "dynamic/dropped_groups": float(rounds * B - B), "dynamic/filled_zero_var": float(short)}
         return result

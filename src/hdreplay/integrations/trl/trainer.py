@@ -42,11 +42,13 @@ from trl.trainer.utils import (
 
 from ...controller import ReplayController
 from ...multimodal import schema_difference, schema_of
+from ...strategies.bapo import BapoController
 from ...strategies.exgrpo import ExgrpoController
 from ...strategies.repo import RepoController
 from ...padding import pad_groups
 from ..common import STATE_DIR, restore, split_by_schema
 from . import mm
+from .bapo import BapoSampler, check_bapo
 from .batch import check_keys, gather_objects, gather_rows, groups_from_rows, ingress_rows, replay_rows
 from .checks import check_exgrpo, check_padding_drift, check_supported
 from .checkpoints import clear_pending, mark_pending, refuse_incomplete, resume_target, rotation_held
@@ -87,8 +89,8 @@ class HDRGRPOTrainer(GRPOTrainer):
         a = self.args
         self.replay_plan = a.replay_plan()
         self.replay_config = a.to_replay_config()
-        repo, exgrpo = a.repo_options(), a.exgrpo_options()
-        self.replay_active = self.replay_config.selector != "none" or repo is not None or exgrpo is not None
+        repo, exgrpo, bapo = a.repo_options(), a.exgrpo_options(), a.bapo_options()
+        self.replay_active = self.replay_config.selector != "none" or any(x is not None for x in (repo, exgrpo, bapo))
         if self.replay_active:
             check_supported(a, self.replay_plan, self.accelerator.unwrap_model(self.model), loss_type=self.loss_type,
                             processes=self.accelerator.num_processes, vlm=self._is_vlm, repo=repo is not None,
@@ -99,12 +101,18 @@ class HDRGRPOTrainer(GRPOTrainer):
         if diag is None:
             diag = os.path.join(a.output_dir, "replay")
         self._mixer = None  # ExGRPO's mixed-policy groups (replay_exgrpo)
+        self._bapo = None  # BAPO's batch construction (replay_bapo): its controller replaces the selector's
         if repo is not None:
             self.replay = RepoController(repo)
         elif exgrpo is not None:
             self.replay = ExgrpoController(exgrpo, n=a.num_generations, seed=a.seed)
             self._mixer = ExperienceMixer(self.replay, n=a.num_generations, pad_token_id=self._tokenizer.pad_token_id,
                                           entropies=partial(token_entropies, self), scale_rewards=self.scale_rewards)
+        elif bapo is not None:
+            check_bapo(a, processes=self.accelerator.num_processes, vlm=self._is_vlm)
+            self._bapo = BapoSampler(BapoController(bapo), n=a.num_generations,
+                                     pad_token_id=self._tokenizer.pad_token_id)
+            self.replay = self._bapo.controller
         else:
             self.replay = ReplayController(
                 self.replay_config,
@@ -136,8 +144,8 @@ class HDRGRPOTrainer(GRPOTrainer):
         if (self._replay_step is not None or self._dynamic is not None) and self.model.training:
             w = self.reward_weights.to(rewards_per_func.device)
             total = (rewards_per_func * w.unsqueeze(0)).nansum(dim=1)  # global (N,)
-            if self._dynamic is not None:
-                self._dynamic.rewards = total
+            if self._dynamic is not None or self._bapo is not None:
+                (self._dynamic or self._bapo).rewards = total
             else:
                 self._replay_step.current.rewards = total
         return rewards_per_func
@@ -160,6 +168,9 @@ class HDRGRPOTrainer(GRPOTrainer):
         if self._mixer is not None:  # ExGRPO: experience prompts substituted, one stored row per such group
             out, gen.rewards = self._mixer.generate(inputs, super()._generate_and_score_completions,
                                                     lambda: gen.rewards)
+        elif self._bapo is not None:  # BAPO: filtered fresh + promoted groups; gen.rewards are the batch's
+            out = self._bapo.generate(inputs, super()._generate_and_score_completions, step=step.index)
+            gen.rewards = self._bapo.batch_rewards
         else:
             out = super()._generate_and_score_completions(inputs)
         check_keys(out)
@@ -252,7 +263,7 @@ class HDRGRPOTrainer(GRPOTrainer):
         return pg.split_by_group(logps[:pg.num_rows].cpu())
 
     def _mm_schema(self):
-        """The buffer's multimodal schema (None for the text-only per-prompt stores of RePO and ExGRPO)."""
+        """The buffer's multimodal schema (None for the text-only per-prompt stores of RePO, ExGRPO and BAPO)."""
         buffer = getattr(self.replay, "buffer", None)
         return None if buffer is None else buffer.mm_schema
 
