@@ -201,3 +201,21 @@ def reload_converted_weights(model, checkpoint: str) -> bool:
     loaded = type(model).from_pretrained(checkpoint, dtype=next(model.parameters()).dtype, local_files_only=True)
     model.load_state_dict(loaded.state_dict())
     return True
+
+
+def check_images(trainer, out: dict, gen) -> None:
+    """First step of a VLM run: the buffer (e.g. resumed) must hold images this processor produces, and re-padding a
+    real row (with its image) must not change its log-probs (``trainer``'s padding check, on that row)."""
+    from ...multimodal import schema_difference, schema_of
+
+    have = trainer._mm_schema()
+    i = next((j for j, w in enumerate(gen.mm_why) if w is None), None)
+    ok = None if i is None else gen.mm_rows[i]
+    if have is not None and ok is not None and (why := schema_difference(schema_of(ok), have)) is not None:
+        raise ValueError(f"the replay buffer holds multimodal inputs this run's processor does not produce: {why}. "
+                         "It was filled under another processor or image setting (resumed from another run?); "
+                         "resume with the same processor, or start with an empty buffer")
+    if trainer.replay_padding_drift is None and ok is not None:
+        trainer.replay_padding_drift = row_padding_drift(trainer._logps, out, i, ok,
+                                                         pad_token_id=trainer._tokenizer.pad_token_id)
+        trainer._check_padding_invariance(trainer.replay_padding_drift)

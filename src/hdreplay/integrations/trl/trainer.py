@@ -29,7 +29,6 @@ import inspect
 import os
 import warnings
 from contextlib import contextmanager, nullcontext
-from functools import partial
 
 import torch
 from transformers import TrainerCallback
@@ -40,26 +39,22 @@ from trl.trainer.utils import (
     shuffle_sequence_dict, split_pixel_values_by_grid, split_tensor_dict, unsplit_pixel_values_by_grid,
 )
 
-from ...controller import ReplayController
-from ...multimodal import schema_difference, schema_of
-from ...strategies.bapo import BapoController
-from ...strategies.exgrpo import ExgrpoController
+from ...multimodal import schema_of
 from ...strategies.repo import RepoController
 from ...padding import pad_groups
 from ..common import STATE_DIR, restore, split_by_schema
 from . import mm
-from .bapo import BapoSampler, check_bapo
 from .batch import check_keys, gather_objects, gather_rows, groups_from_rows, ingress_rows, replay_rows
-from .checks import check_exgrpo, check_padding_drift, check_supported
+from .checks import check_padding_drift
 from .checkpoints import clear_pending, mark_pending, refuse_incomplete, resume_target, rotation_held
 from .config import as_replay_config
-from .dynamic import DynamicSampler
-from .exgrpo import ExperienceMixer, shaped_part_loss, split_off, token_entropies
+from .exgrpo import shaped_part_loss, split_off
 from .positions import install_position_ids, padding_drift
 from .reference import refresh_reference
 from .rescore import can_share_prompt, share_pays, shared_prompt_logps
 from .microstep import MicroStep, chunk_scales, merged, replay_chunks, separate_term_scales
 from .step import ReplayStep
+from .strategies import build_strategy
 
 _INIT = inspect.signature(GRPOTrainer.__init__)
 
@@ -89,42 +84,11 @@ class HDRGRPOTrainer(GRPOTrainer):
         a = self.args
         self.replay_plan = a.replay_plan()
         self.replay_config = a.to_replay_config()
-        repo, exgrpo, bapo = a.repo_options(), a.exgrpo_options(), a.bapo_options()
-        self.replay_active = self.replay_config.selector != "none" or any(x is not None for x in (repo, exgrpo, bapo))
-        if self.replay_active:
-            check_supported(a, self.replay_plan, self.accelerator.unwrap_model(self.model), loss_type=self.loss_type,
-                            processes=self.accelerator.num_processes, vlm=self._is_vlm, repo=repo is not None,
-                            deepspeed=self.is_deepspeed_enabled)
-        if exgrpo is not None:
-            check_exgrpo(self, a)
-        diag = a.replay_diagnostics_dir
-        if diag is None:
-            diag = os.path.join(a.output_dir, "replay")
-        self._mixer = None  # ExGRPO's mixed-policy groups (replay_exgrpo)
-        self._bapo = None  # BAPO's batch construction (replay_bapo): its controller replaces the selector's
-        if repo is not None:
-            self.replay = RepoController(repo)
-        elif exgrpo is not None:
-            self.replay = ExgrpoController(exgrpo, n=a.num_generations, seed=a.seed)
-            self._mixer = ExperienceMixer(self.replay, n=a.num_generations, pad_token_id=self._tokenizer.pad_token_id,
-                                          entropies=partial(token_entropies, self), scale_rewards=self.scale_rewards)
-        elif bapo is not None:
-            check_bapo(a, processes=self.accelerator.num_processes, vlm=self._is_vlm)
-            self._bapo = BapoSampler(BapoController(bapo), n=a.num_generations,
-                                     pad_token_id=self._tokenizer.pad_token_id)
-            self.replay = self._bapo.controller
-        else:
-            self.replay = ReplayController(
-                self.replay_config,
-                diagnostics_dir=diag if (diag and self.accelerator.is_main_process and self.replay_active) else None)
-        self._dynamic = None  # DAPO's dynamic sampling (replay_dynamic_sampling)
-        if a.replay_dynamic_sampling:
-            if self.accelerator.num_processes > 1:
-                raise ValueError("replay_dynamic_sampling=True runs on one process only (the group filter needs "
-                                 "every rank's rewards); launch one process or turn it off")
-            self._dynamic = DynamicSampler(self.train_dataset, n=a.num_generations, seed=a.seed,
-                                           max_batches=a.replay_dynamic_sampling_max_batches,
-                                           pad_token_id=self._tokenizer.pad_token_id)
+        strategy = build_strategy(self)  # controller + generation wrapper (trl/strategies.py)
+        self.replay, self.replay_active = strategy.controller, strategy.active
+        self._mixer = strategy.mixer  # ExGRPO's mixed-policy groups (replay_exgrpo)
+        self._bapo = strategy.bapo  # BAPO's batch construction (replay_bapo)
+        self._dynamic = strategy.dynamic  # DAPO's dynamic sampling (replay_dynamic_sampling)
         self._replay_step: ReplayStep | None = None  # the open step (one optimizer update)
         self._capture: tuple | None = None  # (generation, part) while one fresh part's loss forward runs
         self._step_offset: int | None = None  # replay step = global_step + offset (0 unless train() is called again)
@@ -191,14 +155,14 @@ class HDRGRPOTrainer(GRPOTrainer):
         out["hdr_row"] = torch.arange(B, device=self.accelerator.device)
         if len(step.generations) == 1:
             if self._is_vlm:
-                self._check_images(out, gen)
+                mm.check_images(self, out, gen)
             self._select(step)
             if step.selection.groups:
                 out["num_items_in_batch"] = out["num_items_in_batch"] + step.replay_tokens
         return out
 
     def _select(self, step: ReplayStep) -> None:
-        if self.replay_padding_drift is None and not self._is_vlm:  # a VLM is checked on a real row (_check_images)
+        if self.replay_padding_drift is None and not self._is_vlm:  # a VLM is checked on a real row (mm.check_images)
             self._check_padding_invariance()
         if isinstance(self.replay, RepoController):  # prompt-conditioned: the batch's prompts first
             self.replay.observe_batch(step.current.rows["prompt_ids"], step.current.rows["prompt_mask"])
@@ -266,21 +230,6 @@ class HDRGRPOTrainer(GRPOTrainer):
         """The buffer's multimodal schema (None for the text-only per-prompt stores of RePO, ExGRPO and BAPO)."""
         buffer = getattr(self.replay, "buffer", None)
         return None if buffer is None else buffer.mm_schema
-
-    def _check_images(self, out: dict, gen) -> None:
-        """First step of a VLM run: the buffer (e.g. resumed) must hold images this processor produces, and
-        re-padding a real row (with its image) must not change its log-probs."""
-        have = self._mm_schema()
-        i = next((j for j, w in enumerate(gen.mm_why) if w is None), None)
-        ok = None if i is None else gen.mm_rows[i]
-        if have is not None and ok is not None and (why := schema_difference(schema_of(ok), have)) is not None:
-            raise ValueError(f"the replay buffer holds multimodal inputs this run's processor does not produce: {why}. "
-                             "It was filled under another processor or image setting (resumed from another run?); "
-                             "resume with the same processor, or start with an empty buffer")
-        if self.replay_padding_drift is None and ok is not None:
-            self.replay_padding_drift = mm.row_padding_drift(self._logps, out, i, ok,
-                                                             pad_token_id=self._tokenizer.pad_token_id)
-            self._check_padding_invariance(self.replay_padding_drift)
 
     def _check_padding_invariance(self, err: float | None = None) -> None:
         if err is None:
