@@ -169,3 +169,13 @@ def tool_rollout(prompts_batch, trainer):
         out["logprobs"].append([0.0] * len(comp))
         out["env_mask"].append([1] * len(first) + [0] * len(tool) + [1] * len(second))
     return out
+
+
+def decoded_rows(tok, rec) -> list[tuple[str, str]]:
+    """(prompt, completion) text of every row a recorded loss call trained on (masks applied)."""
+    out = []
+    for i in range(rec["prompt_ids"].shape[0]):
+        p = rec["prompt_ids"][i][rec["prompt_mask"][i].bool()]
+        c = rec["completion_ids"][i][rec["completion_mask"][i].bool()]
+        out.append((tok.decode(p, skip_special_tokens=True), tok.decode(c, skip_special_tokens=True)))
+    return out

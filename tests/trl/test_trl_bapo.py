@@ -15,7 +15,7 @@ pytestmark = pytest.mark.trl
 from hdreplay import ReplayConfigError  # noqa: E402
 from hdreplay.integrations.trl import HDRGRPOTrainer  # noqa: E402
 from hdreplay.integrations.trl.bapo import check_bapo  # noqa: E402
-from trl_fixtures import RecordingTrainer, make_args, prompts, reward_digit, tiny_model  # noqa: E402
+from trl_fixtures import RecordingTrainer, decoded_rows, make_args, prompts, reward_digit, tiny_model  # noqa: E402
 
 B, N = 4, 4
 
@@ -60,11 +60,7 @@ def _groups(prompts_, completions, rewards):
 
 def _trained(tok, rec):
     """(fresh groups, replay rows) of one loss call: fresh rows grouped by their generation index."""
-    rows = []
-    for i in range(rec["completion_ids"].shape[0]):
-        p = rec["prompt_ids"][i][rec["prompt_mask"][i].bool()]
-        c = rec["completion_ids"][i][rec["completion_mask"][i].bool()]
-        rows.append((tok.decode(p, skip_special_tokens=True), tok.decode(c, skip_special_tokens=True)))
+    rows = decoded_rows(tok, rec)
     fresh: dict[int, list] = {}
     for (p, c), h in zip(rows, rec["hdr_row"].tolist()):
         if h >= 0:

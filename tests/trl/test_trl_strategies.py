@@ -17,7 +17,7 @@ pytestmark = pytest.mark.trl
 from hdreplay import ReplayConfigError  # noqa: E402
 from hdreplay.integrations.trl import HDRGRPOTrainer  # noqa: E402
 from hdreplay.selection import priorities  # noqa: E402
-from trl_fixtures import RecordingTrainer, make_args, prompts, reward_digit, tiny_model  # noqa: E402
+from trl_fixtures import RecordingTrainer, decoded_rows, make_args, prompts, reward_digit, tiny_model  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -30,14 +30,7 @@ def reward_half_constant(completions, prompts, **kw):
     return [1.0 if len(p) % 2 == 0 else reward_digit([c])[0] for c, p in zip(completions, prompts)]
 
 
-def _texts(tok, rec):
-    """(prompt, completion) text of every row a loss call trained on."""
-    out = []
-    for i in range(rec["prompt_ids"].shape[0]):
-        p = rec["prompt_ids"][i][rec["prompt_mask"][i].bool()]
-        c = rec["completion_ids"][i][rec["completion_mask"][i].bool()]
-        out.append((tok.decode(p, skip_special_tokens=True), tok.decode(c, skip_special_tokens=True)))
-    return out
+_texts = decoded_rows
 
 
 class PromptRecordingTrainer(RecordingTrainer):
