@@ -209,7 +209,8 @@ class ReplayController:
                           ingress_candidates=self._candidates, ingress_admitted=len(self._staged),
                           evicted=len(evicted), num_fresh_groups=fresh, accepted_ages=np.asarray(ages),
                           buffer_size_after=len(self.buffer),
-                          replayed_rows=sum(g.num_responses for g in sel.groups))
+                          replayed_rows=sum(g.num_responses for g in sel.groups),
+                          unit_size=self.config.group_size if self.config.unit == "rollout" else 1)
         rec.rescored_rows += extra.pop("rescored_rows", 0)
         rec.rescored_tokens += extra.pop("rescored_tokens", 0)
         for k, v in extra.items():

@@ -134,8 +134,10 @@ def step_record(
     accepted_ages: np.ndarray,
     buffer_size_after: int,
     replayed_rows: int = 0,
+    unit_size: int = 1,
 ) -> StepRecord:
-    """The per-step record of a committed selection."""
+    """The per-step record of a committed selection (``unit_size``: stored units per replay group of the budget --
+    the group size for single-rollout replay, whose budget is k_rep groups' worth of rows -- else 1)."""
     gate_ok = sel.scanned_pass
     n_scan = len(sel.scanned)
     n_pass = int(gate_ok.sum())
@@ -164,7 +166,7 @@ def step_record(
         accepted=kept,
         truncated=len(sel.truncated),
         accept_rate=_f(n_pass / n_scan) if n_scan else None,
-        budget_fill=_f(kept / k_rep) if k_rep else None,
+        budget_fill=_f(kept / (k_rep * unit_size)) if k_rep else None,
         drift_accepted=_f(_mean(sel.scanned_drift[gate_ok])) if n_scan else None,
         drift_rejected=_f(_mean(sel.scanned_drift[~gate_ok])) if n_scan else None,
         replay_kl=_f(kl),

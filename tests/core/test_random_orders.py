@@ -129,7 +129,9 @@ def test_adv_priority_stores_rollouts_with_nonzero_advantage_and_never_replays_p
         rewards = [[1, 0, 0, 0], [1, 1, 1, 1], [1, 1, 0, 0]]  # the all-equal group stores nothing
         ctrl.stage([make_group(f"{t}-{i}", policy=pol, step=t, seed=t * 7 + i, rewards=r)
                     for i, r in enumerate(rewards)], step=t)
-        ctrl.commit()
+        m = ctrl.commit()
+        if "replay/budget_fill" in m:  # rollouts replayed / (k_rep groups x n rows): never above 1
+            assert m["replay/budget_fill"] == pytest.approx(len(sel.accepted) / 8)
         births = ctrl.buffer.slot_values("birth_step", ctrl.buffer.insertion_ids())
         assert (t - births < 2).all()  # units reaching max_age were evicted at commit
     assert seen_ages and max(seen_ages) <= 2 and min(seen_ages) >= 1

@@ -267,6 +267,12 @@ def run_compare(cfg: CompareConfig, out: Path, *, overwrite: bool = False, log=p
     prepare_out_dir(out, cfg, overwrite)
     task = get_task(cfg.task)
     methods = get_methods(cfg.methods)
+    for m in methods:
+        if cfg.train_pool is not None and cfg.train_pool % m.fresh_groups(cfg.prompts_per_step):
+            log(f"warning: --train-pool {cfg.train_pool} is not a multiple of {m.name}'s "
+                f"{m.fresh_groups(cfg.prompts_per_step)} prompts per step: TRL's sampler drops each epoch's incomplete "
+                "last batch, so after the first epoch it reads the prompts in another order than the others (the "
+                "summary's prompt-order check names it); a multiple of every method's prompts per step keeps the pairing")
     if model_dir is None:
         log("warm start (cached once per settings in the shared cache directory) ...")
         model_dir = warm_start(task, log=log)

@@ -25,7 +25,8 @@ train_log.jsonl keys added here (besides TRL's log entries and HDRLogCallback's 
     gen_tokens      completion tokens generated this step; cum_gen_tokens: since step 1
     groups          fresh groups this step; zero_var_groups: those whose rewards are all equal
     zero_variance_share   zero_var_groups / groups (for every method, replay or not)
-prompts.jsonl: {"step", "prompts"}: the fresh prompts of each step in the sampler's order (one per group)
+prompts.jsonl: {"step", "prompts"}: the prompts the dataloader handed each step, in the sampler's order (one per
+                group; before dynamic sampling's extra rounds, BAPO's re-evaluations or ExGRPO's substitutions)
 """
 
 from __future__ import annotations
@@ -104,8 +105,12 @@ def sandbox_trainer_class():
                 rewards = (per_func * w.unsqueeze(0)).nansum(dim=1).cpu().numpy()
                 self.step_stats.groups += len(rewards) // n
                 self.step_stats.zero_var_groups += zero_variance_groups(rewards, n)
-                self.step_stats.prompts += [_prompt_key(x) for x in inputs[::n]]
             return per_func
+
+        def _generate_and_score_completions(self, inputs):
+            if self.model.training:  # the dataloader's batch, before a strategy adds or substitutes prompts
+                self.step_stats.prompts += [_prompt_key(x) for x in inputs[::self.num_generations]]
+            return super()._generate_and_score_completions(inputs)
 
     return SandboxTrainer
 

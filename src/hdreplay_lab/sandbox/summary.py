@@ -27,6 +27,7 @@ from hdreplay.atomic import atomic_write_text
 
 from .curves import cost_to_target, method_curve, read_curve
 from .regime import cost_for_share, method_regime, run_regime
+from .methods import METHODS
 from .stats import components, paired_bootstrap, paired_differences, seed_bootstrap, seeds_needed
 
 REFERENCE = "headroom_drift"
@@ -101,18 +102,22 @@ def summarize(out: Path, cfg, methods, task, *, reps: int = 4000) -> dict:
 
 
 def prompt_order(out: Path, cfg, names: list[str]) -> dict:
-    """Whether, per seed, every method's fresh prompts (in order) are a prefix of the longest stream of that seed:
-    the same order, read at each method's own rate (runner.py)."""
+    """Whether, per seed, every method read the same prompt sequence as the first method (Headroom-Drift when it
+    runs), each at its own rate (runner.py): the two streams agree over the shorter one's length.  A method is
+    named when it does not (e.g. 1.5 b prompts per step with a ``--train-pool`` that is not a multiple of 1.5 b:
+    TRL's sampler drops an epoch's incomplete last batch, so that method's epochs start elsewhere)."""
     bad = []
     for s in range(cfg.seeds):
         streams = {}
         for n in names:
             d = _run_dir(out, n, s)
             path = d / "prompts.jsonl" if (d / "prompts.jsonl").is_file() else d / "train_log.jsonl"  # older runs
-            with open(path) as f:
-                streams[n] = [p for line in f for p in json.loads(line).get("prompts", [])]
-        longest = max(streams.values(), key=len)
-        bad += [f"{n} seed {s}" for n, st in streams.items() if not st or st != longest[:len(st)]]
+            b = METHODS[n].fresh_groups(cfg.prompts_per_step)  # a step's first b: the dataloader's batch (runs
+            with open(path) as f:                                 # that logged every generation round included)
+                streams[n] = [p for line in f for p in json.loads(line).get("prompts", [])[:b]]
+        ref = streams["headroom_drift" if "headroom_drift" in streams else names[0]]
+        bad += [f"{n} seed {s}" for n, st in streams.items()
+                if not st or st[:len(ref)] != ref[:len(st)]]
     return {"same_order": not bad, "seeds": cfg.seeds, "methods": len(names), "mismatches": bad}
 
 
