@@ -22,6 +22,7 @@ repo_recency       RePO: newest 8 stored responses per prompt  b         8/promp
 repo_reward        RePO: 8 highest-reward stored responses     b         8/prompt   grpo+off
 repo_variance      RePO: 8 stored responses of max variance    b         8/prompt   grpo+off
 exgrpo             ExGRPO: 1 stored correct row in b/2 groups  b         b/2 rows   dr_grpo+shaped
+exgrpo_grpo        ExGRPO's mixing under the GRPO loss         b         b/2 rows   grpo+shaped
 hdr_l1             Headroom-Drift with L1 Drift                b         r          grpo
 hdr_advantage      Headroom-Drift, |A|-weighted Headroom       b         r          grpo
 =================  ==========================================  ========  =========  ========
@@ -118,6 +119,9 @@ METHODS: dict[str, Method] = {
         # (loss_remove_token_mean), advantages r - mean (grpo_use_std=False)
         Method("exgrpo", "ExGRPO (b, mixed groups)", loss_type="dr_grpo",
                trl=(("replay_exgrpo", "{}"), ("scale_rewards", "none"))),
+        # the same mechanism under the sandbox's GRPO loss (group-std advantages, grpo aggregation): separates
+        # ExGRPO's mixing from its loss recipe at the comparison's learning rate
+        Method("exgrpo_grpo", "ExGRPO mixing, GRPO loss (b)", trl=(("replay_exgrpo", "{}"),)),
         # BAPO (arXiv 2602.20722), released recipe (token-mean loss, clip 0.2 / 0.28) at b = 16: re-evaluation of
         # <= 16 difficult prompts every 2 steps, 128 uids; no delayed behaviour policy (rho_tis = 1)
         Method("bapo", "BAPO (b, buffer-filled)", loss_type="dapo", epsilon_high=0.28, bapo=()),
