@@ -30,8 +30,8 @@ from .exgrpo import ExperienceMixer, token_entropies
 
 @dataclass
 class Strategy:
-    """The trainer's replay machinery: ``controller`` (None only when nothing replays and no strategy runs),
-    ``active`` (a controller takes part in every step), and at most one generation wrapper."""
+    """The trainer's replay machinery: ``controller`` (always set; an inactive ReplayController for plain GRPO),
+    ``active`` (the controller takes part in every step), and at most one generation wrapper."""
 
     controller: Any
     active: bool
