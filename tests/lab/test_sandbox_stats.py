@@ -56,9 +56,12 @@ def test_an_effect_far_larger_than_the_noise_excludes_zero_and_a_null_effect_doe
 
 def test_seeds_needed():
     assert seeds_needed(0.02, 0.0, 5, 0.01) == 20  # 4x the variance -> 4x the seeds
-    assert seeds_needed(0.005, 0.0, 5, 0.01) == 5  # already there
+    assert seeds_needed(0.005, 0.0, 5, 0.01) == 2  # already there: 5 * 0.25 = 1.25, and never below 2
+    assert seeds_needed(0.0065, 0.0035, 19, 0.01) == 10  # 19 * 4.2e-5 / 8.8e-5 = 9.1 (docs/results/fidelity)
     assert seeds_needed(0.02, 0.012, 5, 0.01) is None  # the prompt part alone is too wide
     assert seeds_needed(0.02, 0.006, 5, 0.01) == 32  # 5 * 4e-4 / (1e-4 - 3.6e-5) = 31.25
+    with pytest.raises(ValueError, match="seeds"):
+        seeds_needed(0.02, 0.006, 0, 0.01)
 
 
 def test_seed_bootstrap_is_the_paired_mean():

@@ -56,7 +56,8 @@ class CompareConfig:
         None, f"comma-separated methods from {list(METHODS)} (unset: {','.join(COMPARE_METHODS)}; with "
               f"--task search: {','.join(SEARCH_METHODS)}; with --task geo: {','.join(GEO_METHODS)}; the strategy "
               f"comparison: {','.join(STRATEGY_METHODS)})")
-    seeds: int = arg(12, "seeds per method (>= 1; 12 gave 95 % half-widths 0.009-0.013 on the mix task, docs/results/fidelity)")
+    seeds: int = arg(19, "seeds per method (>= 1; 19 gave 95 % half-widths 0.007-0.008 on the mix task, "
+                             "docs/results/fidelity)")
     steps: int = arg(120, "optimizer steps per run (>= 1)")
     prompts_per_step: int = arg(16, "b: fresh groups per step (even, so that b/2 and 1.5b are whole groups)")
     generations: int = arg(8, "n: responses per group (>= 2)")

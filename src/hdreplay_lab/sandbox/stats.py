@@ -105,11 +105,15 @@ def components(diffs: Mapping[str, Array], *, reps: int = 4000, level: float = 0
 
 def seeds_needed(half_width_seed: float, half_width_prompt: float, seeds: int, target: float) -> int | None:
     """Seeds for a total half-width <= target, if the seed part shrinks as 1/sqrt(seeds) and the parts add
-    in quadrature; None when the prompt part alone is >= target (more held-out prompts are needed)."""
+    in quadrature (at least 2, the fewest a seed interval takes); None when the prompt part alone is >= target
+    (more held-out prompts are needed).  Below ``seeds`` when the measured half-width is already inside the
+    target: how far the seed count could drop, by the same extrapolation."""
+    if seeds < 1 or target <= 0:
+        raise ValueError(f"seeds must be >= 1 and target > 0, got seeds={seeds}, target={target}")
     room = target ** 2 - half_width_prompt ** 2
     if room <= 0:
         return None
-    return max(seeds, int(np.ceil(seeds * half_width_seed ** 2 / room)))
+    return max(2, int(np.ceil(seeds * half_width_seed ** 2 / room)))
 
 
 def seed_bootstrap(values_a: Array, values_b: Array, *, reps: int = 4000, level: float = 0.95, seed: int = 0) -> dict:

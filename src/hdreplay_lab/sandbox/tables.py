@@ -130,7 +130,8 @@ def _paired(summary: dict, seeds: int) -> list[str]:
            f"interval of {p0['reps']} bootstrap replicates resampling seeds and the {prompts} held-out prompts "
            "(crossed, paired: same seeds, warm start, prompt order and held-out prompts for both). Half-width "
            "parts: seeds only / prompts only. Last column: seeds a half-width of 0.01 would need at this "
-           "step count (n/a: the prompt part alone exceeds it)." + order, "",
+           "step count, extrapolated from these variances (the seed part as 1/sqrt(seeds); below the seeds run "
+           "when the target is already met; n/a: the prompt part alone exceeds it)." + order, "",
            ]
     out.append(table(["Method", "Difference", "95 % interval", "Excludes 0", "Half-width (seeds / prompts)",
                       "Seeds for ±0.01"],
