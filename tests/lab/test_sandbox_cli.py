@@ -61,6 +61,8 @@ def test_compare_writes_every_output(tiny_model, tmp_path):
     op, hdr = summary["methods"]["onpolicy_matched"], summary["methods"]["headroom_drift"]
     assert summary["reference"] == "headroom_drift" and "paired" in op and "paired" not in hdr
     assert op["paired"]["seeds"] == 2 and op["paired"]["lo"] <= op["paired"]["diff"] <= op["paired"]["hi"]
+    c = op["paired"]["corrected"]  # one comparison: the Bonferroni interval is the 95 % one
+    assert c["comparisons"] == 1 and (c["lo"], c["hi"]) == (op["paired"]["lo"], op["paired"]["hi"])
     # the random tiny model answers nothing right: every group zero-variance, nothing enters the buffer
     assert op["regime"]["zero_variance_share"] == hdr["regime"]["zero_variance_share"] == 1.0
     assert "acceptance" in hdr["regime"] and "acceptance" not in op["regime"]

@@ -84,3 +84,25 @@ def test_bad_input_is_refused(bad, match):
 def test_unpaired_shapes_are_refused():
     with pytest.raises(ValueError, match="not paired"):
         paired_differences({"k": np.zeros((3, 4))}, {"k": np.zeros((3, 5))})
+
+
+def test_the_summary_corrects_its_intervals_for_the_number_of_comparisons():
+    from hdreplay_lab.sandbox.summary import _paired
+
+    rng = np.random.default_rng(3)
+    base = rng.uniform(0.2, 0.8, size=(8, 60))
+
+    def runs(shift):
+        return [{"benchmarks": {"b": {"prompt_mean": list(base[s] + shift + 0.01 * rng.standard_normal(60))}}}
+                for s in range(8)]
+
+    ref = runs(0.0)
+    small = runs(0.002)  # an effect of 0.002 over 8 seeds: 95 % interval [+0.0003, ...], Bonferroni(6) from -0.0004
+    one, six = _paired(ref, small, reps=2000), _paired(ref, small, reps=2000, family=6)
+    assert one["corrected"]["level"] == pytest.approx(0.95) and six["corrected"]["level"] == pytest.approx(1 - 0.05 / 6)
+    assert (one["corrected"]["lo"], one["corrected"]["hi"]) == (one["lo"], one["hi"])
+    c = six["corrected"]
+    assert c["comparisons"] == 6 and c["lo"] < six["lo"] <= six["hi"] < c["hi"]  # wider, around the same replicates
+    assert six["excludes_zero"] and not c["excludes_zero"]  # separated at 95 %, not with six comparisons at once
+    big = _paired(ref, runs(0.006), reps=2000, family=6)
+    assert big["excludes_zero"] and big["corrected"]["excludes_zero"]

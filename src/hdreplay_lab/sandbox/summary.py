@@ -7,7 +7,7 @@ Sections of summary.json (per method under ``methods``):
     paired      against the reference (Headroom-Drift): macro Mean@n difference (method - reference), its
                 95 % paired bootstrap interval over seeds and held-out prompts (stats.py), whether it
                 excludes 0, the seed and prompt parts of the half-width, the seeds a half-width of 0.01
-                would need
+                would need, and (``corrected``) the Bonferroni interval over the comparison's methods
     curve       the seed-mean held-out curve (curves.py), area under it (per seed, and paired against the
                 reference), and the cost to reach the target accuracy (steps, fresh responses, wall-clock
                 native and modelled)
@@ -92,9 +92,10 @@ def summarize(out: Path, cfg, methods, task, *, reps: int = 4000) -> dict:
         res["methods"][m.name] = entry
     ref = res["reference"]
     if ref is not None:
+        family = sum(name != ref for name in metrics)  # the comparisons the verdict makes at once
         for name, runs in metrics.items():
             if name != ref:
-                res["methods"][name]["paired"] = _paired(metrics[ref], runs, reps=reps)
+                res["methods"][name]["paired"] = _paired(metrics[ref], runs, reps=reps, family=family)
     _curve_costs(res, curves, cfg.target, ref, reps=reps)
     res["gate"] = gate_numbers(out, cfg, [m.name for m in methods])
     res["prompt_order"] = prompt_order(out, cfg, [m.name for m in methods])
@@ -129,9 +130,14 @@ def _round_up(ms: float) -> float:
     return float(np.ceil(ms / scale - 1e-9) * scale)
 
 
-def _paired(ref_runs: list[dict], runs: list[dict], *, reps: int) -> dict:
+def _paired(ref_runs: list[dict], runs: list[dict], *, reps: int, family: int = 1) -> dict:
+    """The 95 % paired interval, its seed / prompt parts, the seeds the target needs, and under ``corrected`` the
+    Bonferroni interval for ``family`` simultaneous comparisons (level 1 - 0.05 / family, same replicates)."""
     d = paired_differences(_prompt_scores(ref_runs), _prompt_scores(runs))
     out = paired_bootstrap(d, reps=reps)
+    c = paired_bootstrap(d, reps=reps, level=1 - 0.05 / max(family, 1))
+    out["corrected"] = {"method": "bonferroni", "comparisons": family, "level": c["level"], "lo": c["lo"],
+                        "hi": c["hi"], "excludes_zero": c["excludes_zero"]}
     out.update(components(d, reps=reps))
     out["seeds_for_target"] = seeds_needed(out["seed_half_width"], out["prompt_half_width"], out["seeds"],
                                            TARGET_HALF_WIDTH)

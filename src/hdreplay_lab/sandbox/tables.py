@@ -128,15 +128,23 @@ def _paired(summary: dict, seeds: int) -> list[str]:
     out = ["", f"## Paired differences against {summary['methods'][ref]['label']}", "",
            f"Macro Mean@{n} of the method minus Headroom-Drift's, mean over {seeds} seed(s); 95 % percentile "
            f"interval of {p0['reps']} bootstrap replicates resampling seeds and the {prompts} held-out prompts "
-           "(crossed, paired: same seeds, warm start, prompt order and held-out prompts for both). Half-width "
+           "(crossed, paired: same seeds, warm start, prompt order and held-out prompts for both); the Bonferroni "
+           "column widens each interval so that all of them hold together at 95 %. Half-width "
            "parts: seeds only / prompts only. Last column: seeds a half-width of 0.01 would need at this "
            "step count, extrapolated from these variances (the seed part as 1/sqrt(seeds); below the seeds run "
            "when the target is already met; n/a: the prompt part alone exceeds it)." + order, "",
            ]
-    out.append(table(["Method", "Difference", "95 % interval", "Excludes 0", "Half-width (seeds / prompts)",
-                      "Seeds for ±0.01"],
+    fam = p0.get("corrected")  # summaries written before the correction existed have none
+    corr_head = [] if fam is None else [f"Bonferroni ({fam['comparisons']}) interval, excludes 0"]
+
+    def corr(p: dict) -> list[str]:
+        c = p.get("corrected")
+        return [] if fam is None else [f"[{c['lo']:+.4f}, {c['hi']:+.4f}] {'yes' if c['excludes_zero'] else 'no'}"]
+
+    out.append(table(["Method", "Difference", "95 % interval", "Excludes 0", *corr_head,
+                      "Half-width (seeds / prompts)", "Seeds for ±0.01"],
                      [[e["label"], f"{p['diff']:+.4f}", f"[{p['lo']:+.4f}, {p['hi']:+.4f}]",
-                       "yes" if p["excludes_zero"] else "no",
+                       "yes" if p["excludes_zero"] else "no", *corr(p),
                        f"{p['half_width']:.4f} ({p['seed_half_width']:.4f} / {p['prompt_half_width']:.4f})",
                        _f(p["seeds_for_target"], "d")] for p, e in ((e["paired"], e) for _, e in rows)]))
     better = [e["label"] for _, e in rows if e["paired"]["excludes_zero"] and e["paired"]["diff"] > 0]
@@ -145,6 +153,11 @@ def _paired(summary: dict, seeds: int) -> list[str]:
     parts = ([f"better than {', '.join(worse)}"] if worse else []) + ([f"worse than {', '.join(better)}"] if better else [])
     said = (f"Headroom-Drift is {' and '.join(parts)} at 95 % (intervals excluding 0); the rest are not separated"
             if parts else "no interval excludes 0: Headroom-Drift is not separated from any method")
+    if fam is not None and fam["comparisons"] > 1 and (better or worse):
+        held = [e["label"] for _, e in rows if e["paired"]["corrected"]["excludes_zero"]]
+        said += (f"; corrected for the {fam['comparisons']} comparisons (Bonferroni, "
+                 f"{100 * fam['level']:.1f} % intervals) " + (f"these hold: {', '.join(held)}" if held else
+                                                               "none holds: treat them as suggestive"))
     out += ["", f"Verdict: {said}. Largest half-width {hw:.4f}"
                 + (" (<= 0.01)." if hw <= 0.01 else " (> 0.01: see the last column).")]
     return out
