@@ -81,6 +81,19 @@ def test_bad_input_is_refused(bad, match):
         paired_bootstrap(bad)
 
 
+def test_further_levels_come_from_the_same_replicates_as_separate_calls():
+    d = {"k": np.random.default_rng(5).normal(0.01, 0.05, size=(6, 40))}
+    both = paired_bootstrap(d, reps=1000, also=(0.99, 0.5))
+    assert "also" not in paired_bootstrap(d, reps=1000)
+    for extra in both["also"]:
+        alone = paired_bootstrap(d, reps=1000, level=extra["level"])
+        assert (extra["lo"], extra["hi"], extra["excludes_zero"]) == (alone["lo"], alone["hi"], alone["excludes_zero"])
+    wide, narrow = both["also"]
+    assert wide["lo"] < both["lo"] < narrow["lo"] <= narrow["hi"] < both["hi"] < wide["hi"]
+    with pytest.raises(ValueError, match="level must be in"):
+        paired_bootstrap(d, also=(0.95, 1.0))
+
+
 def test_unpaired_shapes_are_refused():
     with pytest.raises(ValueError, match="not paired"):
         paired_differences({"k": np.zeros((3, 4))}, {"k": np.zeros((3, 5))})

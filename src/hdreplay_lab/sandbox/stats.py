@@ -20,7 +20,7 @@ target half-width needs (:func:`seeds_needed`).
 
 from __future__ import annotations
 
-from typing import Mapping
+from typing import Mapping, Sequence
 
 import numpy as np
 
@@ -71,24 +71,35 @@ def _replicates(d: dict[str, Array], reps: int, rng: np.random.Generator, *, see
 
 
 def paired_bootstrap(diffs: Mapping[str, Array], *, reps: int = 4000, level: float = 0.95,
-                     seed: int = 0) -> dict:
+                     seed: int = 0, also: Sequence[float] = ()) -> dict:
     """Point estimate and percentile interval of the seed-mean macro difference (see the module docstring).
 
     diffs[k]: (seeds, prompts_k) paired per-prompt differences of benchmark k.
-    Returns diff, lo, hi, half_width, excludes_zero, seeds, prompts, reps, level.
+    Returns diff, lo, hi, half_width, excludes_zero, seeds, prompts, reps, level; with ``also`` (further levels),
+    ``also``: one {level, lo, hi, excludes_zero} per level from the same replicates (a Bonferroni level beside 95 %).
     """
-    if not 0 < level < 1:
-        raise ValueError(f"level must be in (0, 1), got {level}")
+    for lv in (level, *also):
+        if not 0 < lv < 1:
+            raise ValueError(f"level must be in (0, 1), got {lv}")
     if reps < 100:
         raise ValueError(f"reps must be >= 100 for a percentile interval, got {reps}")
     d = _check(diffs)
     point = float(np.mean([v.mean(axis=1) for v in d.values()], axis=0).mean())
     r = _replicates(d, reps, np.random.default_rng(seed), seeds=True, prompts=True)
-    alpha = (1 - level) / 2
-    lo, hi = (float(x) for x in np.quantile(r, [alpha, 1 - alpha]))
-    return {"diff": point, "lo": lo, "hi": hi, "half_width": (hi - lo) / 2,
-            "excludes_zero": bool(lo > 0 or hi < 0), "seeds": next(iter(d.values())).shape[0],
-            "prompts": {k: v.shape[1] for k, v in d.items()}, "reps": reps, "level": level}
+
+    def interval(lv: float) -> tuple[float, float]:
+        alpha = (1 - lv) / 2
+        lo, hi = (float(x) for x in np.quantile(r, [alpha, 1 - alpha]))
+        return lo, hi
+
+    lo, hi = interval(level)
+    out = {"diff": point, "lo": lo, "hi": hi, "half_width": (hi - lo) / 2,
+           "excludes_zero": bool(lo > 0 or hi < 0), "seeds": next(iter(d.values())).shape[0],
+           "prompts": {k: v.shape[1] for k, v in d.items()}, "reps": reps, "level": level}
+    if also:
+        out["also"] = [{"level": lv, "lo": a, "hi": b, "excludes_zero": bool(a > 0 or b < 0)}
+                       for lv, (a, b) in ((lv, interval(lv)) for lv in also)]
+    return out
 
 
 def components(diffs: Mapping[str, Array], *, reps: int = 4000, level: float = 0.95, seed: int = 0) -> dict:

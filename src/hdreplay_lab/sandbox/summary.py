@@ -134,10 +134,8 @@ def _paired(ref_runs: list[dict], runs: list[dict], *, reps: int, family: int = 
     """The 95 % paired interval, its seed / prompt parts, the seeds the target needs, and under ``corrected`` the
     Bonferroni interval for ``family`` simultaneous comparisons (level 1 - 0.05 / family, same replicates)."""
     d = paired_differences(_prompt_scores(ref_runs), _prompt_scores(runs))
-    out = paired_bootstrap(d, reps=reps)
-    c = paired_bootstrap(d, reps=reps, level=1 - 0.05 / max(family, 1))
-    out["corrected"] = {"method": "bonferroni", "comparisons": family, "level": c["level"], "lo": c["lo"],
-                        "hi": c["hi"], "excludes_zero": c["excludes_zero"]}
+    out = paired_bootstrap(d, reps=reps, also=(1 - 0.05 / max(family, 1),))
+    out["corrected"] = {"method": "bonferroni", "comparisons": family, **out.pop("also")[0]}
     out.update(components(d, reps=reps))
     out["seeds_for_target"] = seeds_needed(out["seed_half_width"], out["prompt_half_width"], out["seeds"],
                                            TARGET_HALF_WIDTH)
