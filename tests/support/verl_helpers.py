@@ -46,6 +46,11 @@ def flat_every_4th(p: int) -> bool:
     return p % 4 == 0
 
 
+def never_flat(p: int) -> bool:
+    """A reward rule with every prompt mixed (for runs whose assertions must not depend on which prompts come)."""
+    return False
+
+
 def stub_rows(prompt_ids: list[int], n: int, *, seed: int, tool_tokens: bool = True,
               flat=flat_every_4th) -> dict[str, torch.Tensor]:
     """verl rollout output for prompts (each repeated n times, interleaved) with deterministic tokens.
