@@ -87,18 +87,17 @@ def paired_bootstrap(diffs: Mapping[str, Array], *, reps: int = 4000, level: flo
     point = float(np.mean([v.mean(axis=1) for v in d.values()], axis=0).mean())
     r = _replicates(d, reps, np.random.default_rng(seed), seeds=True, prompts=True)
 
-    def interval(lv: float) -> tuple[float, float]:
+    def interval(lv: float) -> dict:
         alpha = (1 - lv) / 2
         lo, hi = (float(x) for x in np.quantile(r, [alpha, 1 - alpha]))
-        return lo, hi
+        return {"level": lv, "lo": lo, "hi": hi, "excludes_zero": bool(lo > 0 or hi < 0)}
 
-    lo, hi = interval(level)
-    out = {"diff": point, "lo": lo, "hi": hi, "half_width": (hi - lo) / 2,
-           "excludes_zero": bool(lo > 0 or hi < 0), "seeds": next(iter(d.values())).shape[0],
+    main = interval(level)
+    out = {"diff": point, "lo": main["lo"], "hi": main["hi"], "half_width": (main["hi"] - main["lo"]) / 2,
+           "excludes_zero": main["excludes_zero"], "seeds": next(iter(d.values())).shape[0],
            "prompts": {k: v.shape[1] for k, v in d.items()}, "reps": reps, "level": level}
     if also:
-        out["also"] = [{"level": lv, "lo": a, "hi": b, "excludes_zero": bool(a > 0 or b < 0)}
-                       for lv, (a, b) in ((lv, interval(lv)) for lv in also)]
+        out["also"] = [interval(lv) for lv in also]
     return out
 
 
