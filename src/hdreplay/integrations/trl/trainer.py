@@ -237,8 +237,10 @@ class HDRGRPOTrainer(GRPOTrainer):
             err = padding_drift(lambda i, m, k: self._logps(i, m, k),
                                 vocab_size=int(getattr(cfg.get_text_config(), "vocab_size", 2)),
                                 pad_token_id=self._tokenizer.pad_token_id, device=self.accelerator.device)
-        self.replay_padding_drift = check_padding_drift(err, low_precision=self.args.bf16 or self.args.fp16,
-                                                        model=self.accelerator.unwrap_model(self.model))
+        model = self.accelerator.unwrap_model(self.model)
+        low = self.args.bf16 or self.args.fp16 or any(  # a model loaded in bf16 (TRL's dtype="auto") without args.bf16
+            p.dtype in (torch.bfloat16, torch.float16) for p in model.parameters())
+        self.replay_padding_drift = check_padding_drift(err, low_precision=low, model=model)
 
     # ------------------------------------------------------------------ reference model syncs (beta != 0)
     def _ref_syncs(self) -> int | None:

@@ -1,0 +1,115 @@
+"""The GPU check kit (benchmarks/gpu_check.py) runs end to end on the CPU with --tiny, so it cannot rot, and the
+Drift-floor measurement it shares with benchmarks/bf16_floor.py measures what it says."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.trl
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+def _module(name):
+    sys.path.insert(0, str(BENCH))
+    spec = importlib.util.spec_from_file_location(f"_bench_{name}", BENCH / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_gpu_check_tiny_runs_every_part_and_writes_its_results(tmp_path):
+    gc = _module("gpu_check")
+    res = gc.main(["--tiny", "--out-dir", str(tmp_path)])
+    saved = json.loads((tmp_path / "gpu_check_tiny.json").read_text())
+    assert saved["tiny"] is True and (tmp_path / "gpu_check_tiny.md").exists()
+    assert not (tmp_path / "gpu_check_tiny.partial.json").exists()
+    # the floor: every layout of both precisions, percentiles ordered and finite
+    for mode in ("bf16_weights", "bf16_autocast"):
+        rows = saved["floor"][mode]["settings"]
+        assert set(rows) == {"batch", "padding", "chunking", "all"}
+        for r in rows.values():
+            assert 0.0 <= r["p50"] <= r["p90"] <= r["p99"] <= r["max"] < 1e-2
+    # the trainer runs: replay rows trained in chunk and grow, none without replay; the gate scanned groups
+    assert res["replayed_rows"]["no_replay"] == 0
+    assert res["replayed_rows"]["chunk"] > 0 and res["replayed_rows"]["grow"] > 0
+    assert res["trainer_scan_drift"] is not None and res["trainer_scan_drift"]["max"] < 0.05
+    # the step split adds up to the step, and the phases that must run did run
+    for name, steps in res["steps"].items():
+        for st in steps:
+            parts = sum(st[k] for k in ("generation", "old_logprob", "rescore", "update", "bookkeeping", "other"))
+            assert parts == pytest.approx(st["total"], rel=1e-9, abs=1e-9)
+            assert st["generation"] > 0 and st["update"] > 0 and st["old_logprob"] > 0
+    replay_steps = [st for st in res["steps"]["chunk"] if st["step"] >= 2]
+    assert replay_steps and all(st["rescore"] > 0 and st["rescored_rows"] > 0 for st in replay_steps)
+    assert res["rescore_over_old_logprob"] > 0
+    assert res["peak_mem_gib"] == {"no_replay": None, "chunk": None, "grow": None}  # not observable on the CPU
+
+
+def test_gpu_check_refuses_bad_arguments(tmp_path, capsys):
+    gc = _module("gpu_check")
+    for bad in (["--tiny", "--steps", "1"], ["--tiny", "--order", "chunk,grow"]):
+        with pytest.raises(SystemExit) as e:
+            gc.main([*bad, "--out-dir", str(tmp_path)])
+        assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "--steps must be >= 2" in err and "--order must name" in err
+    assert not list(tmp_path.iterdir())  # refused before anything was written
+
+
+def _tiny_qwen(dtype):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Qwen2Config(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=256, pad_token_id=0)
+    with torch.no_grad():
+        m = Qwen2ForCausalLM(cfg)
+        m.model.embed_tokens.weight.mul_(40.0)  # peaked distributions, like a trained model's
+    return m.to(dtype).eval()
+
+
+def test_floor_is_zero_to_rounding_in_fp32_and_measurable_in_bf16():
+    df = _module("drift_floor")
+    prompts, comps = df.random_groups(num_groups=6, n=4, prompt_len=24, completion_len=12, vocab=97, seed=1)
+    fp32 = df.floor(_tiny_qwen(torch.float32), prompts, comps, n=4, pad_token_id=0, mode="fp32", batch_rows=8,
+                    extra_pad=7)
+    bf16 = df.floor(_tiny_qwen(torch.bfloat16), prompts, comps, n=4, pad_token_id=0, mode="bf16_weights",
+                    batch_rows=8, extra_pad=7)
+    assert max(max(v) for v in fp32.values()) < 1e-9  # generation-style position ids: layouts agree in fp32
+    # bf16 rounding moves the log-probs of re-padded / re-batched rows: the floor the check reports is not 0
+    assert max(bf16["padding"]) > 100 * max(max(fp32["padding"]), 1e-15)
+    assert max(bf16["batch"]) > 0.0
+    s = df.summarize(bf16, tau=1e-3, tau_range=(1e-3, 1e-1))
+    assert s["groups"] == 6 and s["settings"]["all"]["max"] == max(max(v) for v in bf16.values())
+
+
+def test_floor_sees_wrong_positions():
+    """Left padding without generation-style position ids shifts an absolute-position model: the measurement must
+    report it (this is the fault the floor's position ids guard against)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    df = _module("drift_floor")
+    torch.manual_seed(0)
+    m = GPT2LMHeadModel(GPT2Config(vocab_size=97, n_embd=64, n_layer=2, n_head=4, n_positions=128)).eval()
+    with torch.no_grad():
+        m.transformer.wpe.weight.normal_(0.0, 0.5)
+    prompts, comps = df.random_groups(num_groups=3, n=2, prompt_len=12, completion_len=6, vocab=97, seed=2)
+    ok = df.floor(m, prompts, comps, n=2, pad_token_id=0, mode="fp32", batch_rows=4, extra_pad=5)
+    assert max(ok["padding"]) < 1e-9
+
+    class NoPositions(torch.nn.Module):  # the fault: position ids dropped on the way to the model
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, position_ids=None, **kw):
+            return self.inner(**kw)
+
+    bad = df.floor(NoPositions(m), prompts, comps, n=2, pad_token_id=0, mode="fp32", batch_rows=4, extra_pad=5)
+    assert max(bad["padding"]) > 1e-3
