@@ -40,7 +40,8 @@ from .padding import PaddedGroups, pad_groups
 from .scores import (
     GroupScores, drift, group_scores, headroom, reference_headroom, replay_kl, replay_kl_per_group, token_headroom,
 )
-from .selection import SELECTORS, Scorer, Selection, select_replay
+from .selection import Scorer, select_replay
+from .selectors import SELECTORS, Selection
 from .record import GroupRecord
 
 __version__ = "0.1.0"

@@ -30,7 +30,7 @@ from .checkpoint_schema import BufferState, parse_buffer_state
 from .errors import CheckpointError, ReplayConfigError, ReplayInputError
 from .multimodal import Schema, schema_difference, schema_of, schema_to_json
 from .record import GroupRecord
-from .storage import BLOCK_GROUPS, Block, copy_groups
+from .storage import BLOCK_GROUPS, SLOT_FIELDS, Block, copy_groups
 from .validate import (
     MAX_CAPACITY, MAX_COUNT, MAX_STEP, check_ids, check_int, check_real, check_reals, check_sequence, check_step,
     check_path, check_str,
@@ -52,11 +52,7 @@ class ReplayBuffer:
         group_size: if set, every appended group must have exactly this many responses.
     """
 
-    _SLOT_FIELDS = {
-        "insertion_id": np.int64, "birth_step": np.int64, "cached_headroom": np.float64,
-        "ref_headroom": np.float64, "refresh_step": np.int64, "replay_count": np.int64,
-        "exposure": np.float64, "num_loss_tokens": np.int64,
-    }
+    _SLOT_FIELDS = SLOT_FIELDS  # (the name before the slot fields moved to :mod:`hdreplay.storage`)
 
     def __init__(self, capacity: int, *, group_size: int | None = None) -> None:
         self.capacity = check_int("capacity", capacity, lo=1, hi=MAX_CAPACITY, err=ReplayConfigError)

@@ -23,7 +23,7 @@ from .adaptive import AdaptiveTau
 from .errors import ReplayConfigError
 from .ingress import INGRESS_RULES, make_ingress_rule
 from .scores import DRIFT_NORMS, HEADROOM_WEIGHTINGS
-from .selection import SELECTORS
+from .selectors import SELECTORS
 
 from .validate import MAX_CAPACITY, MAX_COUNT  # noqa: F401  (re-exported: the bounds every front end shows)
 

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from . import sampling
-from .adaptive import TauState, update_tau
+from .adaptive import TauState, advance_tau
 from .buffer import ReplayBuffer
 from .checkpoint import read_checkpoint_dir, write_checkpoint_dir
 from .checkpoint_schema import ControllerState, parse_buffer_state, parse_controller_state
@@ -43,7 +43,8 @@ from .errors import (
 from .ingress import make_ingress_rule
 from .record import GroupRecord
 from .scores import reference_headroom
-from .selection import Scorer, Selection, empty_selection, select_replay
+from .selection import Scorer, select_replay
+from .selectors import Selection, empty_selection
 from .validate import MAX_COUNT, check_bool, check_int, check_path, check_sequence, check_step, is_int, is_real
 
 #: consecutive starved steps (budget unfilled, gate pass rate < STARVED_RATE) before a ReplayStarvedWarning
@@ -216,7 +217,8 @@ class ReplayController:
         for k, v in extra.items():
             setattr(rec, k, v)
         if self.tau_state is not None:
-            self.tau_state = update_tau(self.tau_state, rec, self.config.adaptive_tau)
+            self.tau_state = advance_tau(self.tau_state, self.config.adaptive_tau, accept_rate=rec.accept_rate,
+                                         budget_fill=rec.budget_fill, replay_kl=rec.replay_kl)
             rec.tau_next, rec.tau_action = self.tau_state.tau, self.tau_state.last_action
         starved = self._count_starved(rec)
         self.last_record = rec
