@@ -92,5 +92,6 @@ def test_selectors_is_a_leaf_and_arrows_point_down():
     assert "hdreplay.buffer" not in graph["hdreplay.checkpoint_schema"]  # slot fields live with the storage
     level = levels(graph)
     for low, high in (("hdreplay.record", "hdreplay.storage"), ("hdreplay.storage", "hdreplay.buffer"),
-                      ("hdreplay.buffer", "hdreplay.controller"), ("hdreplay.selection", "hdreplay.controller")):
+                      ("hdreplay.buffer", "hdreplay.controller"), ("hdreplay.selection", "hdreplay.controller"),
+                      ("hdreplay.record", "hdreplay.ingest"), ("hdreplay.ingest", "hdreplay.controller")):
         assert level[low] < level[high], (low, high, level[low], level[high])
