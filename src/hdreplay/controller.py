@@ -63,6 +63,19 @@ class ReplayController:
     Args:
         config:          the replay configuration.
         diagnostics_dir: if given, step and group-lifetime records are appended there as JSONL.
+
+    >>> from hdreplay import GroupRecord, ReplayConfig
+    >>> g = GroupRecord.from_responses(group_id="g0", prompt_ids=[5, 6], completion_ids=[[1, 2], [3]],
+    ...                                logprobs=[[-0.1, -0.2], [-0.3]], advantages=[1.0, -1.0],
+    ...                                rewards=[1.0, 0.0], birth_step=0)
+    >>> ctrl = ReplayController(ReplayConfig(k_rep=1, tau=1e-3, capacity=8))
+    >>> ctrl.select(step=0).groups, ctrl.stage([g], step=0)  # nothing buffered yet; g is mixed: admitted
+    ([], [True])
+    >>> _ = ctrl.commit()  # after the update: g enters the buffer
+    >>> unchanged = lambda groups: [x.logprobs for x in groups]  # the scorer: current log-probs (here: pi_gen)
+    >>> sel = ctrl.select(step=1, scorer=unchanged)
+    >>> [x.group_id for x in sel.groups], sel.scanned_drift.tolist()  # Drift 0 <= tau: replayed
+    (['g0'], [0.0])
     """
 
     def __init__(self, config: ReplayConfig, *, diagnostics_dir: str | os.PathLike | None = None) -> None:
@@ -108,8 +121,6 @@ class ReplayController:
 
         Returns a :class:`Selection` whose arrays are read-only and whose ``groups`` are copies."""
         step = self._check_step(step, "select")
-        if scorer is not None and not callable(scorer):
-            raise ReplayInputError(f"select: scorer must be a callable or None, got {type(scorer).__name__}")
         if self._selection is not None:
             raise ReplayProtocolError(f"select(step={step}) called twice; one selection per step")
         sel = select_replay(self.buffer, self.config, scorer, step=step, acceptance_rate=self.acceptance_rate,

@@ -82,8 +82,8 @@ class HDRGRPOTrainer(GRPOTrainer):
         self._is_vlm = mm.check_setup(self.processing_class, self.train_dataset, replay=self.args.replay_selector,
                                       micro_step=self.args.replay_micro_step)
         a = self.args
-        self.replay_plan = a.replay_plan()
-        self.replay_config = a.to_replay_config()
+        settings = a.replay_settings()  # built and validated once, with the config (not again here)
+        self.replay_plan, self.replay_config = settings.plan, settings.config
         strategy = build_strategy(self)  # controller + generation wrapper (trl/strategies.py)
         self.replay, self.replay_active = strategy.controller, strategy.active
         self._mixer = strategy.mixer  # ExGRPO's mixed-policy groups (replay_exgrpo)
