@@ -7,10 +7,11 @@ Storage.  Groups live in ragged blocks (:mod:`hdreplay.storage`); what the buffe
 them changes the stored state.
 
 Per-group mutable state lives in slot arrays indexed by ``insertion_id % L``
-(:data:`hdreplay.storage.SLOT_FIELDS`): cached Headroom, reference Headroom, last refresh step, birth step,
-lifetime replay count N_rep, exposure W and the loss-token count.  Insertion ids are consecutive, so the live ids ``[next_id - size, next_id)``
-(oldest first) map to distinct slots whenever ``L >= size``; ``L`` grows geometrically up to the
-capacity as the buffer fills, so a large capacity costs nothing until it is used.
+(:data:`hdreplay.storage.SLOT_FIELDS`): cached Headroom, reference Headroom, last refresh step, birth
+step, lifetime replay count N_rep, exposure W and the loss-token count.  Insertion ids are consecutive,
+so the live ids ``[next_id - size, next_id)`` (oldest first) map to distinct slots whenever
+``L >= size``; ``L`` grows geometrically up to the capacity as the buffer fills, so a large capacity
+costs nothing until it is used.
 
 Every public method checks all of its arguments before it changes anything: a refused call leaves
 the buffer exactly as it was.

@@ -85,7 +85,8 @@ def test_the_replay_settings_are_built_once_per_run_and_follow_a_changed_field(m
     assert len(plans) == 1 and builds[-1].k_rep == 2
     done = len(builds)
     model, tok = tiny_model(tmp_path)
-    tr = HDRGRPOTrainer(model=model, reward_funcs=reward_digit, args=args, train_dataset=prompts(), processing_class=tok)
+    tr = HDRGRPOTrainer(model=model, reward_funcs=reward_digit, args=args, train_dataset=prompts(),
+                        processing_class=tok)
     assert len(plans) == 1 and len(builds) == done  # the trainer took the config's settings
     assert tr.replay_config is args.to_replay_config() is tr.replay.config and tr.replay_plan is args.replay_plan()
     assert tr.replay.tau == args.replay_tau

@@ -167,7 +167,8 @@ def fresh_groups(data, tags: Sequence[dict], *, step: int, group_size: int, esti
     prompt_lens = pmask.sum(1).tolist()
     batch = Rows(prompt_ids=prompts, prompt_mask=pmask, completion_ids=responses, completion_mask=rmask,
                  loss_mask=_padded(data["response_mask"])[0], logprobs=_padded(data["old_log_probs"], 0.0)[0],
-                 advantages=_padded(data["advantages"], 0.0)[0], rewards=_padded(data["rm_scores"], 0.0)[0].float().sum(-1),
+                 advantages=_padded(data["advantages"], 0.0)[0],
+                 rewards=_padded(data["rm_scores"], 0.0)[0].float().sum(-1),
                  extras={name: _padded(data[key], 0.0)[0] for key, name in STORED_EXTRAS.items() if key in data.keys()})
     got = groups_from_rows(batch, step=step, group_size=group_size, keys=uids, only=rows,
                            group_id=lambda u: f"{step}:{u}", schema=schema, key_name="uid", size_name="rollout.n",

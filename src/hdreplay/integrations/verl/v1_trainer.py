@@ -166,8 +166,8 @@ class HDRTrainerMixin(ReplayCheckpoints):
         m = int(cfg.actor.ppo_mini_batch_size) * n
         data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id)
         # vision-language runs: a text-only prompt (or another image layout) is one of the problems, not fatal
-        fresh = fresh_groups(data, batch.tags, step=step, group_size=n, estimator=str(self.config.algorithm.adv_estimator),
-                             schema=self.replay.buffer.mm_schema)
+        fresh = fresh_groups(data, batch.tags, step=step, group_size=n,
+                             estimator=str(self.config.algorithm.adv_estimator), schema=self.replay.buffer.mm_schema)
         sel = self.replay.select(step=step, scorer=self._replay_scorer)
         self.replay.stage(fresh.groups, step=step)
         actor, info = self._write_actor_batch(batch, fresh, sel.groups, step=step, minibatch_rows=m, dp=dp)
