@@ -8,7 +8,11 @@
 
 from __future__ import annotations
 
+import os
+import warnings
+
 TESTED_TRL = "1.16"
+UNTESTED_TRL_ENV = "HDREPLAY_UNTESTED_TRL"  # "1": import under another trl release (a warning instead of the error)
 
 try:
     import trl as _trl
@@ -19,11 +23,12 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
     ) from e
 
 if not _trl.__version__.startswith(TESTED_TRL + "."):  # pragma: no cover
-    raise ImportError(
-        f"hdreplay.integrations.trl is tested with trl {TESTED_TRL}.*, found trl {_trl.__version__}; TRL's "
-        f"GRPOTrainer internals change between minor versions. Install trl=={TESTED_TRL}.* "
-        "(pip install -c constraints.txt 'hdreplay[trl]')."
-    )
+    _why = (f"hdreplay.integrations.trl is tested with trl {TESTED_TRL}.*, found trl {_trl.__version__}; TRL's "
+            f"GRPOTrainer internals change between minor versions")
+    if os.environ.get(UNTESTED_TRL_ENV) != "1":
+        raise ImportError(f"{_why}. Install trl=={TESTED_TRL}.* (pip install -c constraints.txt 'hdreplay[trl]').")
+    # scripts/trl_releases.py runs the TRL tests against other releases this way, to see what breaks
+    warnings.warn(f"{_why}; imported anyway because {UNTESTED_TRL_ENV}=1", stacklevel=2)
 
 from .callback import HDRLogCallback  # noqa: E402
 from .config import HDRGRPOConfig  # noqa: E402
