@@ -302,11 +302,13 @@ def coverage_problem(items: dict[str, Item], record: dict, *, strict: bool) -> s
     (a method TRL removed is reported by :func:`compare`, not here)."""
     new = sorted(set(items) - set(record["items"]))
     gone = sorted(set(record["items"]) - set(items)) if strict else []
-    if not new and not gone:
+    moved = sorted(k for k in set(items) & set(record["items"]) if items[k].kind != record["items"][k]["kind"])
+    if not new and not gone and not moved:
         return ""
     lines = ["The TRL seam record does not match hdreplay's code:"]
     lines += [f"  not recorded: {k} [{items[k].kind}; used by {', '.join(sorted(items[k].used_by))}]" for k in new]
     lines += [f"  recorded but no longer used: {k}" for k in gone]
+    lines += [f"  recorded as {record['items'][k]['kind']}, now {items[k].kind}: {k}" for k in moved]
     lines.append(f"Regenerate the record against trl {record['recorded_with']['trl']}: {REGENERATE} -- and give each "
                  "new item its one line in docs/trl.md ('The seam'), or drop the lines of removed ones.")
     return "\n".join(lines)

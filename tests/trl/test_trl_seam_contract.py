@@ -13,7 +13,7 @@ pytest.importorskip("trl")
 pytestmark = pytest.mark.trl
 
 import trl_seam  # noqa: E402  (tests/support)
-from trl_seam_print import _load  # noqa: E402
+from trl_seam_print import PRINT_FIELDS, _load, item_print  # noqa: E402
 
 DOCS = trl_seam.ROOT / "docs" / "trl.md"
 
@@ -26,6 +26,17 @@ def record() -> dict:
 @pytest.fixture(scope="module")
 def items() -> dict:
     return trl_seam.scan()
+
+
+@pytest.fixture(scope="module")
+def current(record) -> dict:
+    """The record with every fingerprint taken from the installed TRL: the checks below must fail on it only for
+    what they change (whatever state the checked-in record is in)."""
+    items = {}
+    for key, item in record["items"].items():
+        kept = {k: v for k, v in item.items() if k not in PRINT_FIELDS}
+        items[key] = {**kept, **item_print({k: item[k] for k in ("anchor", "module", "name") if k in item})}
+    return {**record, "recorded_with": trl_seam.versions(), "items": items}
 
 
 def _same_versions(record: dict) -> bool:
@@ -59,11 +70,11 @@ def _override_with_source(record: dict, framework: str = "trl") -> tuple[str, di
                 if it["kind"] == "override" and it.get("source_sha256") and it["owner"].startswith(framework + "."))
 
 
-def test_a_changed_recorded_hash_or_signature_is_named(record):
-    (k1, _), (k2, _) = [(k, it) for k, it in record["items"].items() if it.get("source_sha256")][:2]
-    edited = {**record, "recorded_with": {**record["recorded_with"], "trl": "0.0.0"},
-              "items": {**record["items"], k1: {**record["items"][k1], "source_sha256": "0" * 64},
-                        k2: {**record["items"][k2], "signature": "(self)"}}}
+def test_a_changed_recorded_hash_or_signature_is_named(current):
+    (k1, _), (k2, _) = [(k, it) for k, it in current["items"].items() if it.get("source_sha256")][:2]
+    edited = {**current, "recorded_with": {**current["recorded_with"], "trl": "0.0.0"},
+              "items": {**current["items"], k1: {**current["items"][k1], "source_sha256": "0" * 64},
+                        k2: {**current["items"][k2], "signature": "(self)"}}}
     changes = trl_seam.compare(edited)
     assert {c.key for c in changes} == {k1, k2}
     msg = trl_seam.change_message(edited, changes)
@@ -71,27 +82,27 @@ def test_a_changed_recorded_hash_or_signature_is_named(record):
     assert "signature '(self)' -> " in msg and "trl 0.0.0" in msg and trl_seam.REGENERATE in msg
 
 
-def test_a_trl_method_that_changes_is_named(record, monkeypatch):
+def test_a_trl_method_that_changes_is_named(current, monkeypatch):
     """The installed TRL changes under the record: an overridden method gets another signature and body."""
-    key, item = _override_with_source(record)
+    key, item = _override_with_source(current)
     owner = _load(item["owner"])
 
     def changed(self, inputs, extra=None):
         return inputs
 
     monkeypatch.setattr(owner, item["name"], changed)
-    changes = {c.key: c for c in trl_seam.compare(record)}
+    changes = {c.key: c for c in trl_seam.compare(current)}
     assert set(changes) == {key}
     assert [w.split(" ")[0] for w in changes[key].what] == ["signature", "source"]
     monkeypatch.delattr(owner, item["name"])  # removed: missing, or inherited from a class further up
-    (gone,) = trl_seam.compare(record)
+    (gone,) = trl_seam.compare(current)
     assert gone.key == key and gone.what[0].split(" ")[0] in ("missing:", "owner")
 
 
-def test_a_new_override_or_private_use_without_a_record_entry_fails(record, items, tmp_path):
+def test_a_new_override_or_private_use_without_a_record_entry_fails(items, tmp_path):
     from trl import GRPOTrainer
 
-    recorded = {it["name"] for it in record["items"].values() if it.get("anchor") == "trl.GRPOTrainer"}
+    recorded = {it.key.rsplit(".", 1)[1] for it in items.values() if it.locate.get("anchor") == "trl.GRPOTrainer"}
     own = sorted(n for n in vars(GRPOTrainer) if n.startswith("_") and not n.startswith("__") and n not in recorded
                  and callable(vars(GRPOTrainer)[n]))
     override, called = own[0], own[1]
@@ -103,16 +114,22 @@ def test_a_new_override_or_private_use_without_a_record_entry_fails(record, item
     found = {**items, **trl_seam.scan([extra])}
     assert found[f"trl.GRPOTrainer.{override}"].kind == "override"
     assert found[f"trl.GRPOTrainer.{called}"].kind == "private"
-    problem = trl_seam.coverage_problem(found, record, strict=True)
+    exact = {"recorded_with": trl_seam.versions(), "items": {k: {"kind": it.kind} for k, it in items.items()}}
+    assert trl_seam.coverage_problem(items, exact, strict=True) == ""
+    problem = trl_seam.coverage_problem(found, exact, strict=True)
     assert f"not recorded: trl.GRPOTrainer.{override} [override; used by " in problem
     assert "extra_trainer.py.Extra" in problem
     assert f"not recorded: trl.GRPOTrainer.{called} [private" in problem
     assert trl_seam.REGENERATE in problem
     # and a recorded item the code no longer uses (a narrowed seam) asks for the same regeneration
-    stale = {**record, "items": {**record["items"], "trl.GRPOTrainer._gone": {"kind": "override"}}}
+    stale = {**exact, "items": {**exact["items"], "trl.GRPOTrainer._gone": {"kind": "override"}}}
     problem = trl_seam.coverage_problem(items, stale, strict=True)
     assert "recorded but no longer used: trl.GRPOTrainer._gone" in problem and trl_seam.REGENERATE in problem
     assert trl_seam.coverage_problem(items, stale, strict=False) == ""  # another TRL: compare() reports removals
+    # an override that became a mere private use (or back) changes what docs/trl.md says about it
+    key = next(k for k, it in items.items() if it.kind == "override")
+    moved = {**exact, "items": {**exact["items"], key: {"kind": "private"}}}
+    assert f"recorded as private, now override: {key}" in trl_seam.coverage_problem(items, moved, strict=True)
 
 
 def test_normalized_source_ignores_comments_docstrings_and_blank_lines():
