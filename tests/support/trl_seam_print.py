@@ -44,6 +44,20 @@ def normalized_source(src: str) -> str:
     return "\n".join(s.rstrip() for s in lines if s.strip())
 
 
+def _cached(fn):
+    """``fn`` memoized on the object itself (a function's source does not change; a monkeypatched replacement is
+    another object); unhashable objects are computed each time."""
+    memo = lru_cache(maxsize=None)(fn)
+
+    def call(obj):
+        try:
+            return memo(obj)
+        except TypeError:
+            return fn(obj)
+    return call
+
+
+@_cached
 def _source_sha(obj) -> str | None:
     try:
         src = inspect.getsource(obj)
@@ -52,6 +66,7 @@ def _source_sha(obj) -> str | None:
     return hashlib.sha256(normalized_source(src).encode()).hexdigest()
 
 
+@_cached
 def _signature(obj) -> str | None:
     try:
         return _ADDRESS.sub("", str(inspect.signature(obj)))
