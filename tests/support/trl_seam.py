@@ -196,12 +196,12 @@ def scan(files: list[Path] | None = None) -> dict[str, Item]:
             v = node.value
             own = (isinstance(v, ast.Name) and v.id == "self") or (
                 isinstance(v, ast.Call) and isinstance(v.func, ast.Name) and v.func.id == "super")
-            # self / super() inside a class: that class's framework bases (none: not a framework object)
+            # self / super() inside a class: that class's framework bases (none: not a framework object); any
+            # other receiver (``trainer._x``) may be any of them: an item for each on which the name resolves
             for a in (anchors_of.get(cls, []) if own and cls is not None else every_anchor):
                 if _on_framework(a, node.attr) or node.attr in instance_attributes(a):
                     add(f"{public_path(a)}.{node.attr}", "private", {"anchor": public_path(a), "name": node.attr},
                         f.user)
-                    break
         for mod, name in f.framework_imports:
             if _private_import(mod, name):
                 add(f"{mod}.{name}", "import", {"module": mod, "name": name}, f.user)

@@ -94,10 +94,15 @@ def _framework(obj) -> bool:
 
 
 def public_path(cls: type) -> str:
-    """``trl.GRPOTrainer`` when the package exports the class at its top level, else ``module.QualName``."""
-    top = importlib.import_module(cls.__module__.split(".")[0])
-    if getattr(top, cls.__name__, None) is cls:
-        return f"{top.__name__}.{cls.__name__}"
+    """The shortest dotted path that imports ``cls`` (``trl.GRPOTrainer``,
+    ``trl.experimental.async_grpo.AsyncGRPOTrainer``), else ``module.QualName``."""
+    parts = cls.__module__.split(".")
+    for i in range(1, len(parts)):
+        try:
+            if getattr(importlib.import_module(".".join(parts[:i])), cls.__name__, None) is cls:
+                return f"{'.'.join(parts[:i])}.{cls.__name__}"
+        except ImportError:
+            continue
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
