@@ -10,7 +10,10 @@ What counts as the seam (nothing here is a hand list; re-running the scan on cha
   that a method of a framework class of the MRO assigns (``STORE_ATTR`` in its bytecode);
 * **import**: a name imported from ``trl.*`` / ``transformers.*`` that the package does not export at its top level
   (``trl.trainer.utils.split_tensor_dict``, ``transformers.trainer_utils.rotate_checkpoints``) or that starts with
-  ``_``.
+  ``_``;
+* **protocol**: a framework function, used by the modules of those classes, that installs a patch taking keywords
+  of its own (a nested function with parameters the outer one lacks) when hdreplay passes one of those keywords:
+  ``model(..., fused_lm_head=True)`` works only on a model TRL's ``add_fused_lm_head`` patched.
 
 Each item's fingerprint (:mod:`trl_seam_print`): where it is defined (``owner``), ``inspect.signature`` and the
 SHA-256 of its normalized source — or its ``value`` (a constant), or the framework methods that assign it (an instance
@@ -22,15 +25,19 @@ attribute), or ``missing``.
 from __future__ import annotations
 
 import ast
+import dis
 import importlib
 import importlib.util
 import inspect
 import json
 import re
+import sys
 from dataclasses import dataclass, field
+from functools import lru_cache
 from pathlib import Path
 
-from trl_seam_print import FRAMEWORKS, PRINT_FIELDS, _framework, instance_attributes, item_print, public_path
+from trl_seam_print import (FRAMEWORKS, PRINT_FIELDS, _code_objects, _framework, instance_attributes, item_print,
+                            public_path)
 
 ROOT = Path(__file__).resolve().parents[2]
 SRC = ROOT / "src"
@@ -44,7 +51,7 @@ class Item:
     """One seam item: ``key`` (``trl.GRPOTrainer._prepare_inputs``), how hdreplay uses it, where to find it."""
 
     key: str
-    kind: str  # "override" | "private" | "import"
+    kind: str  # "override" | "private" | "import" | "protocol"
     locate: dict  # {"anchor": "trl.GRPOTrainer", "name": ...} or {"module": "trl.trainer.utils", "name": ...}
     used_by: set[str] = field(default_factory=set)
 
@@ -85,6 +92,7 @@ class _File:
         self.framework_imports: list[tuple[str, str]] = []  # (framework module, name)
         self.classes: list[ast.ClassDef] = []
         self.attributes: list[tuple[ast.Attribute, ast.ClassDef | None]] = []
+        self.keywords: set[str] = set()  # keyword argument names at this file's call sites
         stack: list[tuple[ast.AST, ast.ClassDef | None]] = [(ast.parse(text), None)]
         while stack:
             node, cls = stack.pop()
@@ -104,6 +112,8 @@ class _File:
                 cls = node
             elif isinstance(node, ast.Attribute) and _private(node.attr):
                 self.attributes.append((node, cls))
+            elif isinstance(node, ast.Call):
+                self.keywords.update(k.arg for k in node.keywords if k.arg)
             stack.extend((c, cls) for c in ast.iter_child_nodes(node))
 
     def resolve(self, expr: ast.expr):
@@ -205,7 +215,34 @@ def scan(files: list[Path] | None = None) -> dict[str, Item]:
         for mod, name in f.framework_imports:
             if _private_import(mod, name):
                 add(f"{mod}.{name}", "import", {"module": mod, "name": name}, f.user)
+        for (mod, name), keywords in patched_keywords(tuple(every_anchor)).items():
+            if keywords & f.keywords:
+                add(f"{mod}.{name}", "protocol", {"module": mod, "name": name}, f.user)
     return items
+
+
+@lru_cache(maxsize=None)
+def patched_keywords(anchors: tuple[type, ...]) -> dict[tuple[str, str], frozenset[str]]:
+    """``{(module, function): keywords}`` for the framework functions the anchors' modules use that assign an attribute
+    and define (``def``) a nested function taking keywords the outer one does not: a patch they install
+    (``add_fused_lm_head`` sets a model's ``forward`` to one that takes ``fused_lm_head=``). hdreplay passing such a
+    keyword relies on that patch."""
+    out: dict[tuple[str, str], frozenset[str]] = {}
+    modules = {k.__module__ for a in anchors for k in a.__mro__ if _framework(k)}
+    for m in sorted(modules):
+        for fn in vars(sys.modules[m]).values():
+            if not (inspect.isfunction(fn) and _framework(fn)):
+                continue
+            code = fn.__code__
+            if not any(i.opname == "STORE_ATTR" for i in dis.get_instructions(code)):
+                continue  # installs nothing on an object
+            outer = set(code.co_varnames[:code.co_argcount + code.co_kwonlyargcount])
+            inner = {a for c in list(_code_objects(code))[1:] if not c.co_name.startswith("<")  # def, not a lambda
+                     for a in c.co_varnames[:c.co_argcount + c.co_kwonlyargcount]}
+            inner -= outer | {"self", "args", "kwargs"}
+            if inner:
+                out[(fn.__module__, fn.__name__)] = frozenset(inner)
+    return out
 
 
 def _private_import(module: str, name: str) -> bool:

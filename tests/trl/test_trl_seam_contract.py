@@ -106,12 +106,16 @@ def test_a_new_override_or_private_use_without_a_record_entry_fails(items, tmp_p
     own = sorted(n for n in vars(GRPOTrainer) if n.startswith("_") and not n.startswith("__") and n not in recorded
                  and callable(vars(GRPOTrainer)[n]))
     override, called = own[0], own[1]
+    (patch_module, patch), keywords = next(iter(trl_seam.patched_keywords((GRPOTrainer,)).items()))
     extra = tmp_path / "extra_trainer.py"
     extra.write_text("from trl import GRPOTrainer\n\n\n"
                      f"class Extra(GRPOTrainer):\n    def {override}(self, *args, **kwargs):\n"
                      f"        return super().{override}(*args, **kwargs)\n\n\n"
-                     f"def helper(trainer):\n    return trainer.{called}\n")
-    found = {**items, **trl_seam.scan([extra])}
+                     f"def helper(trainer):\n    return trainer.{called}\n\n\n"
+                     f"def forward(model):\n    return model({min(keywords)}=True)\n")
+    alone = trl_seam.scan([extra])
+    assert alone[f"{patch_module}.{patch}"].kind == "protocol"  # found from the keyword alone
+    found = {**items, **alone}
     assert found[f"trl.GRPOTrainer.{override}"].kind == "override"
     assert found[f"trl.GRPOTrainer.{called}"].kind == "private"
     exact = {"recorded_with": trl_seam.versions(), "items": {k: {"kind": it.kind} for k, it in items.items()}}
