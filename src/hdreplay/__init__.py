@@ -14,7 +14,7 @@ Core API (framework-agnostic; importing it never imports TRL or verl):
 
 Reliability contract: every public call checks all of its arguments before it changes anything
 (errors: ReplayInputError / ReplayConfigError / ReplayProtocolError / CheckpointError, all
-ReplayError); what the buffer hands out are copies; ``ReplayController.save`` is crash-safe and
+ReplayError; CheckpointLockedError when another writer holds a checkpoint directory); what the buffer hands out are copies; ``ReplayController.save`` is crash-safe and
 ``load`` is all-or-nothing (see ``hdreplay.checkpoint`` and ``hdreplay.checkpoint_schema``).
 
 Integrations live in ``hdreplay.integrations.trl`` and ``hdreplay.integrations.verl``.
@@ -27,6 +27,7 @@ from .controller import ReplayController
 from .diagnostics import METRIC_KEYS, STEP_FIELDS, DiagnosticsWriter, StepRecord, metrics_from_record
 from .errors import (
     CheckpointError,
+    CheckpointLockedError,
     ReplayConfigError,
     ReplayError,
     ReplayInputError,
@@ -46,7 +47,7 @@ from .record import GroupRecord
 __version__ = "0.1.0"
 
 __all__ = [
-    "AdaptiveTau", "TauState", "update_tau", "AnswerBased", "CheckpointError", "DiagnosticsWriter", "GroupRecord", "GroupScores", "METRIC_KEYS", "STEP_FIELDS", "StepRecord",
+    "AdaptiveTau", "TauState", "update_tau", "AnswerBased", "CheckpointError", "CheckpointLockedError", "DiagnosticsWriter", "GroupRecord", "GroupScores", "METRIC_KEYS", "STEP_FIELDS", "StepRecord",
     "MixedOutcome", "PaddedGroups", "ReplayBuffer", "ReplayConfig", "ReplayConfigError", "ReplayController",
     "ReplayError", "ReplayInputError", "ReplayProtocolError", "ReplayResumeWarning", "ReplayStarvedWarning", "SELECTORS", "Scorer", "Selection",
     "balanced_partition", "drift", "group_scores", "headroom", "make_ingress_rule", "metrics_from_record",
