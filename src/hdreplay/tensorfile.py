@@ -82,6 +82,8 @@ def header(specs: Mapping[str, Streamed]) -> tuple[bytes, int]:
 
 
 def _bytes(t: torch.Tensor) -> memoryview:
+    if t.numel() == 0:
+        return memoryview(b"")
     u8 = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
     return memoryview(u8.numpy())
 
