@@ -32,8 +32,13 @@ from ..errors import CheckpointError, ReplayConfigError
 from ..record import GroupRecord
 from ..sampling import new_rng, rng_from_state, rng_state, uniform_order
 from ..selection import Selection, empty_selection
-from .store import load_state, pack, save_state, unpack
+from ..validate import is_int
+from .store import (
+    checked_meta, load_state, only_tensors, options_changes, pack, real_list, refuse_option, save_state, step_or_none,
+    unpack, warn_changes,
+)
 
+FORMAT = "hdreplay.bapo"
 #: BAPO's cap on the scores kept per uid (``max_scores_per_uid``)
 MAX_SCORES = 32
 _EPS = 1e-9
@@ -240,7 +245,8 @@ class BapoController:
                 continue
             self.store.pop(f.uid, None)  # re-adding moves a uid to the end of the LRU order
             rec = by_pos.get(f.position) if f.position is not None else None
-            self.store[f.uid] = Entry(alpha=list(f.rewards)[-MAX_SCORES:], row=f.row, last_step=step, record=rec)
+            self.store[f.uid] = Entry(alpha=[float(r) for r in f.rewards][-MAX_SCORES:], row=f.row, last_step=step,
+                                     record=rec)
             stored += 1
         evicted = evict(self.store, o, step) if step is not None else []
         sel = self._selection
@@ -255,33 +261,76 @@ class BapoController:
         return out
 
     # ---------------------------------------------------------------- checkpoints
-    def save(self, directory, *, allow_open_step: bool = False) -> None:
-        uids = list(self.store)
-        with_rec = [u for u in uids if self.store[u].record is not None]
-        tensors, records = pack([self.store[u].record for u in with_rec], "records")
+    def state_dict(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        with_rec = [e.record for e in self.store.values() if e.record is not None]
+        tensors, records = pack(with_rec, "records")  # images included (the multimodal schema is saved)
         entries = [{"uid": u, "alpha": e.alpha, "current": e.current, "last_step": e.last_step, "row": e.row,
                     "record": e.record is not None} for u, e in self.store.items()]
-        save_state(directory, "hdreplay.bapo", tensors, {"options": asdict(self.options), "entries": entries,
-                                                          "records": records, "last_step": self.last_step,
-                                                          "rng": rng_state(self.rng)})
+        return tensors, {"options": asdict(self.options), "entries": entries, "records": records,
+                         "last_step": self.last_step, "rng": rng_state(self.rng)}
+
+    def load_state_dict(self, tensors: Mapping[str, Any], meta: Mapping[str, Any]) -> None:
+        """Restore a :meth:`state_dict`, every field checked first (a refused load changes nothing).  Refused option
+        change: ``max_uids`` below the number of stored uids; the others are warned about."""
+        where = "bapo state"
+        meta = checked_meta(meta, ("options", "entries", "records", "last_step", "rng"), where)
+        tensors = only_tensors(tensors, "records", where)
+        saved, changes = options_changes(BapoOptions, meta["options"], self.options, where)
+        last = step_or_none(meta["last_step"], "last_step", where)
+        records = unpack(tensors, meta["records"], "records", where, last_step=last)
+        store = _parse_entries(meta["entries"], records, last, saved, where)
+        rng = rng_from_state(meta["rng"], where=where)
+        if len(store) > self.options.max_uids:
+            raise refuse_option(where, "max_uids", saved.max_uids, self.options.max_uids,
+                                f"{len(store)} uids are stored")
+        self.store, self.rng, self.last_step = store, rng, last
+        self._reset()
+        warn_changes("bapo", changes)
+
+    def save(self, directory, *, allow_open_step: bool = False) -> None:
+        save_state(directory, FORMAT, *self.state_dict())
 
     def load(self, directory) -> None:
-        tensors, meta = load_state(directory, "hdreplay.bapo")
-        records = unpack(tensors, meta.get("records"), "records", "bapo state")
-        entries, rng = meta.get("entries"), rng_from_state(meta.get("rng"), where="bapo state")
-        if not isinstance(entries, list) or sum(bool(x.get("record")) for x in entries) != len(records):
-            raise CheckpointError("bapo state: the entries do not match the stored groups")
-        it, store = iter(records), {}
+        """Restore from :meth:`save`'s directory (CheckpointError naming the field if malformed; nothing changes)."""
+        tensors, meta = load_state(directory, FORMAT)
         try:
-            for x in entries:
-                store[x["uid"]] = Entry(alpha=[float(v) for v in x["alpha"]], row=x["row"],
-                                        last_step=int(x["last_step"]), current=[float(v) for v in x["current"]],
-                                        record=next(it) if x["record"] else None)
-        except (KeyError, TypeError, ValueError) as e:
-            raise CheckpointError(f"bapo state: malformed entry ({e!r})") from None
-        self.store, self.rng, self.last_step = store, rng, meta.get("last_step")
-        self._reset()
+            self.load_state_dict(tensors, meta)
+        except CheckpointError as e:
+            raise CheckpointError(f"{directory}: {e}") from None
 
     def close(self) -> None:
         pass
 
+
+_ENTRY_KEYS = {"uid", "alpha", "current", "last_step", "row", "record"}
+
+
+def _parse_entries(entries: Any, records: list[GroupRecord], last: int | None, saved: BapoOptions, where: str
+                   ) -> dict[str, Entry]:
+    """The uid store of a BAPO state (LRU order kept), every entry checked against ``records`` and ``last``."""
+    if not isinstance(entries, list) or not all(isinstance(x, dict) and set(x) == _ENTRY_KEYS for x in entries):
+        raise CheckpointError(f"{where}: entries must be a list of objects with keys {sorted(_ENTRY_KEYS)}")
+    if sum(x["record"] is True for x in entries) != len(records):
+        raise CheckpointError(f"{where}: {len(records)} stored groups but entries mark "
+                              f"{sum(x['record'] is True for x in entries)} as having one")
+    if entries and last is None:
+        raise CheckpointError(f"{where}: uids are stored but last_step is None")
+    if len(entries) > saved.max_uids:
+        raise CheckpointError(f"{where}: {len(entries)} uids stored, more than the saved max_uids={saved.max_uids}")
+    it, store = iter(records), {}
+    for i, x in enumerate(entries):
+        at = f"{where}: entries[{i}]"
+        uid, step = x["uid"], x["last_step"]
+        if not isinstance(uid, str) or uid in store:
+            raise CheckpointError(f"{at}: uid {uid!r} is not a string, or appears twice")
+        if not (is_int(step) and 0 <= step <= last):
+            raise CheckpointError(f"{at}: last_step {step!r} is not a step <= the store's last step {last}")
+        if not isinstance(x["row"], dict) or not isinstance(x["record"], bool):
+            raise CheckpointError(f"{at}: row must be an object and record true or false")
+        rec = next(it) if x["record"] else None
+        if rec is not None and rec.birth_step > step:
+            raise CheckpointError(f"{at}: its group was born at step {rec.birth_step}, after it was stored ({step})")
+        store[uid] = Entry(alpha=real_list(x["alpha"], "alpha", at, lo=1, hi=MAX_SCORES), row=x["row"],
+                           last_step=int(step), current=real_list(x["current"], "current", at, lo=0, hi=MAX_SCORES),
+                           record=rec)
+    return store

@@ -39,10 +39,15 @@ from ..errors import CheckpointError, ReplayConfigError
 from ..record import GroupRecord
 from ..sampling import bucket_counts, new_rng, normal_bucket_weights, rng_from_state, rng_state, uniform_order
 from ..selection import Selection, empty_selection
+from ..validate import is_int
 from .repo import key_of
-from .store import keyed, load_state, pack, save_state, unpack
+from .store import (
+    checked_meta, keyed, keys_of, load_state, only_tensors, options_changes, pack, refuse_option, save_state,
+    step_or_none, unpack, warn_changes,
+)
 
 FORMAT = "hdreplay.exgrpo"
+_STATE_KEYS = ("options", "n", "keys", "records", "bucket", "rows", "retired", "started", "rng", "last_step")
 
 
 @dataclass(frozen=True)
@@ -221,27 +226,77 @@ class ExgrpoController:
     def __len__(self) -> int:
         return sum(len(v) for v in self.pool.values())
 
-    def save(self, directory, *, allow_open_step: bool = False) -> None:
+    def state_dict(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         keys = [k for k, v in self.pool.items() for _ in v]
         tensors, meta = pack([r for v in self.pool.values() for r in v], "pool")
-        save_state(directory, FORMAT, tensors, {
-            "options": asdict(self.options), "n": self.n, "keys": keys, "records": meta, "bucket": self.bucket,
-            "rows": self.rows, "retired": sorted(self.retired), "started": self.started, "rng": rng_state(self.rng),
-            "last_step": self.last_step})
+        return tensors, {"options": asdict(self.options), "n": self.n, "keys": keys, "records": meta,
+                         "bucket": dict(self.bucket), "rows": dict(self.rows), "retired": sorted(self.retired),
+                         "started": self.started, "rng": rng_state(self.rng), "last_step": self.last_step}
+
+    def load_state_dict(self, tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any]) -> None:
+        """Restore a :meth:`state_dict`, every field checked first (a refused load changes nothing).  Refused
+        option changes: ``correct`` (the pool holds the responses correct under the saved threshold) and
+        ``lbound`` / ``rbound`` when a stored bucket falls outside the new range; the others are warned about."""
+        where = "exgrpo state"
+        meta = checked_meta(meta, _STATE_KEYS, where)
+        tensors = only_tensors(tensors, "pool", where)
+        if meta["n"] != self.n:
+            raise CheckpointError(f"{where}: saved with n={meta['n']!r}, this run has n={self.n}; resume with the "
+                                  "saved num_generations")
+        saved, changes = options_changes(ExgrpoOptions, meta["options"], self.options, where)
+        last = step_or_none(meta["last_step"], "last_step", where)
+        records = unpack(tensors, meta["records"], "pool", where, single=True, last_step=last)
+        keys = keys_of(meta["keys"], records, where, lambda r: key_of(r.prompt_ids))
+        pool = keyed(records, keys)
+        bucket, rows, retired, started = meta["bucket"], meta["rows"], meta["retired"], meta["started"]
+        lo, hi = saved.lbound, saved.rbound if saved.rbound is not None else self.n - 1
+        if not isinstance(bucket, dict) or not all(isinstance(k, str) and is_int(v) and lo < v <= hi
+                                                   for k, v in bucket.items()):
+            raise CheckpointError(f"{where}: bucket must map prompt keys to success counts in ({lo}, {hi}]")
+        if not isinstance(rows, dict) or not all(isinstance(k, str) for k in rows):
+            raise CheckpointError(f"{where}: rows must map prompt keys to dataset rows")
+        if not isinstance(retired, list) or not all(isinstance(k, str) for k in retired) or \
+                len(set(retired)) != len(retired):
+            raise CheckpointError(f"{where}: retired must be a list of distinct prompt keys")
+        if not isinstance(started, bool):
+            raise CheckpointError(f"{where}: started must be true or false, got {started!r}")
+        if set(pool) - set(bucket):
+            raise CheckpointError(f"{where}: stored prompts without a bucket: {sorted(set(pool) - set(bucket))[:3]}")
+        gone = set(retired) & (set(bucket) | set(rows))
+        if gone:
+            raise CheckpointError(f"{where}: retired prompts are still stored: {sorted(gone)[:3]}")
+        if bad := [r.group_id for r in records if float(r.rewards[0]) < saved.correct]:
+            raise CheckpointError(f"{where}: stored responses {bad[:3]} are not correct (reward < {saved.correct})")
+        for k, v in pool.items():
+            if len({tuple(r.completion_ids.tolist()) for r in v}) != len(v):
+                raise CheckpointError(f"{where}: prompt {k!r} stores the same completion twice")
+        if (pool or bucket or retired or started) and last is None:
+            raise CheckpointError(f"{where}: a store with prompts (or switched on) needs a last_step, got None")
+        if pool and not started:
+            raise CheckpointError(f"{where}: responses are stored but started is false (nothing is collected "
+                                  "before the switch)")
+        rng = rng_from_state(meta["rng"], where=where)
+        now_hi = self.rbound
+        if saved.correct != self.options.correct:
+            raise refuse_option(where, "correct", saved.correct, self.options.correct,
+                                "the pool holds the responses correct under the saved threshold")
+        if outside := [v for v in bucket.values() if not self.options.lbound < v <= now_hi]:
+            raise refuse_option(where, "lbound/rbound", (lo, hi), (self.options.lbound, now_hi),
+                                f"stored buckets {sorted(set(outside))} fall outside the configured range")
+        self.pool, self.bucket, self.rows = pool, {k: int(v) for k, v in bucket.items()}, dict(rows)
+        self.retired, self.started, self.rng, self.last_step = set(retired), started, rng, last
+        warn_changes("exgrpo", changes)
+
+    def save(self, directory, *, allow_open_step: bool = False) -> None:
+        save_state(directory, FORMAT, *self.state_dict())
 
     def load(self, directory) -> None:
+        """Restore from :meth:`save`'s directory (CheckpointError naming the field if malformed; nothing changes)."""
         tensors, meta = load_state(directory, FORMAT)
-        if meta.get("n") != self.n:
-            raise CheckpointError(f"exgrpo state was saved with n={meta.get('n')}, this run has n={self.n}")
-        records = unpack(tensors, meta.get("records"), "pool", "exgrpo state")
-        keys, bucket, rows = meta.get("keys"), meta.get("bucket"), meta.get("rows")
-        if not (isinstance(keys, list) and len(keys) == len(records) and isinstance(bucket, dict)
-                and isinstance(rows, dict) and isinstance(meta.get("retired"), list)):
-            raise CheckpointError("exgrpo state: keys, buckets, rows or retired prompts are malformed")
-        rng = rng_from_state(meta.get("rng"), where="exgrpo state")
-        self.pool, self.bucket, self.rows = keyed(records, keys), {k: int(v) for k, v in bucket.items()}, dict(rows)
-        self.retired, self.started, self.rng = set(meta["retired"]), bool(meta.get("started")), rng
-        self.last_step = meta.get("last_step")
+        try:
+            self.load_state_dict(tensors, meta)
+        except CheckpointError as e:
+            raise CheckpointError(f"{directory}: {e}") from None
 
     def close(self) -> None:
         pass

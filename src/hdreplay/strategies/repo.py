@@ -34,8 +34,12 @@ from ..controller import split_rollouts
 from ..errors import CheckpointError, ReplayConfigError
 from ..record import GroupRecord
 from ..selection import Selection, empty_selection
-from .store import keyed, load_state, pack, save_state, unpack
+from .store import (
+    checked_meta, keyed, keys_of, load_state, only_tensors, options_changes, pack, save_state, step_or_none, unpack,
+    warn_changes,
+)
 
+FORMAT = "hdreplay.repo"
 RETRIEVALS = ("recent", "highest", "max_variance")
 #: RePO's normaliser epsilon (the same as TRL's)
 ADV_EPS = 1e-4
@@ -148,11 +152,27 @@ class RepoStore:
         return tensors, {"options": asdict(self.options), "keys": keys, "records": meta}
 
     def load_state_dict(self, tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any]) -> None:
-        records = unpack(tensors, meta.get("records"), "cache", "repo state")
-        keys = meta.get("keys")
-        if not isinstance(keys, list) or len(keys) != len(records) or any(r.num_responses != 1 for r in records):
-            raise CheckpointError("repo state: keys do not match the stored single responses")
-        self.cache = keyed(records, keys)
+        """Restore a :meth:`state_dict`, validated first (a refused load changes nothing); saved options that differ
+        from this store's are refused when the stored responses cannot hold under them, else warned about."""
+        cache, changes = parse_store(tensors, meta, self.options, where="repo state")
+        self.cache = cache
+        warn_changes("repo", changes)
+
+
+def parse_store(tensors: Any, meta: Any, options: RepoOptions, *, where: str, last_step: int | None = None,
+                by_prompt: bool = False) -> tuple[dict[str, list[GroupRecord]], list[str]]:
+    """(the per-prompt stores, option changes) of a RePO state; CheckpointError naming the field if malformed."""
+    meta = checked_meta(meta, ("options", "keys", "records"), where)
+    tensors = only_tensors(tensors, "cache", where)
+    _, changes = options_changes(RepoOptions, meta["options"], options, where)
+    records = unpack(tensors, meta["records"], "cache", where, single=True, last_step=last_step)
+    keys = keys_of(meta["keys"], records, where, (lambda r: key_of(r.prompt_ids)) if by_prompt else None)
+    cache = keyed(records, keys)
+    most = max((len(v) for v in cache.values()), default=0)
+    if most > options.max_cache:
+        raise CheckpointError(f"{where}: a prompt stores {most} responses, more than max_cache={options.max_cache}: "
+                              "saved with a larger max_cache; resume with the saved max_cache or start a new run")
+    return cache, changes
 
 
 def key_of(prompt_ids: torch.Tensor) -> str:
@@ -180,6 +200,7 @@ class RepoController:
         self._staged: list[GroupRecord] = []
         self._selection: Selection | None = None
         self._fresh = 0
+        self._step: int | None = None
 
     def observe_batch(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> None:
         """(N, P) left-padded prompts of the current fresh batch, rows in TRL's order (n per prompt)."""
@@ -206,6 +227,7 @@ class RepoController:
     def stage(self, groups: Sequence[GroupRecord], *, step: int) -> None:
         self._staged.extend(groups)
         self._fresh += len(groups)
+        self._step = step
 
     def commit(self, *, num_fresh_groups: int | None = None, counters: Mapping[str, Any] | None = None
                ) -> dict[str, float]:
@@ -217,19 +239,37 @@ class RepoController:
                "replay/accepted": float(len(sel.groups) if sel is not None else 0),
                "replay/rescored_rows": 0.0, "replay/buffer_size": float(len(self.store)),
                "replay/repo_prompts": float(len(self.store.cache))}
-        self.last_step = sel.step if sel is not None else self.last_step
+        self.last_step = sel.step if sel is not None else self._step if self._staged else self.last_step
         self._staged, self._selection, self._prompts, self._fresh = [], None, [], 0
         return out
 
-    def save(self, directory, *, allow_open_step: bool = False) -> None:
+    def state_dict(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         tensors, meta = self.store.state_dict()
-        save_state(directory, "hdreplay.repo", tensors, {**meta, "last_step": self.last_step})
+        return tensors, {**meta, "last_step": self.last_step}
+
+    def load_state_dict(self, tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any]) -> None:
+        """Restore a :meth:`state_dict`: every field checked (responses born after ``last_step``, keys that are not
+        their prompt's, more than max_cache per prompt are refused) before anything changes."""
+        where = "repo state"
+        last = step_or_none(checked_meta(meta, ("last_step",), where)["last_step"], "last_step", where)
+        cache, changes = parse_store(tensors, meta, self.options, where=where, last_step=last, by_prompt=True)
+        if cache and last is None:
+            raise CheckpointError(f"{where}: responses are stored but last_step is None")
+        store = RepoStore(self.options)
+        store.cache = cache
+        self.store, self.last_step = store, last
+        warn_changes("repo", changes)
+
+    def save(self, directory, *, allow_open_step: bool = False) -> None:
+        save_state(directory, FORMAT, *self.state_dict())
 
     def load(self, directory) -> None:
-        tensors, meta = load_state(directory, "hdreplay.repo")
-        store = RepoStore(self.options)
-        store.load_state_dict(tensors, meta)
-        self.store, self.last_step = store, meta.get("last_step")
+        """Restore from :meth:`save`'s directory (CheckpointError naming the field if malformed; nothing changes)."""
+        tensors, meta = load_state(directory, FORMAT)
+        try:
+            self.load_state_dict(tensors, meta)
+        except CheckpointError as e:
+            raise CheckpointError(f"{directory}: {e}") from None
 
     def close(self) -> None:
         pass
