@@ -27,7 +27,7 @@ POL = TablePolicy(vocab=8)
 
 
 def _group(gid, step, rewards, prompt, mm=False):
-    g = make_group(gid, policy=POL, step=step, n=N, seed=zlib.crc32(gid.encode()) % 997, rewards=rewards)
+    g = make_group(gid, policy=POL, step=step, n=len(rewards), seed=zlib.crc32(gid.encode()) % 997, rewards=rewards)
     img = {"pixel_values": torch.full((2 + len(prompt), 3), 0.5 + step), "image_grid_thw": torch.tensor([[1, 2, 2]])}
     return GroupRecord.from_responses(
         group_id=gid, prompt_ids=torch.tensor(prompt), completion_ids=g.responses(), logprobs=g.split(g.logprobs),

@@ -23,22 +23,25 @@ generation log-probs -- it is re-evaluated, but never replayed (an all-wrong gro
 
 from __future__ import annotations
 
+import re
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Mapping, Sequence
 
 import numpy as np
+import torch
 
-from ..errors import CheckpointError, ReplayConfigError
+from ..errors import CheckpointError, ReplayConfigError, ReplayInputError, ReplayProtocolError
 from ..record import GroupRecord
 from ..sampling import new_rng, rng_from_state, rng_state, uniform_order
 from ..selection import Selection, empty_selection
-from ..validate import is_int
+from ..validate import check_int, check_reals, check_sequence, check_step, is_int, is_real
 from .store import (
-    checked_meta, load_state, only_tensors, options_changes, pack, real_list, refuse_option, save_state, step_or_none,
-    unpack, warn_changes,
+    check_commit, check_groups, check_options, checked_meta, load_state, only_tensors, options_changes, pack, real_list,
+    refuse_option, save_state, step_or_none, unpack, warn_changes,
 )
 
 FORMAT = "hdreplay.bapo"
+_POSITION = re.compile(r".*g\d+")
 #: BAPO's cap on the scores kept per uid (``max_scores_per_uid``)
 MAX_SCORES = 32
 _EPS = 1e-9
@@ -183,7 +186,7 @@ class BapoController:
     """
 
     def __init__(self, options: BapoOptions) -> None:
-        self.options = options
+        self.options = check_options("bapo", options, BapoOptions)
         self.store: dict[str, Entry] = {}
         self.rng = new_rng(options.seed)
         self.last_step: int | None = None
@@ -199,13 +202,20 @@ class BapoController:
         """(uid, input row) of the difficult uids to regenerate at 0-based ``step`` (none unless verl's 1-based step
         number, step + 1, is divisible by reeval_every)."""
         o = self.options
-        if (step + 1) % o.reeval_every:
+        if (check_step("reeval_candidates: step", step) + 1) % o.reeval_every:
             return []
         cands = [u for u, e in self.store.items() if is_difficult(e, o)]
         return [(u, self.store[u].row) for u in uniform_pick(cands, o.max_reeval, self.rng)]
 
     def record_reeval(self, uid: str, rewards: Sequence[float]) -> bool:
         """Add a re-evaluation's (n,) rewards to ``uid``'s current scores; True iff the new group is promoted."""
+        if not isinstance(uid, str) or uid not in self.store:
+            raise ReplayInputError(f"record_reeval: {uid!r} is not a stored uid (reeval_candidates() names them)")
+        size = len(rewards) if isinstance(rewards, (list, tuple, np.ndarray, torch.Tensor)) and \
+            getattr(rewards, "ndim", 1) == 1 else -1
+        rewards = check_reals("record_reeval: rewards", rewards, size).tolist()
+        if not rewards:
+            raise ReplayInputError("record_reeval: rewards must hold one reward per regenerated response, got none")
         e = self.store[uid]
         up = promoted(rewards, e)
         e.current = (e.current + [float(r) for r in rewards])[-MAX_SCORES:]
@@ -213,17 +223,22 @@ class BapoController:
 
     def pick(self, items: Sequence, k: int) -> list:
         """A seeded uniform subset (the promoted groups that fit the batch)."""
-        return uniform_pick(items, k, self.rng)
+        return uniform_pick(check_sequence("pick: items", items), check_int("pick: k", k), self.rng)
 
     def plan(self, fresh: Sequence[Fresh], *, budget: int, counters: Mapping[str, float]) -> None:
-        if budget < 0:
-            raise ValueError(f"bapo: negative replay budget {budget}")
-        self._fresh, self._budget, self._counters = list(fresh), int(budget), dict(counters)
+        fresh = check_sequence("plan: fresh", fresh)
+        if not all(isinstance(f, Fresh) for f in fresh):
+            raise ReplayInputError("plan: fresh must be a list of Fresh (uid, row, rewards, position)")
+        budget = check_int("plan: budget", budget)
+        if not isinstance(counters, Mapping) or not all(isinstance(k, str) and is_real(v) for k, v in counters.items()):
+            raise ReplayInputError(f"plan: counters must map names to numbers, got {counters!r:.60}")
+        self._fresh, self._budget, self._counters = fresh, budget, dict(counters)
 
     # ---------------------------------------------------------------- the trainer protocol
     def select(self, *, step: int, scorer=None) -> Selection:
         """Up to the planned budget of target groups (with log-probs), uniformly without replacement."""
         o = self.options
+        check_step("select: step", step)
         elig = [e.record for e in self.store.values() if e.record is not None and is_target(e, o)]
         groups = uniform_pick(elig, self._budget, self.rng)
         sel = empty_selection(step, "bapo", len(self.store), float("nan"))
@@ -232,11 +247,20 @@ class BapoController:
         return sel
 
     def stage(self, groups: Sequence[GroupRecord], *, step: int) -> None:
+        step = check_step("stage: step", step)
+        groups = check_groups("bapo stage", groups)
+        bad = [g.group_id for g in groups if not _POSITION.fullmatch(str(g.group_id))]
+        if bad:
+            raise ReplayInputError(f"bapo stage: group id {bad[0]!r} does not end in g<position in the batch> (the "
+                                   "TRL integration's ids, e.g. 's3.0g5')")
+        if self.last_step is not None and step < self.last_step:
+            raise ReplayProtocolError(f"stage(step={step}) after step {self.last_step}; steps must not go back")
         self._staged.extend(groups)
         self.last_step = step
 
     def commit(self, *, num_fresh_groups: int | None = None, counters: Mapping[str, Any] | None = None
                ) -> dict[str, float]:
+        check_commit(num_fresh_groups, counters)
         o, step = self.options, self.last_step
         by_pos = {int(str(g.group_id).rsplit("g", 1)[1]): g for g in self._staged}
         stored = 0

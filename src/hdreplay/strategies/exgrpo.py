@@ -35,15 +35,15 @@ import numpy as np
 import torch
 
 from ..controller import split_rollouts
-from ..errors import CheckpointError, ReplayConfigError
+from ..errors import CheckpointError, ReplayConfigError, ReplayInputError, ReplayProtocolError
 from ..record import GroupRecord
 from ..sampling import bucket_counts, new_rng, normal_bucket_weights, rng_from_state, rng_state, uniform_order
 from ..selection import Selection, empty_selection
-from ..validate import is_int
+from ..validate import check_int, check_step, is_int, is_real
 from .repo import key_of
 from .store import (
-    checked_meta, keyed, keys_of, load_state, only_tensors, options_changes, pack, refuse_option, save_state,
-    step_or_none, unpack, warn_changes,
+    check_commit, check_groups, check_options, checked_meta, keyed, keys_of, load_state, only_tensors,
+    options_changes, pack, refuse_option, save_state, step_or_none, unpack, warn_changes,
 )
 
 FORMAT = "hdreplay.exgrpo"
@@ -92,8 +92,14 @@ def shaped_token_loss(logps: torch.Tensor, stored_logps: torch.Tensor, advantage
     Args: logps (R, C) current log-probs (with grad); stored_logps (R, C) the stored trajectory's generation-time
     log-probs; advantages (R,) or (R, 1).
     """
-    if logps.shape != stored_logps.shape:
-        raise ValueError(f"logps {tuple(logps.shape)} and stored_logps {tuple(stored_logps.shape)} differ")
+    if not all(isinstance(t, torch.Tensor) for t in (logps, stored_logps, advantages)):
+        raise ReplayInputError("shaped_token_loss: logps, stored_logps and advantages must be tensors")
+    if not (is_real(gamma) and math.isfinite(gamma) and gamma > 0):
+        raise ReplayInputError(f"shaped_token_loss: gamma must be a finite number > 0, got {gamma!r}")
+    if logps.dim() != 2 or logps.shape != stored_logps.shape or advantages.numel() != logps.shape[0]:
+        raise ReplayInputError(f"shaped_token_loss: logps {tuple(logps.shape)} and stored_logps "
+                               f"{tuple(stored_logps.shape)} must be the same (R, C), advantages (R,), got "
+                               f"{tuple(advantages.shape)}")
     w = torch.exp(logps - stored_logps.to(logps.dtype))
     a = advantages.reshape(-1, 1).to(logps.dtype)
     return -a * (w / (w + gamma))
@@ -101,6 +107,11 @@ def shaped_token_loss(logps: torch.Tensor, stored_logps: torch.Tensor, advantage
 
 def mean_entropies(entropies: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """(R,) mean token entropy of each row over its loss tokens (``mask`` (R, C); a row without one: +inf)."""
+    if not (isinstance(entropies, torch.Tensor) and isinstance(mask, torch.Tensor) and entropies.dim() == 2
+            and entropies.shape == mask.shape):
+        raise ReplayInputError(f"mean_entropies: entropies and mask must be tensors of one (R, C) shape, got "
+                               f"{getattr(entropies, 'shape', type(entropies).__name__)} and "
+                               f"{getattr(mask, 'shape', type(mask).__name__)}")
     m = mask.to(entropies.dtype)
     tok = m.sum(1)
     return torch.where(tok > 0, (entropies * m).sum(1) / tok.clamp(min=1), torch.full_like(tok, math.inf))
@@ -117,6 +128,9 @@ class ExgrpoController:
     separate_term = False
 
     def __init__(self, options: ExgrpoOptions, *, n: int, seed: int = 0) -> None:
+        check_options("exgrpo", options, ExgrpoOptions)
+        if not is_int(seed) or seed < 0:
+            raise ReplayConfigError(f"exgrpo: seed must be an int >= 0, got {seed!r}", field="seed")
         if type(n) is not int or n < 2:
             raise ReplayConfigError(f"exgrpo: n (num_generations) must be an int >= 2, got {n!r}", field="n")
         rb = options.rbound if options.rbound is not None else n - 1
@@ -141,6 +155,7 @@ class ExgrpoController:
     def plan(self, prompts: int) -> list[str]:
         """Keys of the experience prompts of a batch of ``prompts`` prompts (empty before the switch): bucket
         counts ~ Multinomial(N(k; n/2, sigma)), uniform without replacement within a bucket, in bucket order."""
+        prompts = check_int("plan: prompts", prompts)
         if not self.started:
             return []
         valid = self.valid()
@@ -157,33 +172,42 @@ class ExgrpoController:
         return out
 
     def candidates(self, key: str) -> list[GroupRecord]:
+        if not isinstance(key, str) or key not in self.pool:
+            raise ReplayInputError(f"candidates: {key!r} is not a stored prompt key (plan() names them)")
         return self.pool[key]
 
     @staticmethod
     def pick(entropies: Sequence[float]) -> int:
         """Index of the stored trajectory to inject: the lowest mean entropy (the first on ties)."""
-        e = np.asarray(entropies, dtype=np.float64)
-        if e.ndim != 1 or e.size == 0:
-            raise ValueError(f"pick: a non-empty 1-D sequence of entropies, got {entropies!r:.80}")
+        try:
+            e = np.asarray(entropies, dtype=np.float64)
+        except (TypeError, ValueError):
+            e = np.zeros(0)
+        if e.ndim != 1 or e.size == 0 or np.isnan(e).any():
+            raise ReplayInputError(f"pick: a non-empty 1-D sequence of entropies (numbers), got {entropies!r:.80}")
         return int(np.argmin(e))
 
     def remember(self, key: str, row: Any) -> None:
         """The dataset row of prompt ``key`` (what TRL's generation takes), kept to substitute it later."""
+        if not isinstance(key, str):
+            raise ReplayInputError(f"remember: key must be a prompt key (str), got {type(key).__name__}")
         if key not in self.retired:
             self.rows.setdefault(key, row)
 
     def note_injected(self, rows: int, rescored: int) -> None:
+        rows, rescored = check_int("note_injected: rows", rows), check_int("note_injected: rescored", rescored)
         self._injected += rows
         self._rescored += rescored
 
     # ------------------------------------------------------------------ controller protocol
     def select(self, *, step: int, scorer=None) -> Selection:
-        return empty_selection(step, "exgrpo", len(self), float("nan"))
+        return empty_selection(check_step("select: step", step), "exgrpo", len(self), float("nan"))
 
     def stage(self, groups: Sequence[GroupRecord], *, step: int) -> None:
-        for g in groups:
-            if g.num_responses != self.n:
-                raise ValueError(f"exgrpo: group {g.group_id!r} has {g.num_responses} responses, expected {self.n}")
+        step = check_step("stage: step", step)
+        groups = check_groups("exgrpo stage", groups, n=self.n)
+        if self.last_step is not None and step < self.last_step:
+            raise ReplayProtocolError(f"stage(step={step}) after step {self.last_step}; steps must not go back")
         self._staged.extend(groups)
         self.last_step = step
 
@@ -191,6 +215,7 @@ class ExgrpoController:
                ) -> dict[str, float]:
         """Retire all-correct prompts; after the switch, admit 0 < k <= n - 1 groups' new correct responses; switch
         when this step's share of correct rollouts exceeds ``start_solved``."""
+        check_commit(num_fresh_groups, counters)
         good = self.options.correct
         total = solved = admitted = retired = 0
         for g in self._staged:

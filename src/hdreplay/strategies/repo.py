@@ -31,12 +31,13 @@ import numpy as np
 import torch
 
 from ..controller import split_rollouts
-from ..errors import CheckpointError, ReplayConfigError
+from ..errors import CheckpointError, ReplayConfigError, ReplayInputError
 from ..record import GroupRecord
 from ..selection import Selection, empty_selection
+from ..validate import check_int, check_reals, check_step, check_str
 from .store import (
-    checked_meta, keyed, keys_of, load_state, only_tensors, options_changes, pack, save_state, step_or_none, unpack,
-    warn_changes,
+    check_commit, check_groups, check_options, checked_meta, keyed, keys_of, load_state, only_tensors, options_changes,
+    pack, save_state, step_or_none, unpack, warn_changes,
 )
 
 FORMAT = "hdreplay.repo"
@@ -83,11 +84,20 @@ def brute_force_max_variance(rewards: Sequence[float], k: int) -> tuple[int, ...
     return best
 
 
+def _rewards(name: str, rewards: Any) -> np.ndarray:
+    """(m,) finite float64 rewards (a list / tuple of numbers, a 1-D array or tensor); ReplayInputError otherwise."""
+    if isinstance(rewards, torch.Tensor):
+        rewards = rewards.detach().cpu().numpy()
+    n = len(rewards) if isinstance(rewards, (list, tuple, np.ndarray)) and np.ndim(rewards) == 1 else -1
+    return check_reals(name, rewards, n)
+
+
 def max_variance_subset(rewards: Sequence[float], k: int) -> tuple[int, ...]:
     """The subset :func:`brute_force_max_variance` returns; closed form for 0/1 rewards (j ones with j(k-j) largest,
     then the larger j; the lexicographically first such subset takes the earliest indices of each kind), the loop
     otherwise."""
-    r = np.asarray(rewards, dtype=np.float64)
+    r = _rewards("max_variance_subset: rewards", rewards)
+    k = check_int("max_variance_subset: k", k, lo=1, hi=max(1, len(r)))
     if not np.isin(r, (0.0, 1.0)).all():
         return brute_force_max_variance(r.tolist(), k)
     ones, zeros = int(r.sum()), int((r == 0).sum())
@@ -104,8 +114,12 @@ def max_variance_subset(rewards: Sequence[float], k: int) -> tuple[int, ...]:
 
 def retrieve(rewards: Sequence[float], rule: str, k: int) -> list[int]:
     """Positions (oldest first = 0) of the k stored responses ``rule`` replays."""
+    rewards = _rewards("retrieve: rewards", rewards).tolist()
+    rule = check_str("retrieve: rule", rule, RETRIEVALS, err=ReplayConfigError)
     m = len(rewards)
-    k = min(k, m)
+    k = min(check_int("retrieve: k", k), m)
+    if k == 0:
+        return []
     if rule == "recent":
         return list(range(m - k, m))
     if rule == "highest":
@@ -117,6 +131,10 @@ def retrieve(rewards: Sequence[float], rule: str, k: int) -> list[int]:
 
 def split_advantages(rewards: torch.Tensor) -> torch.Tensor:
     """(R,) advantages of replayed rows normalised among themselves: (r - mean) / (std + 1e-4), unbiased std."""
+    if not isinstance(rewards, torch.Tensor) or rewards.dim() != 1 or rewards.numel() == 0 or \
+            not bool(torch.isfinite(rewards.float()).all()):
+        raise ReplayInputError(f"split_advantages: rewards must be a non-empty 1-D tensor of finite values, got "
+                               f"{rewards!r:.60}")
     r = rewards.float()
     std = r.std() if r.numel() > 1 else torch.zeros(())
     return (r - r.mean()) / (std + ADV_EPS)
@@ -126,11 +144,13 @@ class RepoStore:
     """Per-prompt FIFOs of single responses (records with n = 1, stored pi_gen, reward)."""
 
     def __init__(self, options: RepoOptions) -> None:
-        self.options = options
+        self.options = check_options("repo", options, RepoOptions)
         self.cache: dict[str, list[GroupRecord]] = {}
 
     def retrieve(self, key: str) -> list[GroupRecord]:
         """The responses replayed for prompt ``key`` this step (empty below ``min_cache``), as stored records."""
+        if not isinstance(key, str):
+            raise ReplayInputError(f"retrieve: key must be a prompt key (str), got {type(key).__name__}")
         buf = self.cache.get(key, [])
         if len(buf) < self.options.min_cache:
             return []
@@ -139,6 +159,9 @@ class RepoStore:
 
     def add(self, key: str, responses: Sequence[GroupRecord]) -> None:
         """Append a step's responses of prompt ``key`` (after its retrieval); keep the newest ``max_cache``."""
+        if not isinstance(key, str):
+            raise ReplayInputError(f"add: key must be a prompt key (str), got {type(key).__name__}")
+        responses = check_groups("add", responses, n=1)
         buf = self.cache.setdefault(key, [])
         buf.extend(responses)
         del buf[:max(0, len(buf) - self.options.max_cache)]
@@ -193,7 +216,7 @@ class RepoController:
     separate_term = True
 
     def __init__(self, options: RepoOptions) -> None:
-        self.options = options
+        self.options = check_options("repo", options, RepoOptions)
         self.store = RepoStore(options)
         self.last_step: int | None = None
         self._prompts: list[str] = []
@@ -204,10 +227,16 @@ class RepoController:
 
     def observe_batch(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> None:
         """(N, P) left-padded prompts of the current fresh batch, rows in TRL's order (n per prompt)."""
+        if not (isinstance(prompt_ids, torch.Tensor) and isinstance(prompt_mask, torch.Tensor)
+                and prompt_ids.dim() == 2 and prompt_ids.shape == prompt_mask.shape):
+            raise ReplayInputError(f"observe_batch: prompt_ids and prompt_mask must be tensors of one (N, P) shape, got "
+                                   f"{getattr(prompt_ids, 'shape', type(prompt_ids).__name__)} and "
+                                   f"{getattr(prompt_mask, 'shape', type(prompt_mask).__name__)}")
         keys = [key_of(prompt_ids[i][prompt_mask[i].bool()]) for i in range(prompt_ids.shape[0])]
         self._prompts = list(dict.fromkeys(keys))  # distinct, first-seen order
 
     def select(self, *, step: int, scorer=None) -> Selection:
+        step = check_step("select: step", step)
         groups = []
         for key in self._prompts:
             got = self.store.retrieve(key)
@@ -225,12 +254,15 @@ class RepoController:
         return sel
 
     def stage(self, groups: Sequence[GroupRecord], *, step: int) -> None:
+        step = check_step("stage: step", step)
+        groups = check_groups("repo stage", groups)
         self._staged.extend(groups)
         self._fresh += len(groups)
         self._step = step
 
     def commit(self, *, num_fresh_groups: int | None = None, counters: Mapping[str, Any] | None = None
                ) -> dict[str, float]:
+        check_commit(num_fresh_groups, counters)
         sel = self._selection
         for g in self._staged:  # after the step's retrieval: never replayed in the step it was born
             self.store.add(key_of(g.prompt_ids), split_rollouts(g, keep_zero_advantage=True))

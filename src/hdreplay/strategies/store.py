@@ -26,11 +26,11 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 
 from ..checkpoint import read_checkpoint_dir, write_checkpoint_dir
-from ..errors import CheckpointError, ReplayConfigError, ReplayResumeWarning
+from ..errors import CheckpointError, ReplayConfigError, ReplayInputError, ReplayResumeWarning
 from ..multimodal import schema_from_json, schema_of, schema_to_json
 from ..record import GroupRecord
 from ..storage import PAYLOAD_DTYPES, Block
-from ..validate import MAX_COUNT, MAX_STEP, is_int, is_real
+from ..validate import MAX_COUNT, MAX_STEP, check_int, check_sequence, is_int, is_real
 
 STORE_VERSION = 1
 RECORD_META = ("count", "group_ids", "birth_steps", "extras_keys")
@@ -101,6 +101,32 @@ def unpack(tensors: Mapping[str, torch.Tensor], meta: Any, prefix: str, where: s
     if single and any(r.num_responses != 1 for r in out):
         raise bad("a stored record holds more than one response; this store keeps single responses")
     return out
+
+
+# ------------------------------------------------------------------------------------------ protocol arguments
+def check_groups(what: str, groups: Any, *, n: int | None = None) -> list[GroupRecord]:
+    """``groups`` as a list of GroupRecords (of ``n`` responses each if given); ReplayInputError otherwise."""
+    out = check_sequence(f"{what}: groups", groups)
+    for g in out:
+        if not isinstance(g, GroupRecord):
+            raise ReplayInputError(f"{what}: groups must be GroupRecords, got {type(g).__name__}")
+        if n is not None and g.num_responses != n:
+            raise ReplayInputError(f"{what}: group {g.group_id!r} has {g.num_responses} responses, expected {n}")
+    return out
+
+
+def check_options(what: str, options: Any, cls: type) -> Any:
+    if not isinstance(options, cls):
+        raise ReplayConfigError(f"{what}: options must be a {cls.__name__}, got {type(options).__name__}",
+                                field="options")
+    return options
+
+
+def check_commit(num_fresh_groups: Any, counters: Any) -> None:
+    if num_fresh_groups is not None:
+        check_int("commit: num_fresh_groups", num_fresh_groups)
+    if counters is not None and not isinstance(counters, Mapping):
+        raise ReplayInputError(f"commit: counters must be a mapping or None, got {type(counters).__name__}")
 
 
 # ------------------------------------------------------------------------------------------ shared field checks
