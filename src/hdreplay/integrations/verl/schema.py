@@ -60,6 +60,11 @@ def hdr_schema() -> type:
     return make_dataclass("HDRSection", specs)
 
 
+@functools.lru_cache(maxsize=None)
+def _structured() -> DictConfig:
+    return OmegaConf.structured(hdr_schema())
+
+
 def knob_help() -> dict[str, str]:
     """``hdr.<name>`` -> help text (for docs and ``--help`` style listings)."""
     return {f"hdr.{k.name}": k.help for k in (*knobs(), *INTEGRATION_KNOBS)}
@@ -102,7 +107,7 @@ def checked_section(hdr: Any) -> dict[str, Any]:
     try:
         raw = OmegaConf.to_container(hdr, resolve=True) if isinstance(hdr, DictConfig) else dict(hdr)
         _strict_types(raw)
-        node = OmegaConf.merge(OmegaConf.structured(hdr_schema()), OmegaConf.create(raw))
+        node = OmegaConf.merge(_structured(), OmegaConf.create(raw))  # (merge copies: the cached node is unchanged)
         values = OmegaConf.to_container(node, resolve=True)
     except OmegaConfBaseException as e:
         key = getattr(e, "full_key", None) or getattr(e, "key", None) or "?"
