@@ -279,6 +279,8 @@ def parse(argv: list[str]):
 def main(argv: list[str] | None = None) -> int:
     from typer.exceptions import TyperException
 
+    from hdreplay.errors import ReplayError
+
     from .analysis import AnalysisInputError
     from .env import offline_env
 
@@ -302,7 +304,8 @@ def main(argv: list[str] | None = None) -> int:
     warnings.filterwarnings("ignore", message=r".*is_gradient_checkpointing.*", category=FutureWarning)
     try:
         return cmd.run()
-    except (AnalysisInputError, OSError) as e:  # the analyses' bad input (bad lines with --on-bad-line stop, ...)
+    except (AnalysisInputError, ReplayError, OSError) as e:  # the analyses' bad input (bad lines with --on-bad-line
+        # stop, malformed records, ...) and any replay setting refused once the command runs: one line, exit 2
         print(f"{name}: error: {e}", file=sys.stderr)
         return 2
 
