@@ -33,7 +33,7 @@ import torch
 from ..errors import CheckpointError, ReplayConfigError, ReplayInputError, ReplayProtocolError
 from ..record import GroupRecord
 from ..sampling import new_rng, rng_from_state, rng_state, uniform_order
-from ..selection import Selection, empty_selection
+from ..selectors import Selection, empty_selection
 from ..validate import check_int, check_reals, check_sequence, check_step, is_int, is_real
 from .store import (
     check_commit, check_groups, check_options, checked_meta, load_state, only_tensors, options_changes, pack, real_list,

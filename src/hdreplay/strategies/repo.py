@@ -33,7 +33,7 @@ import torch
 from ..controller import split_rollouts
 from ..errors import CheckpointError, ReplayConfigError, ReplayInputError
 from ..record import GroupRecord
-from ..selection import Selection, empty_selection
+from ..selectors import Selection, empty_selection
 from ..validate import check_int, check_reals, check_step, check_str
 from .store import (
     check_commit, check_groups, check_options, checked_meta, keyed, keys_of, load_state, only_tensors, options_changes,
