@@ -10,7 +10,7 @@ Core API (framework-agnostic; importing it never imports TRL or verl):
     headroom, drift, replay_kl, replay_kl_per_group   pure scores on (G, T) tensors
     MixedOutcome, AnswerBased, make_ingress_rule      ingress rules
     pad_groups, PaddedGroups, group_scores            helpers for writing scorers
-    balanced_partition, minibatch_layout, truncate_to_multiple   batch layout
+    balanced_partition, minibatch_layout              batch layout
 
 Reliability contract: every public call checks all of its arguments before it changes anything
 (errors: ReplayInputError / ReplayConfigError / ReplayProtocolError / CheckpointError, all
@@ -35,7 +35,7 @@ from .errors import (
     ReplayStarvedWarning,
 )
 from .ingress import AnswerBased, MixedOutcome, make_ingress_rule
-from .layout import balanced_partition, minibatch_layout, truncate_to_multiple
+from .layout import balanced_partition, minibatch_layout
 from .padding import PaddedGroups, pad_groups
 from .scores import (
     GroupScores, drift, group_scores, headroom, reference_headroom, replay_kl, replay_kl_per_group, token_headroom,
@@ -51,5 +51,5 @@ __all__ = [
     "ReplayError", "ReplayInputError", "ReplayProtocolError", "ReplayResumeWarning", "ReplayStarvedWarning", "SELECTORS", "Scorer", "Selection",
     "balanced_partition", "drift", "group_scores", "headroom", "make_ingress_rule", "metrics_from_record",
     "minibatch_layout", "pad_groups", "reference_headroom", "replay_kl", "replay_kl_per_group",
-    "select_replay", "token_headroom", "truncate_to_multiple", "__version__",
+    "select_replay", "token_headroom", "__version__",
 ]

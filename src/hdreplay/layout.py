@@ -1,4 +1,4 @@
-"""Actor-batch layout: truncation to a multiple of u, length-balanced partitioning, mini-batches.
+"""Actor-batch layout: length-balanced partitioning, mini-batches (truncation to a multiple of u is in selection.py).
 
 The paper's batch (Appendix F): ``[replay groups ; fresh groups]`` split
 sequentially into mini-batches, so replay fills the first mini-batches and is
@@ -30,15 +30,6 @@ def _lengths(name: str, value) -> list[int]:
     if not all(is_int(x) and 0 <= x < MAX_STEP for x in out):
         raise ReplayInputError(f"{name}: must hold ints >= 0 (row lengths), got {out[:8]}{'...' if len(out) > 8 else ''}")
     return [int(x) for x in out]
-
-
-def truncate_to_multiple(items: Sequence, u: int) -> list:
-    """Keep the first ``u * floor(len / u)`` items (the highest-priority prefix) of a list/tuple/1-D array."""
-    u = check_int("u", u, lo=1, hi=MAX_COUNT)
-    if isinstance(items, np.ndarray) and items.ndim == 1:
-        items = items.tolist()
-    items = check_sequence("items", items)
-    return items[: (len(items) // u) * u]
 
 
 def balanced_partition(lengths: Sequence[int], parts: int) -> list[list[int]]:

@@ -1,9 +1,8 @@
-import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from hdreplay import ReplayInputError, balanced_partition, minibatch_layout, truncate_to_multiple
+from hdreplay import ReplayInputError, balanced_partition, minibatch_layout
 
 
 @given(lengths=st.lists(st.integers(1, 500), min_size=1, max_size=64), parts=st.integers(1, 8))
@@ -41,17 +40,6 @@ def test_minibatch_layout_keeps_replay_first():
         minibatch_layout([1] * 3, [1] * 4, num_minibatches=2, parts=1)
     with pytest.raises(ReplayInputError, match="equal-count parts"):
         balanced_partition([1, 2, 3], 2)
-
-
-def test_truncate_keeps_the_highest_priority_prefix():
-    assert truncate_to_multiple([5, 4, 3, 2, 1], 2) == [5, 4, 3, 2]
-    assert truncate_to_multiple((5,), 2) == []
-    assert truncate_to_multiple(np.arange(7), 3) == [0, 1, 2, 3, 4, 5]
-    for bad_u in (0, -1, 2.0, True, "2"):
-        with pytest.raises(ReplayInputError, match="u: must be an int"):
-            truncate_to_multiple([1], bad_u)
-    with pytest.raises(ReplayInputError, match="items"):
-        truncate_to_multiple("abc", 1)  # a string is not a list of items
 
 
 def test_empty_and_oversized_partitions_are_defined_or_refused():
