@@ -372,7 +372,8 @@ def main(argv: list[str] | None = None) -> int:
 
     offline_env()
     argv = list(sys.argv[1:] if argv is None else argv)
-    name = " ".join(["hdreplay", *argv[:2 if argv[:1] == ["calibrate"] and argv[1:2] in (["run"], ["summarize"]) else 1]])
+    sub = argv[:1] == ["calibrate"] and argv[1:2] in (["run"], ["summarize"])
+    name = " ".join(["hdreplay", *argv[:2 if sub else 1]])
     if argv in ([], ["calibrate"]):  # no command: the help, as a usage error
         parse([*argv, "--help"])
         return 2

@@ -60,8 +60,9 @@ class LineProgress:
 
     def _print(self) -> None:
         self._shown = self.n
+        meter = "{desc}: {percentage:3.0f}% {n_fmt}/{total_fmt} {unit} [{elapsed}<{remaining}]"
         print(tqdm.format_meter(self.n, self.total, time.monotonic() - self._t0, prefix=self.desc, unit=self.unit,
-                                bar_format="{desc}: {percentage:3.0f}% {n_fmt}/{total_fmt} {unit} [{elapsed}<{remaining}]"), flush=True)
+                                bar_format=meter), flush=True)
 
 
 def progress(iterable: Iterable | None = None, *, total: int | None = None, desc: str = "", unit: str = "it",

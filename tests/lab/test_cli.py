@@ -58,7 +58,8 @@ def test_output_paths_and_models_are_checked_before_writing(tmp_path, capsys):
 @pytest.mark.parametrize("args, needle", [
     (["--taus", "1e-2,abc"], "--taus"), (["--taus", "-1e-2"], "distinct positive finite"),
     (["--taus", "1e-2,1e-2"], "distinct positive finite"), (["--taus", "nan"], "distinct positive finite"),
-    (["--taus", ","], "distinct positive finite"), (["--tau", "0.1"], "unrecognized argument(s): --tau"),  # swept by --taus
+    (["--taus", ","], "distinct positive finite"),
+    (["--tau", "0.1"], "unrecognized argument(s): --tau"),  # tau is swept by --taus
     (["--replay.selector", "recency"], "headroom_drift"), (["--lr", "inf"], "--lr"),
 ])
 def test_calibrate_run_refuses_bad_flags_before_training(tmp_path, capsys, args, needle):
