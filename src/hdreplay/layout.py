@@ -1,4 +1,4 @@
-"""Actor-batch layout: length-balanced partitioning, mini-batches (truncation to a multiple of u is in selection.py).
+"""Actor-batch layout: truncation to a multiple of u, length-balanced partitioning, mini-batches.
 
 The paper's batch (Appendix F): ``[replay groups ; fresh groups]`` split
 sequentially into mini-batches, so replay fills the first mini-batches and is
@@ -9,6 +9,7 @@ that every rank gets the same number of rows and nearly the same token load.
 from __future__ import annotations
 
 import heapq
+import warnings
 from typing import Sequence
 
 import numpy as np
@@ -30,6 +31,19 @@ def _lengths(name: str, value) -> list[int]:
     if not all(is_int(x) and 0 <= x < MAX_STEP for x in out):
         raise ReplayInputError(f"{name}: must hold ints >= 0 (row lengths), got {out[:8]}{'...' if len(out) > 8 else ''}")
     return [int(x) for x in out]
+
+
+def truncate_to_multiple(items: Sequence, u: int) -> list:
+    """Deprecated (nothing in the library calls it; the replay list is cut by ``ReplayConfig(truncate_multiple=u)``
+    inside ``select_replay``): the first ``u * floor(len / u)`` items of a list/tuple/1-D array."""
+    warnings.warn("hdreplay.truncate_to_multiple is deprecated and will be removed in the release after next; "
+                  "ReplayConfig(truncate_multiple=u) cuts the replay list inside select_replay", DeprecationWarning,
+                  stacklevel=2)
+    u = check_int("u", u, lo=1, hi=MAX_COUNT)
+    if isinstance(items, np.ndarray) and items.ndim == 1:
+        items = items.tolist()
+    items = check_sequence("items", items)
+    return items[: (len(items) // u) * u]
 
 
 def balanced_partition(lengths: Sequence[int], parts: int) -> list[list[int]]:

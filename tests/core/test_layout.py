@@ -2,7 +2,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from hdreplay import ReplayInputError, balanced_partition, minibatch_layout
+from hdreplay import ReplayInputError, balanced_partition, minibatch_layout, truncate_to_multiple
 
 
 @given(lengths=st.lists(st.integers(1, 500), min_size=1, max_size=64), parts=st.integers(1, 8))
@@ -40,6 +40,12 @@ def test_minibatch_layout_keeps_replay_first():
         minibatch_layout([1] * 3, [1] * 4, num_minibatches=2, parts=1)
     with pytest.raises(ReplayInputError, match="equal-count parts"):
         balanced_partition([1, 2, 3], 2)
+
+
+def test_truncate_to_multiple_is_deprecated_and_still_works():
+    """Nothing in the library calls it (select_replay cuts the replay list; test_selection checks that cut)."""
+    with pytest.warns(DeprecationWarning, match="truncate_multiple"):
+        assert truncate_to_multiple([5, 4, 3, 2, 1], 2) == [5, 4, 3, 2]
 
 
 def test_empty_and_oversized_partitions_are_defined_or_refused():
