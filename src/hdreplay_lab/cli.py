@@ -341,7 +341,8 @@ def _usage_error(event) -> None:
     elif isinstance(event, te.InvalidChoice):
         msg = f"{flag}: invalid choice {event.value!r}; valid: {list(event.choices)}"
     elif isinstance(event, te.InstantiationFailure):  # after parsing: its prog is the root's, main() names the command
-        raise ValueError(f"{flag}: {event.message}" if flag else event.message)
+        first = event.message.strip().splitlines()[0]  # (an Optional field's message adds a "Got errors:" list)
+        raise ValueError(f"{flag}: {first}" if flag else first)
     elif isinstance(event, te.MissingArgs):
         msg = f"missing {', '.join(a.arg.display_name() for a in event.missing_arguments)}"
     elif isinstance(event, te.MissingSubcommand):
