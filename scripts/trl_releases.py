@@ -162,9 +162,9 @@ def markdown(result: dict) -> str:
     out = [
         "# The TRL test subset against trl releases",
         "",
-        f"Command: `{result['command']}` (hdreplay {result['commit']}, {result['date']}; torch {result['torch']}, transformers "
-        f"{result['transformers']}, Python {result['python']}; trl {result['pinned']} is the pinned release; each "
-        "other release installed without dependencies ahead of the shared .venv, with `HDREPLAY_UNTESTED_TRL=1`).",
+        f"Command: `{result['command']}` (hdreplay {result['commit']}, {result['date']}; torch {result['torch']}, "
+        f"transformers {result['transformers']}, Python {result['python']}; trl {result['pinned']} is the pinned "
+        "release; each other release installed without dependencies ahead of the shared .venv, with `HDREPLAY_UNTESTED_TRL=1`).",
         f"Subset: {', '.join('`' + t + '`' for t in result['tests'])}. Seam items: the recorded overrides and private "
         f"uses (`tests/trl/data/trl_seam.json`, recorded against trl {result['reference']}) whose signature or "
         "source differ in that release. Wall time includes the seam check and pytest's start-up on a shared, loaded "
@@ -229,7 +229,8 @@ def main(argv: list[str] | None = None) -> dict:
     a.work.mkdir(parents=True, exist_ok=True)
     commit = a.commit or subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
                                         text=True).stdout.strip() or None
-    result = {"commit": commit, "command": "python scripts/trl_releases.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+    args = argv if argv is not None else sys.argv[1:]
+    result = {"commit": commit, "command": "python scripts/trl_releases.py " + " ".join(args),
               "date": time.strftime("%Y-%m-%d"), "pinned": pinned, "reference": trl_seam.load_record()[
                   "recorded_with"]["trl"], "tests": a.tests, "torch": torch.__version__,
               "transformers": transformers.__version__, "python": sys.version.split()[0], "releases": []}
