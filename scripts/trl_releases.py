@@ -164,7 +164,8 @@ def markdown(result: dict) -> str:
         "",
         f"Command: `{result['command']}` (hdreplay {result['commit']}, {result['date']}; torch {result['torch']}, "
         f"transformers {result['transformers']}, Python {result['python']}; trl {result['pinned']} is the pinned "
-        "release; each other release installed without dependencies ahead of the shared .venv, with `HDREPLAY_UNTESTED_TRL=1`).",
+        "release; each other release installed without dependencies ahead of the shared .venv, with "
+        "`HDREPLAY_UNTESTED_TRL=1`).",
         f"Subset: {', '.join('`' + t + '`' for t in result['tests'])}. Seam items: the recorded overrides and private "
         f"uses (`tests/trl/data/trl_seam.json`, recorded against trl {result['reference']}) whose signature or "
         "source differ in that release. Wall time includes the seam check and pytest's start-up on a shared, loaded "
