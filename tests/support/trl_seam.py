@@ -30,6 +30,7 @@ import importlib
 import importlib.util
 import inspect
 import json
+import platform
 import re
 import sys
 from dataclasses import dataclass, field
@@ -270,6 +271,7 @@ def build_record(items: dict[str, Item] | None = None) -> dict:
     items = scan() if items is None else items
     return {
         "recorded_with": versions(),
+        "python": platform.python_version(),  # signatures print annotations as this Python does
         "regenerate": REGENERATE,
         "items": {key: {"kind": it.kind, **it.locate, "used_by": sorted(it.used_by), **item_print(it.locate)}
                   for key, it in sorted(items.items())},
@@ -328,6 +330,9 @@ def change_message(record: dict, changes: list[Change]) -> str:
     for c in changes:
         users = ", ".join(record["items"][c.key]["used_by"])
         lines.append(f"  {c.key} [{c.kind}; used by {users}]: " + "; ".join(c.what))
+    if record.get("python") not in (None, platform.python_version()):
+        lines.append(f"(recorded on Python {record['python']}, running {platform.python_version()}: a signature may "
+                     "differ only in how this Python prints annotations)")
     lines.append("Read each against hdreplay's use of it (docs/trl.md, 'The seam'); once hdreplay is adapted to this "
                  f"version, regenerate the record: {REGENERATE}")
     return "\n".join(lines)
