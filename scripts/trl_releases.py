@@ -107,6 +107,12 @@ def missing_imports(target: Path, env: dict, tries: int = 3) -> tuple[list[str],
     return added, f"from trl import GRPOTrainer still failing after installing {added}"
 
 
+def folder_packages(target: Path) -> list[str]:
+    """What the release's folder holds besides trl (installed by :func:`missing_imports`, now or on an earlier run)."""
+    return sorted(d.name.removesuffix(".dist-info") for d in target.glob("*.dist-info")
+                  if not d.name.startswith("trl-"))
+
+
 def run_release(version: str, target: Path | None, tests: list[str], work: Path, timeout: float) -> dict:
     env = dict(os.environ, HDREPLAY_UNTESTED_TRL="1", PYTHONPATH=os.pathsep.join(
         ([str(target)] if target else []) + [str(ROOT / "src")]))
@@ -119,9 +125,10 @@ def run_release(version: str, target: Path | None, tests: list[str], work: Path,
         row["error"] = f"trl {version} did not import as itself: {row['trl_version_seen']}"
         return row
     if target is not None:
-        row["installed_for_import"], problem = missing_imports(target, env)
+        _, problem = missing_imports(target, env)
         if problem:
             row["error"] = problem
+        row["installed_for_import"] = folder_packages(target)
     seam = subprocess.run([sys.executable, "-c", SEAM_DIFF], env=env, cwd=ROOT, capture_output=True, text=True)
     if seam.returncode == 0:
         row["seam_changed"] = json.loads(seam.stdout.strip().splitlines()[-1])["changed"]
@@ -172,7 +179,7 @@ def markdown(result: dict) -> str:
         "2-core machine.",
         "",
         "| trl | passed | failed | errors | skipped | seam items changed vs the record | trl requirements the .venv "
-        "does not meet | installed for `from trl import GRPOTrainer` | wall (s) |",
+        "does not meet | also in the release's folder (for `from trl import GRPOTrainer`) | wall (s) |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
