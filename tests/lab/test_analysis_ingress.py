@@ -10,7 +10,7 @@ import pytest
 from hdreplay import ReplayConfig, ReplayController
 from hdreplay_lab.analysis import build_report, load_run, write_report
 from hdreplay_lab.analysis.ingress import classify, fifo_buffer, ingress
-from hdreplay_lab.analysis.load import step_frame
+from hdreplay_lab.analysis.load import AnalysisInputError, step_frame
 from hdreplay_lab.sandbox.rewardlog import FILE, GroupRewardLog
 from hdreplay_lab.synthetic import TablePolicy, make_group
 
@@ -140,13 +140,25 @@ def test_report_renders_the_ingress_section_and_figure(tmp_path):
     assert sec["available"] is False and "fresh_groups.jsonl" in sec["reason"]
 
 
-def test_bad_fresh_lines_are_skipped_with_file_and_line(tmp_path):
+def test_malformed_fresh_lines_are_refused_with_file_and_line(tmp_path):
+    """Records of the wrong type are not what a crash leaves: the load refuses the run and names each line."""
     run, _, _ = _multi_reward_run(tmp_path, "answer", steps=4)
     with open(run / FILE, "a") as f:
         f.write('{"step": 9, "rewards": [[0.1, "x"]]}\n{"step": -1, "rewards": [[0.1]]}\n{"step": 10, "rewards": 3}\n')
+    with pytest.raises(AnalysisInputError, match="3 malformed record") as err:
+        load_run(run, warn=False)
+    lines = [ln for ln in str(err.value).splitlines() if FILE in ln]
+    assert [ln.split(FILE + ":")[1].split(":")[0] for ln in lines] == ["5", "6", "7"]
+    assert "'rewards' must hold numbers" in str(err.value) and "'step' must be an int >= 0" in str(err.value)
+
+
+def test_a_truncated_fresh_line_is_skipped_with_file_and_line(tmp_path):
+    """A half-written last line (what a crash leaves) is skipped with its file and line; the rest loads."""
+    run, _, _ = _multi_reward_run(tmp_path, "answer", steps=4)
+    with open(run / FILE, "a") as f:
+        f.write('{"step": 9, "rewards": [[0.1')
     data = load_run(run, warn=False)
-    bad = [p for p in data.problems if FILE in p]
-    assert len(bad) == 3 and all(":5:" in p or ":6:" in p or ":7:" in p for p in bad)
+    assert any(FILE + ":5" in p for p in data.problems)
     assert sorted(data.fresh["step"]) == [0, 1, 2, 3]
 
 
