@@ -55,7 +55,7 @@ from .rescore import can_share_prompt, share_pays, shared_prompt_logps
 from .microstep import MicroStep, chunk_scales, merged, replay_chunks, separate_term_scales
 from .step import ReplayStep
 from .strategies import build_strategy
-from .sync import backward_kwargs, deferred_sync
+from .sharded import backward_kwargs, deferred_sync, shards_parameters
 
 _INIT = inspect.signature(GRPOTrainer.__init__)
 
@@ -100,8 +100,8 @@ class HDRGRPOTrainer(GRPOTrainer):
         if self.replay_active:
             unwrapped = self.accelerator.unwrap_model(self.model)
             self._position_hook = install_position_ids(unwrapped)
-            self._share_prompt = (can_share_prompt(unwrapped) and not self.is_fsdp_enabled and not self._is_vlm
-                                  and not self.is_deepspeed_enabled and self._position_hook is not None)
+            self._share_prompt = (can_share_prompt(unwrapped) and not self._is_vlm and self._position_hook is not None
+                                  and not shards_parameters(self.accelerator))  # see .sharded
             # first in line: user callbacks' on_step_end (step timers, loggers) see the step committed
             self.callback_handler.callbacks.insert(0, _CommitAfterUpdate(self))
 

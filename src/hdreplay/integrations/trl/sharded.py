@@ -1,4 +1,6 @@
-"""How one part of a micro-step that is not its last defers gradient synchronisation, under every backend.
+"""How replay's extra passes behave under DDP, DeepSpeed ZeRO and FSDP2.
+
+**Chunked micro-steps.**  How one part of a micro-step that is not its last defers gradient synchronisation.
 
 In ``replay_micro_step="chunk"`` a micro-step runs TRL's loss on its fresh rows and then on each replay chunk,
 one forward + backward per part (:mod:`.microstep`).  Only the micro-step's last part may behave as the
@@ -15,6 +17,12 @@ micro-step itself would: every earlier part must
 :func:`deferred_sync` restores what it found, so it nests inside the Trainer's own ``no_sync`` of a non-final
 micro-step.  (accelerate 1.15's FSDP2 ``no_sync`` turns sync back on unconditionally at exit: nested inside the
 Trainer's, it would make the last part of every non-final micro-step reduce-scatter.)
+
+**Re-scoring.**  Replay candidates are re-scored through the wrapped model (TRL's forward), one call per
+``replay_score_batch_size`` rows on every rank; under ZeRO-3 and FSDP2 each call gathers the parameters once.  The
+one-prompt-pass-per-group path (:mod:`.rescore`) calls the backbone and the model apart -- two calls per batch, a
+count that depends on each rank's prompts -- so it runs only where parameters are not gathered per call
+(:func:`shards_parameters`).
 """
 
 from __future__ import annotations
@@ -64,6 +72,15 @@ def deferred_sync(accelerator, model):
                 yield
     finally:
         state._set_sync_gradients(was)
+
+
+def shards_parameters(accelerator) -> bool:
+    """True when a forward call gathers parameters across ranks (FSDP, DeepSpeed ZeRO-3): every rank must then make
+    the same forward calls, and a call outside the wrapped model may see sharded weights."""
+    if accelerator.distributed_type == DistributedType.FSDP:
+        return True
+    ds = getattr(accelerator.state, "deepspeed_plugin", None)
+    return ds is not None and int(ds.zero_stage or 0) >= 3
 
 
 def backward_kwargs(accelerator) -> dict:
