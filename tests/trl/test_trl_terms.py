@@ -24,13 +24,14 @@ from trl_loss_ref import merged_loss  # noqa: E402
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo", "sapo", "cispo", "vespo")
 #: trainer attributes (TRL reads them at loss time) -> values; "args." = a GRPOConfig field read from args
 TERMS = {  # (the policy term and the KL alone: tests/trl/test_trl_loss.py)
-    "entropy_bonus+kl": {"entropy_coef": 0.5, "_entropy_bonus_enabled": True, "beta": 0.1},
-    "off_policy_mask+vllm_is": {"off_policy_mask_threshold": 0.02, "use_vllm": True,
-                                "vllm_importance_sampling_correction": True},
+    "token:kl+entropy_bonus+off_policy_mask+vllm_is": {
+        "beta": 0.1, "entropy_coef": 0.5, "_entropy_bonus_enabled": True, "off_policy_mask_threshold": 0.02,
+        "use_vllm": True, "vllm_importance_sampling_correction": True},
     "entropy_quantile+bonus": {"top_entropy_quantile": 0.5, "entropy_coef": 0.5, "_entropy_bonus_enabled": True},
-    "gspo+all": {"importance_sampling_level": "sequence", "beta": 0.1, "args.use_bias_correction_kl": True,
-                 "args.delta": 1.2, "entropy_coef": 0.3, "_entropy_bonus_enabled": True,
-                 "off_policy_mask_threshold": 0.02, "use_vllm": True, "vllm_importance_sampling_correction": True},
+    "sequence(gspo):all": {
+        "importance_sampling_level": "sequence", "beta": 0.1, "args.use_bias_correction_kl": True, "args.delta": 1.2,
+        "entropy_coef": 0.3, "_entropy_bonus_enabled": True, "off_policy_mask_threshold": 0.02, "use_vllm": True,
+        "vllm_importance_sampling_correction": True},
 }
 
 
