@@ -14,8 +14,8 @@ optimizer step, the row's index in the global generation batch) -- rank r holds 
 wrongly anywhere shows in the weights.
 
 FSDP2: accelerate 1.15 drops the FSDP plugin on a machine without an accelerator device (its state reports
-MULTI_CPU); the state's distributed type and plugin are set to FSDP before the trainer is built (the only
-substitute, at accelerate's device check); ``prepare`` then shards the model with torch's ``fully_shard`` on gloo.
+MULTI_CPU); :mod:`fsdp_cpu` sets the state's distributed type and plugin to FSDP right after the Trainer builds its
+Accelerator (the only substitute); ``prepare`` then shards the model with torch's ``fully_shard`` on gloo.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 import torch  # noqa: E402
 
+from fsdp_cpu import engage_fsdp_on_cpu  # noqa: E402
 from trl_fixtures import RecordingTrainer, make_args, prompts, reward_digit  # noqa: E402
 from hdreplay_lab.sandbox.model import load_model  # noqa: E402
 
@@ -60,27 +61,6 @@ def backend_args(backend: str) -> dict:
         return {"fsdp": "full_shard", "fsdp_config": {"version": 2, "state_dict_type": "SHARDED_STATE_DICT",
                                                       "transformer_layer_cls_to_wrap": ["Qwen2DecoderLayer"]}}
     return {}
-
-
-def engage_fsdp_on_cpu() -> None:
-    """The Trainer's Accelerator, then its state as accelerate sets it on an accelerator device: FSDP with the
-    Trainer's plugin (see module doc).  Everything after -- ``prepare``, ``fully_shard``, no_sync, checkpoints --
-    is accelerate's and torch's own."""
-    import transformers.trainer as hf_trainer
-    from accelerate.state import PartialState
-    from accelerate.utils import DistributedType
-
-    real = hf_trainer.Accelerator
-
-    def accelerator(**kw):
-        acc = real(**kw)
-        assert acc.state.distributed_type == DistributedType.MULTI_CPU  # 1.15: the plugin was dropped
-        # (every AcceleratorState() call re-reads the type from PartialState's shared state: set it there too)
-        PartialState().distributed_type = acc.state.distributed_type = DistributedType.FSDP
-        acc.state.fsdp_plugin = kw["fsdp_plugin"]
-        return acc
-
-    hf_trainer.Accelerator = accelerator
 
 
 def run_args(out, backend: str, **over):

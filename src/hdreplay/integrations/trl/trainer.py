@@ -12,7 +12,9 @@ to bottom (every override post-processes what TRL produced; nothing of TRL's is 
    replay rows are spread over the generation's micro-steps as extra chunks (:class:`~.step.MicroStep`).
 3. ``compute_loss``: TRL's loss on the fresh micro-batch, then on each replay chunk (at most
    ``per_device_train_batch_size`` rows; forward + backward each), scaled so the sum is TRL's loss on
-   the merged micro-batch (:func:`chunk_scales`).  ``replay_micro_step="grow"`` runs one merged
+   the merged micro-batch (:func:`chunk_scales`); the entropy bonus and router loss counted once
+   (:mod:`.terms`); every part but the last defers gradient sync and is no accumulation boundary, under DDP,
+   DeepSpeed ZeRO and FSDP2 alike (:mod:`.sharded`).  ``replay_micro_step="grow"`` runs one merged
    forward instead.  Fresh rows' log-probs are captured from their own forward when TRL computed none.
 4. ``on_step_end`` (after the optimizer step): the step's groups are gathered from all ranks,
    staged and committed; ``replay/*`` metrics join TRL's log of that step.
