@@ -25,7 +25,7 @@ costs the same; per_device_train_batch_size 8, GA 2, groups of 4, 16 replay rows
 Setups: ``single`` (one process), ``zero2`` / ``zero3`` (DeepSpeed 0.19 with DS_ACCELERATOR=cpu, torchrun, gloo),
 ``fsdp2`` (FSDP2 FULL_SHARD; accelerate 1.15 does not engage FSDP without an accelerator device, so its state is set
 to FSDP after the Trainer builds its Accelerator: tests/support/fsdp_cpu.py).  A sharded setup reports the larger of
-its two processes' peaks.
+its two processes' peaks.  ZeRO-3 under the measuring hook: see :func:`zero3_hook_compatible` (measurement only).
 
 Writes benchmarks/results/trl_memory.json: per setup ``peak_saved_mb`` (max over replay micro-steps), ``ratio_chunk``
 = chunk / no_replay (target <= 1.05), ``ratio_grow`` = grow / no_replay (the memory cost grow states), and the most
@@ -74,6 +74,24 @@ def param_storages(model) -> set[int]:
             except (RuntimeError, NotImplementedError):  # a sharded DTensor outside its forward
                 pass
     return out
+
+
+def zero3_hook_compatible() -> None:
+    """Under the saved-tensor hook autograd hands a saved parameter back as a plain alias, so the backward of TRL's
+    fused LM head cannot see that the weight is a ZeRO-3 parameter to gather (``ds_status``).  The alias still holds
+    the weight gathered in the forward: use it as it is (a weight, excluded from the count either way)."""
+    import contextlib
+
+    import trl.trainer.utils as trl_utils
+
+    real = trl_utils.maybe_gather_lm_head_ctx
+
+    def gather(*params):
+        if any(p is not None and not hasattr(p, "ds_status") for p in params):
+            return contextlib.nullcontext()
+        return real(*params)
+
+    trl_utils.maybe_gather_lm_head_ctx = gather
 
 
 class MemoryTrainer(HDRGRPOTrainer):
@@ -161,6 +179,8 @@ def worker(setup: str, model_dir: Path, out: Path, steps: int, length: int) -> N
         from fsdp_cpu import engage_fsdp_on_cpu
 
         engage_fsdp_on_cpu()
+    if setup == "zero3":
+        zero3_hook_compatible()
     rec = measure(setup, model_dir, steps=steps, length=length, world=int(os.environ["WORLD_SIZE"]))
     (out / f"rank{os.environ['RANK']}.json").write_text(json.dumps(rec))
     sys.stdout.flush()
