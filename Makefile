@@ -1,7 +1,8 @@
 # Two commands: `make demo` runs the CPU sandbox demo, `make test` runs the test suite.
 # Both create or refresh their virtual environments (re-installed when pyproject.toml or the
 # constraints change) with pinned versions:
-#   .venv       core + TRL integration + sandbox   (constraints.txt: torch 2.13.0, trl 1.16.0, transformers 5.23.0)
+#   .venv       core + TRL integration + sandbox   (constraints.txt: torch 2.13.0, trl 1.16.0, transformers 5.23.0,
+#                                                   deepspeed 0.19.8 for the 2-process ZeRO tests)
 #   .venv-verl  core + verl recipe                 (constraints-verl.txt: torch 2.13.0, verl 0.9.1, transformers 5.10.4,
 #                                                   TransferQueue 0.1.11 for verl's v1 trainer)
 # Two environments because verl 0.9.1 requires transformers < 5.11 while the TRL integration is tested on 5.23.

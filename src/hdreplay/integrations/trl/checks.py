@@ -1,5 +1,6 @@
-"""What HDRGRPOTrainer refuses before it trains: settings its replay step cannot honour (at construction)
-and a model whose log-probs change when a sequence is re-padded (at the first step).  Pure checks: they
+"""What HDRGRPOTrainer refuses before it trains: settings its replay step cannot honour (at construction; a
+DeepSpeed or FSDP setup among them) and a model whose log-probs change when a sequence is re-padded (at the first
+step).  Pure checks: they
 read the trainer's settings and raise ``ValueError`` naming the setting and the fix, or warn."""
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ PADDING_TOLERANCE = {"fp32": 1e-4, "low": 3e-2}
 
 
 def check_supported(args, plan: ReplayPlan, model: torch.nn.Module, *, loss_type: str, processes: int, vlm: bool,
-                    repo: bool, deepspeed: bool) -> None:
+                    repo: bool) -> None:
     """Refuse (or warn about) a replay configuration of ``args`` (an HDRGRPOConfig) on this ``model``."""
     if repo and (processes > 1 or args.replay_micro_step != "chunk" or vlm or loss_type not in ROW_MEAN):
         raise ValueError("replay_repo (RePO's separate off-policy loss term) runs on one process, text only, with "
@@ -33,16 +34,38 @@ def check_supported(args, plan: ReplayPlan, model: torch.nn.Module, *, loss_type
     if loss_type not in ROW_MEAN + LOCAL_TOKENS + GLOBAL_TOKENS:
         raise ValueError(f"HDRGRPOTrainer: loss_type={loss_type!r} is not one hdreplay knows how to split "
                          "into chunks; use one of " + ", ".join(ROW_MEAN + LOCAL_TOKENS + GLOBAL_TOKENS))
-    if deepspeed and args.replay_micro_step == "chunk":
-        raise ValueError("HDRGRPOTrainer: replay_micro_step='chunk' runs extra backward passes inside a micro-step, "
-                         "which DeepSpeed counts as micro-steps of its own. Set replay_micro_step='grow' (replay "
-                         "rows join the micro-batch: activation memory grows by (fresh + replay rows) / fresh rows, "
-                         f"{plan.grow_factor:.2f}x with these settings).")
     if args.replay_micro_step == "grow":
         warnings.warn(f"replay_micro_step='grow': replay rows join the micro-batch, so a forward holds up to "
                       f"{plan.grow_factor:.2f}x per_device_train_batch_size={args.per_device_train_batch_size} "
                       "rows and activation memory grows by that factor; 'chunk' (the default) keeps it at "
                       "per_device_train_batch_size rows.", ReplaySettingWarning, stacklevel=3)
+
+
+def check_sharding(args, accelerator) -> None:
+    """Refuse a DeepSpeed or FSDP setup that replay's micro-step cannot honour, before anything is prepared.
+
+    DeepSpeed: the config's ``gradient_accumulation_steps`` and ``train_micro_batch_size_per_gpu`` must be TRL's
+    (or ``"auto"``): TRL scales the loss for its own accumulation and replay chunks ride on its micro-steps (the
+    Trainer would refuse a mismatch too, but only when training starts).  FSDP: version 2 (the version replay
+    runs and is tested under; transformers deprecates FSDP1)."""
+    ds = getattr(accelerator.state, "deepspeed_plugin", None)
+    if ds is not None:
+        conf = ds.deepspeed_config or {}
+        for key, field, want in (("gradient_accumulation_steps", "gradient_accumulation_steps",
+                                  args.gradient_accumulation_steps),
+                                 ("train_micro_batch_size_per_gpu", "per_device_train_batch_size",
+                                  args.per_device_train_batch_size)):
+            got = conf.get(key, "auto")
+            if got != "auto" and int(got) != want:
+                raise ValueError(
+                    f"HDRGRPOTrainer: the DeepSpeed config sets {key}={got} but {field}={want}: replay chunks run "
+                    f"inside TRL's micro-steps, whose accumulation TRL scales itself. Set {key} to \"auto\" in the "
+                    f"DeepSpeed config (or to {want}), or change {field}.")
+    fsdp = getattr(accelerator.state, "fsdp_plugin", None)
+    if fsdp is not None and getattr(fsdp, "fsdp_version", 1) != 2:
+        raise ValueError("HDRGRPOTrainer: replay under FSDP runs with FSDP2 only (fsdp_config={'version': 2}, "
+                         "accelerate's fsdp_version: 2); FSDP1 is deprecated by transformers and replay was never run "
+                         "under it. Set the FSDP version to 2.")
 
 
 def check_exgrpo(trainer, args) -> None:

@@ -22,7 +22,7 @@ from trl import GRPOConfig
 from ...config import Knob, ReplayConfig, knobs
 from ...errors import ReplayConfigError
 from ..common import INTEGRATION_KNOBS
-from .plan import ReplayPlan, plan_replay
+from .plan import ReplayPlan, ReplaySettingWarning, plan_replay
 
 PREFIX = "replay_"
 MICRO_STEP_MODES = ("chunk", "grow")
@@ -31,7 +31,8 @@ MICRO_STEP_MODES = ("chunk", "grow")
 _TRL_OVERRIDES: dict[str, tuple[Any, Any, str]] = {
     # name: (type, default, help suffix)
     "k_rep": (Optional[int], None, " Unset = half the fresh groups of one replay step (one optimizer update; the "
-                                   "paper's b + b/2), cut to the truncation unit."),
+                                   "paper's b + b/2), cut to the truncation unit (refused when that is 0; a config "
+                                   "converted from args=None or a plain GRPOConfig replays one unit then, warned)."),
 }
 _TRL_KNOBS = (
     Knob("score_batch_size", int, None, True,
@@ -40,7 +41,7 @@ _TRL_KNOBS = (
          "how replay rows enter a micro-step: chunk = extra forward/backward passes of at most "
          "per_device_train_batch_size rows each (activation memory as without replay; the fresh rows form exactly "
          "plain TRL's micro-batch); grow = one forward/backward over fresh + replay rows (activation memory grows "
-         "by (fresh + replay rows) / fresh rows; needed with DeepSpeed, which counts backward calls)",
+         "by (fresh + replay rows) / fresh rows). Both run under DDP, DeepSpeed ZeRO-2/3 and FSDP2",
          MICRO_STEP_MODES),
     Knob("repo", "json", None, True,
          "RePO's per-prompt replay instead of a selector (replay_selector='none'): a dict / JSON object of "
@@ -232,8 +233,30 @@ class HDRGRPOConfig(_ReplayFields, GRPOConfig):
         new.__dict__.update(args.__dict__)
         for f in fields(_ReplayFields):
             setattr(new, f.name, f.default)
+        new._fill_zero_budget()
         new._check_replay(emit=True)
         return new
+
+    def _fill_zero_budget(self) -> None:
+        """For a config the user did not write (``args=None``, a plain GRPOConfig): when the default K_rep (half the
+        fresh groups of a step, cut to the truncation unit) is 0 -- TRL's defaults give 1 fresh group per update --
+        replay one truncation unit instead, and say so."""
+        probe = plan_replay(world=self.world, per_device=self.per_device_train_batch_size,
+                            ga=self.gradient_accumulation_steps, spg=self.steps_per_generation,
+                            iterations=self.num_iterations, n=self.num_generations, k_rep=None,
+                            capacity=self.replay_capacity, max_scan=None, selector="none")
+        if self.replay_selector == "none" or self.replay_k_rep is not None or probe.k_rep > 0:
+            return
+        self.replay_k_rep = k = probe.unit
+        F = probe.fresh_groups
+        warnings.warn(
+            f"HDRGRPOTrainer: with {F} fresh group(s) per optimizer update (per_device_train_batch_size="
+            f"{self.per_device_train_batch_size} x gradient_accumulation_steps={self.gradient_accumulation_steps} x "
+            f"{self.world} process(es) / num_generations={self.num_generations}, TRL's defaults) the default replay "
+            f"budget, half the fresh groups, would be 0 and nothing would be replayed; replaying replay_k_rep={k} "
+            f"group(s) per update instead (replay:fresh {k / F:.2f}, fresh share alpha {F / (F + k):.2f}; the paper's "
+            "b + b/2 is 0.5). Pass HDRGRPOConfig(..., replay_k_rep=...) to choose, a larger batch for more fresh "
+            "groups, or replay_selector='none' for plain GRPO.", ReplaySettingWarning, stacklevel=4)
 
     @classmethod
     def replay_help(cls) -> str:
@@ -269,11 +292,11 @@ def as_replay_config(args, model) -> HDRGRPOConfig:
     that says which replay settings it gets), or None (a default HDRGRPOConfig, as GRPOTrainer builds its own)."""
     if isinstance(args, HDRGRPOConfig):
         return args
-    if args is None:
+    if args is None:  # as GRPOTrainer: GRPOConfig(f"{model_name}-GRPO"), with the default replay settings
         from trl.trainer.utils import get_config_model_id
 
         name = model if isinstance(model, str) else get_config_model_id(model.config)
-        return HDRGRPOConfig(f"{name.split('/')[-1]}-GRPO")
+        return HDRGRPOConfig.from_grpo_config(GRPOConfig(f"{name.split('/')[-1]}-GRPO"))
     if isinstance(args, GRPOConfig):
         new = HDRGRPOConfig.from_grpo_config(args)
         warnings.warn(

@@ -23,7 +23,7 @@ from ...strategies.bapo import BapoController
 from ...strategies.exgrpo import ExgrpoController
 from ...strategies.repo import RepoController
 from .bapo import BapoSampler, check_bapo
-from .checks import check_exgrpo, check_supported
+from .checks import check_exgrpo, check_sharding, check_supported
 from .dynamic import DynamicSampler
 from .exgrpo import ExperienceMixer, token_entropies
 
@@ -48,8 +48,8 @@ def build_strategy(trainer) -> Strategy:
     procs, pad = trainer.accelerator.num_processes, trainer._tokenizer.pad_token_id
     if active:
         check_supported(a, trainer.replay_plan, trainer.accelerator.unwrap_model(trainer.model),
-                        loss_type=trainer.loss_type, processes=procs, vlm=trainer._is_vlm, repo=repo is not None,
-                        deepspeed=trainer.is_deepspeed_enabled)
+                        loss_type=trainer.loss_type, processes=procs, vlm=trainer._is_vlm, repo=repo is not None)
+        check_sharding(a, trainer.accelerator)
     out = Strategy(controller=None, active=active)
     if repo is not None:
         out.controller = RepoController(repo)

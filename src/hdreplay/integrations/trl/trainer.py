@@ -12,7 +12,9 @@ to bottom (every override post-processes what TRL produced; nothing of TRL's is 
    replay rows are spread over the generation's micro-steps as extra chunks (:class:`~.step.MicroStep`).
 3. ``compute_loss``: TRL's loss on the fresh micro-batch, then on each replay chunk (at most
    ``per_device_train_batch_size`` rows; forward + backward each), scaled so the sum is TRL's loss on
-   the merged micro-batch (:func:`chunk_scales`).  ``replay_micro_step="grow"`` runs one merged
+   the merged micro-batch (:func:`chunk_scales`); the entropy bonus and router loss counted once
+   (:mod:`.terms`); every part but the last defers gradient sync and is no accumulation boundary, under DDP,
+   DeepSpeed ZeRO and FSDP2 alike (:mod:`.sharded`).  ``replay_micro_step="grow"`` runs one merged
    forward instead.  Fresh rows' log-probs are captured from their own forward when TRL computed none.
 4. ``on_step_end`` (after the optimizer step): the step's groups are gathered from all ranks,
    staged and committed; ``replay/*`` metrics join TRL's log of that step.
@@ -43,7 +45,7 @@ from ...multimodal import schema_of
 from ...strategies.repo import RepoController
 from ...padding import pad_groups
 from ..common import STATE_DIR, restore
-from . import mm
+from . import mm, terms
 from .agreement import check_rank_agreement, selection_digest
 from .batch import check_keys, gather_objects, gather_rows, generation_groups, ingress_rows, replay_rows
 from .checks import check_padding_drift
@@ -56,6 +58,7 @@ from .rescore import can_share_prompt, share_pays, shared_prompt_logps
 from .microstep import MicroStep, chunk_scales, merged, replay_chunks, separate_term_scales
 from .step import ReplayStep
 from .strategies import build_strategy
+from .sharded import backward_kwargs, deferred_sync, shards_parameters
 
 _INIT = inspect.signature(GRPOTrainer.__init__)
 
@@ -75,6 +78,9 @@ class HDRGRPOTrainer(GRPOTrainer):
     ``GRPOConfig`` is converted with the default replay settings and a warning; ``args=None`` builds a
     default ``HDRGRPOConfig`` as ``GRPOTrainer`` builds a default ``GRPOConfig``)."""
 
+    _capture: tuple | None = None  # (generation, part) while one fresh part's loss forward runs
+    _terms: terms.PartTerms | None = None  # a part's entropies / router loss while its loss runs
+
     def __init__(self, *args, **kwargs):
         bound = _INIT.bind(None, *args, **kwargs)
         bound.arguments["args"] = as_replay_config(bound.arguments.get("args"), bound.arguments["model"])
@@ -91,15 +97,14 @@ class HDRGRPOTrainer(GRPOTrainer):
         self._bapo = strategy.bapo  # BAPO's batch construction (replay_bapo)
         self._dynamic = strategy.dynamic  # DAPO's dynamic sampling (replay_dynamic_sampling)
         self._replay_step: ReplayStep | None = None  # the open step (one optimizer update)
-        self._capture: tuple | None = None  # (generation, part) while one fresh part's loss forward runs
         self._step_offset: int | None = None  # replay step = global_step + offset (0 unless train() is called again)
         self.replay_padding_drift: float | None = None
         self._position_hook = None
         if self.replay_active:
             unwrapped = self.accelerator.unwrap_model(self.model)
             self._position_hook = install_position_ids(unwrapped)
-            self._share_prompt = (can_share_prompt(unwrapped) and not self.is_fsdp_enabled and not self._is_vlm
-                                  and not self.is_deepspeed_enabled and self._position_hook is not None)
+            self._share_prompt = (can_share_prompt(unwrapped) and not self._is_vlm and self._position_hook is not None
+                                  and not shards_parameters(self.accelerator))  # see .sharded
             # first in line: user callbacks' on_step_end (step timers, loggers) see the step committed
             self.callback_handler.callbacks.insert(0, _CommitAfterUpdate(self))
 
@@ -296,14 +301,19 @@ class HDRGRPOTrainer(GRPOTrainer):
             scales = separate_term_scales(parts, self.replay.options.off_coef)
         keep = [i for i, p in enumerate(parts) if p["prompt_ids"].shape[0]]  # an all-injected fresh part is empty
         parts, scales = [parts[i] for i in keep], [scales[i] for i in keep]
+        loss_shares, token_shares = terms.shares(parts)
+        coef = terms.applied_entropy_coef(self)  # before the controller may step (in the last part)
         for i, (part, w) in enumerate(zip(parts, scales)):
             last = i == len(parts) - 1
-            with (nullcontext() if last else self.accelerator.no_sync(model)), \
-                    self._capturing(inputs.generation if i == 0 and keep[0] == 0 else None, part):
+            with (nullcontext() if last else deferred_sync(self.accelerator, model)), \
+                    self._capturing(inputs.generation if i == 0 and keep[0] == 0 else None, part), \
+                    self._capturing_terms() as captured:
                 loss = (self._shaped_loss(model, part) if "hdr_shaped_logps" in part
                         else super().compute_loss(model, part)) * w
-                if not last:  # earlier chunks: their own backward now, so one chunk's activations are alive at a time
-                    self.accelerator.backward(loss)
+                loss = loss + terms.correction(self, part, captured, weight=w, loss_share=loss_shares[i],
+                                               token_share=token_shares[i], entropy_coef=coef)
+                if not last:  # earlier parts: their own backward now, so one part's activations are alive at a time
+                    self.accelerator.backward(loss, **backward_kwargs(self.accelerator))
                     done = loss.detach() if done is None else done + loss.detach()
         return loss if done is None else loss + done
 
@@ -318,8 +328,25 @@ class HDRGRPOTrainer(GRPOTrainer):
         finally:
             self._capture = None
 
+    @contextmanager
+    def _capturing_terms(self):
+        """Keep what the part's loss forward returns besides log-probs (entropies, router loss, entropy mask)."""
+        self._terms = terms.PartTerms()
+        try:
+            yield self._terms
+        finally:
+            self._terms = None
+
+    def get_high_entropy_mask(self, entropies, mask, threshold):
+        out = super().get_high_entropy_mask(entropies, mask, threshold)
+        if self._terms is not None and self._terms.entropy_mask is None:
+            self._terms.entropy_mask = out
+        return out
+
     def _get_per_token_logps_and_entropies(self, model, input_ids, *args, **kwargs):
         out = super()._get_per_token_logps_and_entropies(model, input_ids, *args, **kwargs)
+        if self._terms is not None and not self._terms.seen and kwargs.get("compute_entropy"):
+            self._terms.entropies, self._terms.aux, self._terms.seen = out[1], out[2], True
         if self._capture is not None:  # the policy forward of one fresh part's loss (the first call in it)
             gen, part = self._capture
             self._capture = None
