@@ -44,7 +44,7 @@ from .ingress import make_ingress_rule
 from .record import GroupRecord
 from .scores import reference_headroom
 from .selection import Scorer, select_replay
-from .selectors import Selection, empty_selection
+from .selectors import SELECTORS, Selection, empty_selection
 from .storage import materialize
 from .validate import MAX_COUNT, check_bool, check_int, check_path, check_sequence, check_step, is_int, is_real
 
@@ -164,8 +164,9 @@ class ReplayController:
                                        "responses; rollouts are stored from whole groups")
         admitted = [self._admit(g) for g in groups]
         chosen = [g.clone() for g, ok in zip(groups, admitted) if ok]
-        if self.config.unit == "rollout":
-            chosen = [r for g in chosen for r in split_rollouts(g)]
+        split = SELECTORS[self.config.selector].split
+        if split is not None:  # a rollout-unit peer (hdreplay.baselines.orders) stores single responses
+            chosen = [r for g in chosen for r in split(g)]
             self.buffer.validate([*self._staged, *chosen])
         ref = reference_headroom(chosen, weighting=self.config.headroom_weighting).tolist() if chosen else []
         self._open_step = step
@@ -376,24 +377,6 @@ class ReplayController:
 def buffer_group_size(config: ReplayConfig) -> int | None:
     """Responses per stored unit: 1 for a rollout-unit selector, else ``config.group_size``."""
     return 1 if config.unit == "rollout" else config.group_size
-
-
-def split_rollouts(group: GroupRecord, *, keep_zero_advantage: bool = False) -> list[GroupRecord]:
-    """A group as single-response records (ids ``"<group_id>/<i>"``), each keeping its response's stored advantage
-    (computed in its birth group); responses with no loss token are left out, and unless ``keep_zero_advantage``
-    (RePO stores every response) so are those with A_i = 0 (no gradient, no priority)."""
-    out = []
-    toks, lps, masks = group.responses(), group.split(group.logprobs), group.split(group.loss_mask)
-    extras = {k: group.split(v) for k, v in group.extras.items()}
-    for i in range(group.num_responses):
-        if (float(group.advantages[i]) == 0.0 and not keep_zero_advantage) or not bool(masks[i].any()):
-            continue
-        out.append(GroupRecord.from_responses(
-            group_id=f"{group.group_id}/{i}", prompt_ids=group.prompt_ids, completion_ids=[toks[i]],
-            logprobs=[lps[i]], loss_masks=[masks[i]], advantages=group.advantages[i:i + 1],
-            rewards=group.rewards[i:i + 1], birth_step=group.birth_step,
-            extras={k: [v[i]] for k, v in extras.items()}))
-    return out
 
 
 #: what ``commit(counters=...)`` accepts

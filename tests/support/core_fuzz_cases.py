@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 import hdreplay as H
+from hdreplay.integrations import layout as L
 from hdreplay_lab.synthetic import TablePolicy, make_group
 from protocol import policy_at
 
@@ -139,11 +140,11 @@ def pure_cases() -> list[tuple[str, Callable, bool]]:
     pg = H.pad_groups(gs, pad_token_id=0)
     cases += _over(pg.split_by_group, {"values": torch.zeros(pg.num_rows, 20)}, {
         "values": [np.zeros((pg.num_rows, 20)), torch.zeros(pg.num_rows), torch.zeros(pg.num_rows, 1), None]})
-    cases += _over(H.truncate_to_multiple, {"items": [1, 2, 3], "u": 2}, {"items": ["abc", None, 5],
+    cases += _over(L.truncate_to_multiple, {"items": [1, 2, 3], "u": 2}, {"items": ["abc", None, 5],
                                                                            "u": [0, -1, 2.0, True, "2", None]})
-    cases += _over(H.balanced_partition, {"lengths": [3, 1, 2, 2], "parts": 2}, {
+    cases += _over(L.balanced_partition, {"lengths": [3, 1, 2, 2], "parts": 2}, {
         "lengths": [[1.5, 2], [-1, 2], ["3", 1], [True, 1], None, "ab"], "parts": [0, 10**6, 2.0, True, None]})
-    cases += _over(H.minibatch_layout, {"replay_lengths": [1, 2], "fresh_lengths": [3, 4], "num_minibatches": 2,
+    cases += _over(L.minibatch_layout, {"replay_lengths": [1, 2], "fresh_lengths": [3, 4], "num_minibatches": 2,
                                         "parts": 1},
                    {"replay_lengths": [None, [1.5, 2]], "num_minibatches": [0, 2.0, 3, None], "parts": [0, 2**20]})
     cases += _over(H.ReplayBuffer, {"capacity": 8}, {"capacity": [0, 10**11, 1e11, True, None, "8"],
