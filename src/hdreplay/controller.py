@@ -89,7 +89,8 @@ class ReplayController:
         self.buffer = ReplayBuffer(config.unit_capacity, group_size=buffer_group_size(config))
         self.ingress_rule = make_ingress_rule(config.ingress, answer_threshold=config.answer_threshold)
         self.acceptance_rate = 1.0
-        self.tau_state = TauState(tau=float(config.tau)) if config.adaptive_tau is not None else None
+        #: the one place the current tau lives (config.tau is its start; adaptive_tau moves it at commit)
+        self.tau_state = TauState(tau=float(config.tau))
         self.last_step: int | None = None
         try:
             self.diagnostics = DiagnosticsWriter(diagnostics_dir) if diagnostics_dir is not None else None
@@ -135,8 +136,8 @@ class ReplayController:
 
     @property
     def tau(self) -> float:
-        """The Drift threshold the next selection uses (moves only with ``adaptive_tau``)."""
-        return self.tau_state.tau if self.tau_state is not None else float(self.config.tau)
+        """The Drift threshold the next selection uses: ``tau_state.tau`` (moves only with ``adaptive_tau``)."""
+        return self.tau_state.tau
 
     def stage(self, groups: Sequence[GroupRecord], *, step: int) -> list[bool]:
         """Offer this step's fresh groups (a list) for ingress; returns which the ingress rule admitted.
@@ -233,7 +234,7 @@ class ReplayController:
         rec.rescored_tokens += extra.pop("rescored_tokens", 0)
         for k, v in extra.items():
             setattr(rec, k, v)
-        if self.tau_state is not None:
+        if self.config.adaptive_tau is not None:
             self.tau_state = advance_tau(self.tau_state, self.config.adaptive_tau, accept_rate=rec.accept_rate,
                                          budget_fill=rec.budget_fill, replay_kl=rec.replay_kl)
             rec.tau_next, rec.tau_action = self.tau_state.tau, self.tau_state.last_action
@@ -295,7 +296,7 @@ class ReplayController:
             "buffer": bmeta,
             "acceptance_rate": self.acceptance_rate,
             "last_step": self.last_step,
-            "tau_state": None if self.tau_state is None else self.tau_state.to_dict(),
+            "tau_state": None if self.config.adaptive_tau is None else self.tau_state.to_dict(),
             "starved_steps": self._starved_steps,
             "sampler_state": self.rng_state,
             "config": self.config.to_dict(),

@@ -77,7 +77,10 @@ def pure_cases() -> list[tuple[str, Callable, bool]]:
         "state": [None, {"tau": 1e-3}], "cfg": [None, {"tau_min": 1}],
         "record": [None, 3, {"accept_rate": NAN}, {"accept_rate": 2.0}, {"replay_kl": -1.0}, {"replay_kl": "x"},
                    {"budget_fill": INF}]})
-    cases += _over(H.TauState, {"tau": 1e-3}, {"tau": [0.0, -1.0, NAN, "x", None], "steps": [-1, 1.5, True],
+    # a fixed tau may be 0 (TauState holds it); the multiplicative schedule is what refuses to move it
+    cases += _over(H.advance_tau, {"state": st, "cfg": at, "accept_rate": 0.5, "budget_fill": 0.5, "replay_kl": None},
+                   {"state": [H.TauState(tau=0.0)]})
+    cases += _over(H.TauState, {"tau": 1e-3}, {"tau": [-1.0, -1e-300, NAN, INF, "x", None], "steps": [-1, 1.5, True],
                                                 "last_action": ["jump", None], "accept_ema": [NAN, -0.5]})
     cases += _over(H.AnswerBased, {"threshold": 0.9}, {"threshold": ["0.9", NAN, None, True, INF]})
     cases += _over(H.make_ingress_rule, {"rule": "mixed"}, {"rule": [3, None, "x", ["mixed"]]})
