@@ -11,7 +11,11 @@ Core API (framework-agnostic; importing it never imports TRL or verl):
     headroom, drift, replay_kl, replay_kl_per_group   pure scores on (G, T) tensors
     MixedOutcome, AnswerBased, make_ingress_rule      ingress rules
     pad_groups, PaddedGroups, group_scores            helpers for writing scorers
-    balanced_partition, minibatch_layout, truncate_to_multiple   batch layout
+
+The peers (ExGRPO, BAPO, RePO, POPO, FreshPER, |A|-priority, uniform FIFO, DAPO's dynamic sampling) are
+``hdreplay.baselines``, behind the same select -> stage -> commit protocol (``hdreplay.baselines.Strategy``); the
+verl recipe's mini-batch layout is ``hdreplay.integrations.layout`` (``balanced_partition``, ``minibatch_layout``
+and ``truncate_to_multiple`` still resolve here, deprecated).
 
 Reliability contract: every public call checks all of its arguments before it changes anything
 (errors: ReplayInputError / ReplayConfigError / ReplayProtocolError / CheckpointError, all
@@ -39,7 +43,6 @@ from .errors import (
 )
 from .ingest import Ingest, Rows, groups_from_rows
 from .ingress import AnswerBased, MixedOutcome, make_ingress_rule
-from .layout import balanced_partition, minibatch_layout, truncate_to_multiple
 from .padding import PaddedGroups, pad_groups
 from .scores import (
     GroupScores, drift, group_scores, headroom, reference_headroom, replay_kl, replay_kl_per_group, token_headroom,
@@ -48,15 +51,18 @@ from .selection import Scorer, select_replay
 from .selectors import SELECTORS, Selection
 from .record import GroupRecord
 
+from . import baselines  # noqa: E402,F401  (above the core: registers the peers' selectors, resolves moved names)
+
 __version__ = "0.1.0"
 
+
 __all__ = [
-    "AdaptiveTau", "advance_tau", "AnswerBased", "balanced_partition", "CheckpointError", "CheckpointLockedError",
+    "AdaptiveTau", "advance_tau", "AnswerBased", "CheckpointError", "CheckpointLockedError",
     "DiagnosticsWriter",
     "drift", "group_scores", "GroupRecord", "groups_from_rows", "GroupScores", "headroom", "Ingest", "IngestError",
-    "make_ingress_rule", "METRIC_KEYS", "metrics_from_record", "minibatch_layout", "MixedOutcome", "pad_groups",
+    "make_ingress_rule", "METRIC_KEYS", "metrics_from_record", "MixedOutcome", "pad_groups",
     "PaddedGroups", "reference_headroom", "replay_kl", "replay_kl_per_group", "ReplayBuffer", "ReplayConfig",
     "ReplayConfigError", "ReplayController", "ReplayError", "ReplayInputError", "ReplayProtocolError",
     "ReplayResumeWarning", "ReplayStarvedWarning", "Rows", "Scorer", "select_replay", "Selection", "SELECTORS",
-    "STEP_FIELDS", "StepRecord", "TauState", "token_headroom", "truncate_to_multiple", "update_tau", "__version__",
+    "STEP_FIELDS", "StepRecord", "TauState", "token_headroom", "update_tau", "__version__",
 ]

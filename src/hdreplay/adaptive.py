@@ -13,6 +13,10 @@ The update (:func:`advance_tau`) is a pure function of the state and three plain
 committed step (gate pass rate, budget fill, replay KL), so it checkpoints as plain numbers and needs
 nothing from the diagnostics; :func:`update_tau` takes the same numbers from a step record.
 
+:class:`TauState` is where the current tau lives, fixed or adaptive: a controller holds one from construction
+(``config.tau`` is only the start) and reads and replaces nothing else (``ReplayController.tau``).  A fixed tau may
+be 0 (only groups whose log-probs are unchanged pass); the multiplicative schedule refuses to move a tau of 0.
+
 >>> cfg = AdaptiveTau(tau_min=1e-4, tau_max=1e-2, warmup=0, patience=0)
 >>> s = TauState(tau=1e-3)
 >>> s = advance_tau(s, cfg, accept_rate=0.0, budget_fill=0.0, replay_kl=None)  # nothing passed the gate
@@ -74,6 +78,9 @@ def _err(msg: str) -> ReplayConfigError:
 
 @dataclass
 class TauState:
+    """The current Drift threshold ``tau`` (>= 0) and, under :class:`AdaptiveTau`, the schedule's running statistics
+    (EMAs of the gate pass rate and of replay KL, steps, steps since the last change, the last action)."""
+
     tau: float
     accept_ema: float | None = None
     kl_fast: float | None = None
@@ -83,7 +90,7 @@ class TauState:
     last_action: str = "hold"
 
     def __post_init__(self) -> None:
-        check_real("tau_state.tau", self.tau, lo=0.0, lo_open=True, err=ReplayConfigError)
+        check_real("tau_state.tau", self.tau, lo=0.0, err=ReplayConfigError)
         for name in ("accept_ema", "kl_fast", "kl_slow"):
             v = getattr(self, name)
             if v is not None:
@@ -130,6 +137,10 @@ def advance_tau(state: TauState, cfg: AdaptiveTau, *, accept_rate: float | None,
         raise ReplayInputError(f"state: must be a TauState, got {type(state).__name__}")
     if not isinstance(cfg, AdaptiveTau):
         raise ReplayInputError(f"cfg: must be an AdaptiveTau, got {type(cfg).__name__}")
+    if not state.tau > 0:
+        raise ReplayInputError(f"state.tau: the schedule moves tau by factors within [tau_min, tau_max] and cannot "
+                               f"move tau = {state.tau:g}; start it inside adaptive_tau's bounds (a fixed tau of 0 "
+                               "needs no schedule)")
     record = {"accept_rate": accept_rate, "budget_fill": budget_fill, "replay_kl": replay_kl}
     for key, hi in (("accept_rate", 1.0), ("budget_fill", None), ("replay_kl", None)):
         v = record[key]

@@ -57,7 +57,7 @@ class ControllerState:
     buffer: BufferState
     acceptance_rate: float
     last_step: int | None
-    tau_state: TauState | None
+    tau_state: TauState  # fixed tau: TauState(config.tau) (a fixed tau is not read from the checkpoint)
     starved_steps: int
     changes: list[str]  # "name: saved -> configured" for every warned configuration change
     rng_state: dict | None = None  # the random orders' generator (None: saved before it existed)
@@ -186,7 +186,9 @@ def parse_controller_state(tensors: Any, meta: Any, *, config: Any, where: str =
     return ControllerState(buf, float(rate), last, tau_state, starved, changes, rng)
 
 
-def _tau_state(d: Any, config: Any, bad) -> TauState | None:
+def _tau_state(d: Any, config: Any, bad) -> TauState:
+    """The controller's tau after a load: a fixed tau is the configured one (a changed tau is warned about); an
+    adaptive one continues from the saved state, clamped into the configured bounds (or starts at config.tau)."""
     if d is not None:
         if not isinstance(d, Mapping):
             raise bad("tau_state must be a mapping")
@@ -194,9 +196,7 @@ def _tau_state(d: Any, config: Any, bad) -> TauState | None:
             state = TauState(**d)
         except (TypeError, ReplayConfigError) as e:
             raise bad(f"invalid tau_state ({e})") from None
-    if config.adaptive_tau is None:
-        return None
-    if d is None:
+    if config.adaptive_tau is None or d is None:
         return TauState(tau=float(config.tau))
     lo, hi = config.adaptive_tau.tau_min, config.adaptive_tau.tau_max
     state.tau = min(max(state.tau, lo), hi)

@@ -39,7 +39,8 @@ def knob(default: Any, help: str, *, flat: type | str | None = None, choices: tu
         help: the one help text every front end shows.
         flat: the type front ends parse (``int``, ``float``, ``str``, ``bool``, ``"json"``); default:
             inferred from the default.
-        choices: the valid values of a string knob (shown in help, checked by ``__post_init__``).
+        choices: the valid values of a string knob (shown in help, checked by ``__post_init__``); a mapping
+            (a registry such as ``SELECTORS``) is read when :func:`knobs` is called.
         derived: set by the integration from its own settings (e.g. ``group_size`` from
             ``num_generations``), not exposed as a knob.
     """
@@ -92,10 +93,11 @@ class ReplayConfig:
     selector: str = knob(
         "headroom_drift",
         "replay rule: headroom_drift (the paper: cached-Headroom order + Drift gate), headroom_only (no gate), "
-        "drift_only (recency order + gate), recency (latest K groups, the paper's 'GRPO + replay'), uniform (K groups "
-        "uniformly at random), freshper (K groups in proportion to ((mean|r| + eps) exp(-age/age_decay))^alpha), "
-        "adv_priority (k_rep x n single rollouts in proportion to |A|^alpha), none (on-policy)",
-        choices=tuple(SELECTORS))
+        "drift_only (recency order + gate), recency (latest K groups, the paper's 'GRPO + replay'), none (on-policy); "
+        "the peers (hdreplay.baselines.orders): uniform (K groups uniformly at random), freshper (K groups in "
+        "proportion to ((mean|r| + eps) exp(-age/age_decay))^alpha), adv_priority (k_rep x n single rollouts in "
+        "proportion to |A|^alpha)",
+        choices=SELECTORS)  # the live registry: the peers register when hdreplay is imported
     k_rep: int = knob(64, "replay budget K_rep: groups replayed per step (>= 0)")
     tau: float = knob(1e-3, "Drift threshold: a scanned group is replayed iff Drift <= tau (>= 0; paper: 1e-3 "
                             "single-turn reasoning, 1e-2 agentic search, l2 norm)")
@@ -325,5 +327,5 @@ def knobs(*, include_derived: bool = False) -> list[Knob]:
         default = f.default if f.default is not MISSING else None
         flat = meta.get("flat") or type(default)
         out.append(Knob(name=f.name, flat=flat, default=default, optional=default is None or flat == "json",
-                        help=meta["help"], choices=meta.get("choices")))
+                        help=meta["help"], choices=None if meta.get("choices") is None else tuple(meta["choices"])))
     return out

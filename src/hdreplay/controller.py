@@ -44,7 +44,7 @@ from .ingress import make_ingress_rule
 from .record import GroupRecord
 from .scores import reference_headroom
 from .selection import Scorer, select_replay
-from .selectors import Selection, empty_selection
+from .selectors import SELECTORS, Selection, empty_selection
 from .storage import materialize
 from .validate import MAX_COUNT, check_bool, check_int, check_path, check_sequence, check_step, is_int, is_real
 
@@ -89,7 +89,8 @@ class ReplayController:
         self.buffer = ReplayBuffer(config.unit_capacity, group_size=buffer_group_size(config))
         self.ingress_rule = make_ingress_rule(config.ingress, answer_threshold=config.answer_threshold)
         self.acceptance_rate = 1.0
-        self.tau_state = TauState(tau=float(config.tau)) if config.adaptive_tau is not None else None
+        #: the one place the current tau lives (config.tau is its start; adaptive_tau moves it at commit)
+        self.tau_state = TauState(tau=float(config.tau))
         self.last_step: int | None = None
         try:
             self.diagnostics = DiagnosticsWriter(diagnostics_dir) if diagnostics_dir is not None else None
@@ -135,8 +136,8 @@ class ReplayController:
 
     @property
     def tau(self) -> float:
-        """The Drift threshold the next selection uses (moves only with ``adaptive_tau``)."""
-        return self.tau_state.tau if self.tau_state is not None else float(self.config.tau)
+        """The Drift threshold the next selection uses: ``tau_state.tau`` (moves only with ``adaptive_tau``)."""
+        return self.tau_state.tau
 
     def stage(self, groups: Sequence[GroupRecord], *, step: int) -> list[bool]:
         """Offer this step's fresh groups (a list) for ingress; returns which the ingress rule admitted.
@@ -164,8 +165,9 @@ class ReplayController:
                                        "responses; rollouts are stored from whole groups")
         admitted = [self._admit(g) for g in groups]
         chosen = [g.clone() for g, ok in zip(groups, admitted) if ok]
-        if self.config.unit == "rollout":
-            chosen = [r for g in chosen for r in split_rollouts(g)]
+        split = SELECTORS[self.config.selector].split
+        if split is not None:  # a rollout-unit peer (hdreplay.baselines.orders) stores single responses
+            chosen = [r for g in chosen for r in split(g)]
             self.buffer.validate([*self._staged, *chosen])
         ref = reference_headroom(chosen, weighting=self.config.headroom_weighting).tolist() if chosen else []
         self._open_step = step
@@ -232,7 +234,7 @@ class ReplayController:
         rec.rescored_tokens += extra.pop("rescored_tokens", 0)
         for k, v in extra.items():
             setattr(rec, k, v)
-        if self.tau_state is not None:
+        if self.config.adaptive_tau is not None:
             self.tau_state = advance_tau(self.tau_state, self.config.adaptive_tau, accept_rate=rec.accept_rate,
                                          budget_fill=rec.budget_fill, replay_kl=rec.replay_kl)
             rec.tau_next, rec.tau_action = self.tau_state.tau, self.tau_state.last_action
@@ -294,7 +296,7 @@ class ReplayController:
             "buffer": bmeta,
             "acceptance_rate": self.acceptance_rate,
             "last_step": self.last_step,
-            "tau_state": None if self.tau_state is None else self.tau_state.to_dict(),
+            "tau_state": None if self.config.adaptive_tau is None else self.tau_state.to_dict(),
             "starved_steps": self._starved_steps,
             "sampler_state": self.rng_state,
             "config": self.config.to_dict(),
@@ -376,24 +378,6 @@ class ReplayController:
 def buffer_group_size(config: ReplayConfig) -> int | None:
     """Responses per stored unit: 1 for a rollout-unit selector, else ``config.group_size``."""
     return 1 if config.unit == "rollout" else config.group_size
-
-
-def split_rollouts(group: GroupRecord, *, keep_zero_advantage: bool = False) -> list[GroupRecord]:
-    """A group as single-response records (ids ``"<group_id>/<i>"``), each keeping its response's stored advantage
-    (computed in its birth group); responses with no loss token are left out, and unless ``keep_zero_advantage``
-    (RePO stores every response) so are those with A_i = 0 (no gradient, no priority)."""
-    out = []
-    toks, lps, masks = group.responses(), group.split(group.logprobs), group.split(group.loss_mask)
-    extras = {k: group.split(v) for k, v in group.extras.items()}
-    for i in range(group.num_responses):
-        if (float(group.advantages[i]) == 0.0 and not keep_zero_advantage) or not bool(masks[i].any()):
-            continue
-        out.append(GroupRecord.from_responses(
-            group_id=f"{group.group_id}/{i}", prompt_ids=group.prompt_ids, completion_ids=[toks[i]],
-            logprobs=[lps[i]], loss_masks=[masks[i]], advantages=group.advantages[i:i + 1],
-            rewards=group.rewards[i:i + 1], birth_step=group.birth_step,
-            extras={k: [v[i]] for k, v in extras.items()}))
-    return out
 
 
 #: what ``commit(counters=...)`` accepts

@@ -102,7 +102,7 @@ class StepRecord:
     rescored_tokens: int = 0
     replayed_rows: int = 0
     generated_rows: int | None = None
-    #: the named strategy driving the step (``hdreplay.strategies``) and its own counters (name -> number)
+    #: the named strategy driving the step (a peer of ``hdreplay.baselines``) and its own counters (name -> number)
     strategy: str | None = None
     strategy_counters: dict[str, float] | None = None
 

@@ -8,10 +8,10 @@ Every selector is an (order, gate) pair, declared in :mod:`hdreplay.selectors` (
 names lives there; ``SELECTORS``, ``SelectorSpec``, ``Selection`` and ``empty_selection`` are
 re-exported here).
 
-Ties in cached Headroom go to the older group (smaller insertion id).  The random orders draw from the
-controller's seeded generator (:mod:`hdreplay.sampling`), whose state is checkpointed with the buffer;
-``adv_priority`` stores single rollouts (``unit="rollout"``, see :mod:`hdreplay.controller`).  With
-``max_age`` set, no group older than ``max_age`` steps is ever selected, whatever the order.
+Ties in cached Headroom go to the older group (smaller insertion id).  A random order (the peers of
+:mod:`hdreplay.baselines.orders`) is its spec's ``draw``, called with the controller's seeded generator
+(:mod:`hdreplay.sampling`), whose state is checkpointed with the buffer.  With ``max_age`` set, no group older
+than ``max_age`` steps is ever selected, whatever the order.
 
 The scan (paper Appendix A.5, Proposition 3): walk the order, re-score each group
 under the current policy through the caller's ``scorer``, accept iff Drift <= tau,
@@ -36,12 +36,12 @@ from .config import ReplayConfig
 from .errors import ReplayInputError
 from .record import GroupRecord
 from .scores import check_scorer_output, score_groups
-from .selectors import PRIORITY_EPS, SELECTORS, BufferView, Selection, SelectorSpec, empty_selection
+from .selectors import SELECTORS, BufferView, Selection, SelectorSpec, empty_selection
 from .selectors import frozen as _frozen
 from .validate import check_real, check_step
 
-__all__ = ["BufferView", "MIN_ACCEPTANCE_RATE", "PRIORITY_EPS", "SELECTORS", "Scorer", "Selection", "SelectorSpec",
-           "chunk_size", "empty_selection", "priorities", "select_replay"]
+__all__ = ["BufferView", "MIN_ACCEPTANCE_RATE", "SELECTORS", "Scorer", "Selection", "SelectorSpec", "chunk_size",
+           "empty_selection", "select_replay"]
 
 Scorer = Callable[[Sequence[GroupRecord]], Sequence[torch.Tensor]]
 """Takes G stored groups; returns G tensors ``(T_g,)``: current-policy log-probs of every
@@ -65,34 +65,6 @@ def _eligible(buffer: BufferView, config: ReplayConfig, step: int) -> np.ndarray
     if config.max_age is None:
         return np.ones(len(ids), dtype=bool)
     return step - buffer.slot_values("birth_step", ids) <= config.max_age
-
-
-def priorities(buffer: BufferView, config: ReplayConfig, step: int) -> np.ndarray:
-    """(size,) oldest first: the base priority of every live unit ("reward": mean |r_i| + eps, "advantage":
-    mean |A_i|) times exp(-age / age_decay) when ``age_decay`` is set (FreshPER's freshness factor)."""
-    spec = SELECTORS[config.selector]
-    base = buffer.group_means("rewards" if spec.priority == "reward" else "advantages")
-    if spec.priority == "reward":
-        base = base + PRIORITY_EPS
-    if config.age_decay is not None:
-        ages = step - buffer.slot_values("birth_step", buffer.insertion_ids())
-        base = base * np.exp(-ages / config.age_decay)
-    return base
-
-
-def _random_order(buffer: BufferView, config: ReplayConfig, rng: np.random.Generator, step: int, k: int,
-                  ok: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
-    """(ids drawn in order, their loss weights or None) of a random order over the eligible units ``ok``."""
-    spec, ids = SELECTORS[config.selector], buffer.insertion_ids()
-    pos = np.flatnonzero(ok)
-    if spec.order == "uniform":
-        return ids[pos[sampling.uniform_order(rng, len(pos), k)]], None
-    w = priorities(buffer, config, step)[pos] ** config.priority_alpha
-    drawn = sampling.proportional_order(rng, w, k)
-    weights = None
-    if config.is_beta > 0 and len(drawn):
-        weights = sampling.importance_weights(w / w.sum(), drawn, config.is_beta)
-    return ids[pos[drawn]], weights
 
 
 def select_replay(
@@ -137,7 +109,7 @@ def select_replay(
     ok = _eligible(buffer, config, step)
     weights = None
     if spec.random:
-        drawn, weights = _random_order(buffer, config, rng, step, K, ok)
+        drawn, weights = spec.draw(buffer, config, rng, step, K, ok)
         order_fn = lambda limit: drawn[:limit]  # noqa: E731
     else:
         full = buffer.order_by_cached_headroom if spec.order == "headroom" else buffer.order_by_recency

@@ -4,6 +4,8 @@ A leaf of the core: it imports no other module of the package (only NumPy), so t
 the valid selector names and the diagnostics can read a :class:`Selection` without importing the scan
 (:mod:`hdreplay.selection`) or the buffer (:mod:`hdreplay.buffer`).
 
+The paper's selectors and ablations are declared here:
+
 =================  ======================================  =====  ====================================
 name               order                                   gate   meaning
 =================  ======================================  =====  ====================================
@@ -11,42 +13,58 @@ headroom_drift     cached Headroom, desc                   yes    the paper's me
 headroom_only      cached Headroom, desc                   no     PER-style priority, no gate
 drift_only         newest first                            yes    recency order + Drift gate
 recency            newest first                            no     "GRPO + replay": latest K groups
-uniform            uniform random, without replacement     no     uniform sampling from a FIFO
-freshper           proportional to p^alpha, p = (mean|r| + no     FreshPER: PER priority x exp(-age /
-                   eps) x exp(-age / age_decay)                   age_decay), PER importance weights
-adv_priority       rollouts proportional to |A|^alpha      no     rollout-level |A|-prioritised replay
 none               -                                       -      on-policy, nothing replayed
 =================  ======================================  =====  ====================================
 
+The peers whose order is random (``uniform``, ``freshper``, ``adv_priority``) are declared above the core, in
+:mod:`hdreplay.baselines.orders`, and join this registry through :func:`register_selector` when ``hdreplay`` is
+imported: a spec carries its own draw and (for single-rollout storage) its split, so the scan and the controller
+call them without knowing the peers.
+
 >>> SELECTORS["headroom_drift"].gate, SELECTORS["recency"].needs_scoring(diagnose_ungated=False)
 (True, False)
->>> sorted(s.name for s in SELECTORS.values() if s.random)
+>>> sorted(s.name for s in SELECTORS.values() if s.random)  # the peers, registered by hdreplay.baselines
 ['adv_priority', 'freshper', 'uniform']
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Callable, Protocol, runtime_checkable
 
 import numpy as np
 
 
 @dataclass(frozen=True)
 class SelectorSpec:
+    """One named selector.
+
+    Attributes:
+        order: "headroom" | "recency" | the name of a random order (``draw`` set) | None (replays nothing).
+        gate: replay iff Drift <= tau.  refresh: re-score selected groups even without a gate.
+        priority: a proportional order's base priority ("reward" | "advantage"; read by its ``draw``).
+        unit: what the buffer stores, "group" or "rollout" (single responses, cut by ``split``).
+        draw: a random order, ``draw(buffer, config, rng, step, k, eligible) -> (ids, loss_weights or None)``:
+            at most k insertion ids in draw order among the eligible units ((size,) bool, oldest first) and, if the
+            order weights its draws, their (m,) loss weights.
+        split: a rollout unit's stored records of one staged group (``GroupRecord -> list[GroupRecord]``).
+    """
+
     name: str
-    order: str | None  # "headroom" | "recency" | "uniform" | "proportional" | None
+    order: str | None
     gate: bool
     refresh: bool  # re-score selected groups even without a gate
-    priority: str | None = None  # proportional orders: "reward" (mean |r| + eps) or "advantage" (mean |A|)
+    priority: str | None = None
     unit: str = "group"  # "group" | "rollout" (single responses, see the controller)
+    draw: Callable | None = field(default=None, compare=False, repr=False)
+    split: Callable | None = field(default=None, compare=False, repr=False)
 
     def needs_scoring(self, diagnose_ungated: bool) -> bool:
         return self.order is not None and (self.gate or self.refresh or diagnose_ungated)
 
     @property
     def random(self) -> bool:
-        return self.order in ("uniform", "proportional")
+        return self.draw is not None
 
 
 SELECTORS: dict[str, SelectorSpec] = {
@@ -56,15 +74,18 @@ SELECTORS: dict[str, SelectorSpec] = {
         SelectorSpec("headroom_only", "headroom", gate=False, refresh=True),
         SelectorSpec("drift_only", "recency", gate=True, refresh=True),
         SelectorSpec("recency", "recency", gate=False, refresh=False),
-        SelectorSpec("uniform", "uniform", gate=False, refresh=False),
-        SelectorSpec("freshper", "proportional", gate=False, refresh=False, priority="reward"),
-        SelectorSpec("adv_priority", "proportional", gate=False, refresh=False, priority="advantage",
-                     unit="rollout"),
         SelectorSpec("none", None, gate=False, refresh=False),
     )
 }
-#: FreshPER's epsilon added to the |reward| priority (``priority_functions.reward_fresh_priority``)
-PRIORITY_EPS = 1e-6
+
+
+def register_selector(spec: SelectorSpec) -> None:
+    """Add (or replace) a selector declared above the core; ``none`` stays the last name listed."""
+    if not isinstance(spec, SelectorSpec) or (spec.unit == "rollout") != (spec.split is not None):
+        raise TypeError(f"register_selector: a SelectorSpec whose split is set iff its unit is 'rollout', got {spec!r}")
+    none = SELECTORS.pop("none")
+    SELECTORS[spec.name] = spec
+    SELECTORS["none"] = none
 
 
 @runtime_checkable

@@ -124,3 +124,30 @@ def test_counterfactual_scores_the_recency_subset_without_touching_the_buffer():
     rec = ctrl.last_record
     assert rec.cf_size == len(sel.accepted)
     assert rec.cf_drift_recency == pytest.approx(float(np.mean(sel.cf_drift)))
+
+
+def test_tau_lives_in_the_controllers_one_tau_state_fixed_zero_or_adaptive(tmp_path):
+    from hdreplay import ReplayInputError, advance_tau
+
+    fixed = ReplayController(ReplayConfig(k_rep=2, tau=0.0, capacity=8))
+    assert fixed.tau_state == TauState(tau=0.0) and fixed.tau == 0.0  # a fixed tau of 0 is a TauState too
+    run_steps(fixed, range(3))
+    unchanged = fixed.select(step=3, scorer=lambda gs: [g.logprobs for g in gs])  # Drift exactly 0 passes tau = 0
+    assert len(unchanged.groups) == 2 and unchanged.tau == 0.0
+    fixed.stage(fresh(3), step=3)
+    fixed.commit()
+    moved = fixed.select(step=4, scorer=policy_at(9).scorer)  # any policy change fails it
+    assert len(moved.groups) == 0 and (moved.scanned_drift > 0).all()
+    fixed.stage(fresh(4), step=4)
+    fixed.commit()
+    fixed.save(tmp_path / "fixed")
+    assert fixed.checkpoint_state()[1]["tau_state"] is None  # checkpointed as before: a fixed tau is the config's
+    back = ReplayController(ReplayConfig(k_rep=2, tau=0.0, capacity=8))
+    back.load(tmp_path / "fixed")
+    assert back.tau_state == TauState(tau=0.0)
+    with pytest.raises(ReplayInputError, match="state.tau"):  # the schedule, not TauState, refuses a tau of 0
+        advance_tau(TauState(tau=0.0), CFG, accept_rate=0.0, budget_fill=0.0, replay_kl=None)
+    ad = ReplayController(ReplayConfig(k_rep=2, tau=1e-3, capacity=8, adaptive_tau=CFG))
+    run_steps(ad, range(8))
+    assert ad.tau == ad.tau_state.tau and ad.tau_state.steps == 8
+    assert ad.checkpoint_state()[1]["tau_state"] == ad.tau_state.to_dict()

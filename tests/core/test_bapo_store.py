@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from hdreplay import CheckpointError, ReplayConfigError, ReplayResumeWarning
-from hdreplay.strategies.bapo import (
+from hdreplay.baselines.bapo import (
     BapoController, BapoOptions, Entry, Fresh, evict, is_difficult, is_target, promoted, should_ingress,
 )
 from hdreplay_lab.synthetic import TablePolicy, make_group
@@ -111,7 +111,7 @@ def test_bad_options_and_a_malformed_checkpoint_are_refused(tmp_path):
     ctl = BapoController(O)
     _step(ctl, 0, [[1, 0, 0, 0]], kept=[0])
     ctl.save(tmp_path / "s")
-    from hdreplay.strategies.store import load_state, save_state
+    from hdreplay.baselines.store import load_state, save_state
     tensors, meta = load_state(tmp_path / "s", "hdreplay.bapo")
     save_state(tmp_path / "bad", "hdreplay.bapo", tensors, {**meta, "entries": [{"uid": "x"}]})
     other = BapoController(O)

@@ -1,4 +1,4 @@
-"""ExGRPO's store and decisions (hdreplay.strategies.exgrpo) against independently computed expectations: admission
+"""ExGRPO's store and decisions (hdreplay.baselines.exgrpo) against independently computed expectations: admission
 of 0 < k < n groups' new correct responses, retirement of all-correct prompts, the phase switch, bucket-weighted
 prompt sampling, the entropy pick, the policy-shaped token loss and its gradient, and the checkpoint round-trip."""
 
@@ -12,8 +12,8 @@ import torch
 
 from hdreplay import ReplayConfigError
 from hdreplay.record import GroupRecord
-from hdreplay.strategies.exgrpo import ExgrpoController, ExgrpoOptions, mean_entropies, shaped_token_loss
-from hdreplay.strategies.repo import key_of
+from hdreplay.baselines.exgrpo import ExgrpoController, ExgrpoOptions, mean_entropies, shaped_token_loss
+from hdreplay.baselines.repo import key_of
 
 N = 8
 

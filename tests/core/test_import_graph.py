@@ -11,7 +11,7 @@ import hdreplay
 
 CORE = Path(hdreplay.__file__).parent
 #: the packages above the core (they may import anything below them)
-ABOVE = ("integrations", "strategies")
+ABOVE = ("integrations", "strategies", "baselines")
 MAX_LEVELS = 8
 
 

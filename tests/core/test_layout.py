@@ -2,7 +2,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from hdreplay import ReplayInputError, balanced_partition, minibatch_layout, truncate_to_multiple
+from hdreplay import ReplayInputError
+from hdreplay.integrations.layout import balanced_partition, minibatch_layout, truncate_to_multiple
 
 
 @given(lengths=st.lists(st.integers(1, 500), min_size=1, max_size=64), parts=st.integers(1, 8))

@@ -9,11 +9,12 @@ import numpy as np
 import pytest
 
 from hdreplay import CheckpointError, ReplayConfig, ReplayController, ReplayInputError
-from hdreplay.sampling import (
-    bucket_counts, importance_weights, new_rng, normal_bucket_weights, proportional_order, rng_from_state, rng_state,
-    uniform_order,
+from hdreplay.baselines.orders import priorities
+from hdreplay.baselines.sampling import (
+    bucket_counts, importance_weights, normal_bucket_weights, proportional_order, uniform_order,
 )
-from hdreplay.selection import priorities, select_replay
+from hdreplay.sampling import new_rng, rng_from_state, rng_state
+from hdreplay.selection import select_replay
 from hdreplay_lab.synthetic import make_group, policy_walk
 from protocol import run_steps
 

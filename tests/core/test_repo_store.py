@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from hdreplay import CheckpointError, ReplayConfigError
-from hdreplay.strategies.repo import (
+from hdreplay.baselines.repo import (
     RepoOptions, RepoStore, brute_force_max_variance, max_variance_subset, retrieve, split_advantages,
 )
-from hdreplay.strategies.store import load_state, prompt_key, save_state
+from hdreplay.baselines.store import load_state, prompt_key, save_state
 from hdreplay.record import GroupRecord
 from hdreplay_lab.synthetic import TablePolicy, make_group
 

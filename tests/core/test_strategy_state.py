@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from hdreplay import CheckpointError, ReplayConfig, ReplayController, ReplayInputError, ReplayResumeWarning
-from hdreplay.strategies.bapo import BapoController, BapoOptions
-from hdreplay.strategies.exgrpo import ExgrpoController, ExgrpoOptions
-from hdreplay.strategies.repo import RepoController, RepoOptions
+from hdreplay.baselines.bapo import BapoController, BapoOptions
+from hdreplay.baselines.exgrpo import ExgrpoController, ExgrpoOptions
+from hdreplay.baselines.repo import RepoController, RepoOptions
 from hdreplay_lab.synthetic import TablePolicy, make_group
 from strategy_states import BUILD, N, bad_metas, bapo, exgrpo, read_state, repo, resign, snapshot, to_layout1
 

@@ -218,7 +218,7 @@ def test_compare_runs_the_peer_strategies_and_reports_their_costs(tiny_model, tm
     helptext = cli("compare", "--help").stdout
     assert all(name in helptext for name in STRATEGY_METHODS)
     out = tmp_path / "strategies"
-    p = cli("compare", "--methods", "uniform_fifo,adv_priority,dapo_dynamic,bapo", "--seeds", "1", "--model", tiny_model,
+    p = cli("compare", "--methods", "uniform_fifo,adv_priority,dapo_dynamic,bapo,popo", "--seeds", "1", "--model", tiny_model,
             "--out", out, *TINY)
     assert p.returncode == 0, p.stderr[-4000:]
     ms = json.loads((out / "summary.json").read_text())["methods"]
@@ -243,4 +243,11 @@ def test_compare_runs_the_peer_strategies_and_reports_their_costs(tiny_model, tm
     assert bapo[0]["bapo/reeval_prompts"] == bapo[2]["bapo/reeval_prompts"] == 0  # BAPO's steps 1 and 3
     assert ms["bapo"]["fresh_responses"]["mean"] == sum(r["dynamic/generated_rows"] for r in bapo)
     assert ms["bapo"]["replayed_groups"]["mean"] == sum(r["replay/replayed_rows"] for r in bapo) / 4
+    # POPO: no extra generation; it replays (and re-scores, for the proximal log-probs) as many stored groups as it
+    # swaps out zero-variance fresh groups, never more than it has stored (nothing at step 0)
+    popo = logs["popo"]
+    assert ms["popo"]["fresh_responses"]["mean"] == 48
+    assert popo[0]["replay/accepted"] == 0 and all(r["replay/accepted"] <= r["popo/ineffective"] for r in popo)
+    assert ms["popo"]["replayed_groups"]["mean"] == sum(r["replay/replayed_rows"] for r in popo) / 4
+    assert ms["popo"]["rescored_rows"]["mean"] == sum(r["replay/replayed_rows"] for r in popo)
     assert "Groups replayed" in (out / "summary.md").read_text()

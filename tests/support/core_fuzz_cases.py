@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 import hdreplay as H
+from hdreplay.integrations import layout as L
 from hdreplay_lab.synthetic import TablePolicy, make_group
 from protocol import policy_at
 
@@ -76,7 +77,10 @@ def pure_cases() -> list[tuple[str, Callable, bool]]:
         "state": [None, {"tau": 1e-3}], "cfg": [None, {"tau_min": 1}],
         "record": [None, 3, {"accept_rate": NAN}, {"accept_rate": 2.0}, {"replay_kl": -1.0}, {"replay_kl": "x"},
                    {"budget_fill": INF}]})
-    cases += _over(H.TauState, {"tau": 1e-3}, {"tau": [0.0, -1.0, NAN, "x", None], "steps": [-1, 1.5, True],
+    # a fixed tau may be 0 (TauState holds it); the multiplicative schedule is what refuses to move it
+    cases += _over(H.advance_tau, {"state": st, "cfg": at, "accept_rate": 0.5, "budget_fill": 0.5, "replay_kl": None},
+                   {"state": [H.TauState(tau=0.0)]})
+    cases += _over(H.TauState, {"tau": 1e-3}, {"tau": [-1.0, -1e-300, NAN, INF, "x", None], "steps": [-1, 1.5, True],
                                                 "last_action": ["jump", None], "accept_ema": [NAN, -0.5]})
     cases += _over(H.AnswerBased, {"threshold": 0.9}, {"threshold": ["0.9", NAN, None, True, INF]})
     cases += _over(H.make_ingress_rule, {"rule": "mixed"}, {"rule": [3, None, "x", ["mixed"]]})
@@ -139,11 +143,11 @@ def pure_cases() -> list[tuple[str, Callable, bool]]:
     pg = H.pad_groups(gs, pad_token_id=0)
     cases += _over(pg.split_by_group, {"values": torch.zeros(pg.num_rows, 20)}, {
         "values": [np.zeros((pg.num_rows, 20)), torch.zeros(pg.num_rows), torch.zeros(pg.num_rows, 1), None]})
-    cases += _over(H.truncate_to_multiple, {"items": [1, 2, 3], "u": 2}, {"items": ["abc", None, 5],
+    cases += _over(L.truncate_to_multiple, {"items": [1, 2, 3], "u": 2}, {"items": ["abc", None, 5],
                                                                            "u": [0, -1, 2.0, True, "2", None]})
-    cases += _over(H.balanced_partition, {"lengths": [3, 1, 2, 2], "parts": 2}, {
+    cases += _over(L.balanced_partition, {"lengths": [3, 1, 2, 2], "parts": 2}, {
         "lengths": [[1.5, 2], [-1, 2], ["3", 1], [True, 1], None, "ab"], "parts": [0, 10**6, 2.0, True, None]})
-    cases += _over(H.minibatch_layout, {"replay_lengths": [1, 2], "fresh_lengths": [3, 4], "num_minibatches": 2,
+    cases += _over(L.minibatch_layout, {"replay_lengths": [1, 2], "fresh_lengths": [3, 4], "num_minibatches": 2,
                                         "parts": 1},
                    {"replay_lengths": [None, [1.5, 2]], "num_minibatches": [0, 2.0, 3, None], "parts": [0, 2**20]})
     cases += _over(H.ReplayBuffer, {"capacity": 8}, {"capacity": [0, 10**11, 1e11, True, None, "8"],

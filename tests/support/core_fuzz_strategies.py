@@ -12,9 +12,9 @@ import torch
 
 from core_fuzz import Counts
 from hdreplay.errors import ReplayError
-from hdreplay.strategies import bapo as B
-from hdreplay.strategies import exgrpo as E
-from hdreplay.strategies import repo as R
+from hdreplay.baselines import bapo as B
+from hdreplay.baselines import exgrpo as E
+from hdreplay.baselines import repo as R
 from strategy_states import BUILD, _group, bad_metas, snapshot
 
 NAN, INF = float("nan"), float("inf")

@@ -16,9 +16,9 @@ import torch
 
 from hdreplay.checkpoint import MANIFEST_FILE, STATE_FILE, TENSORS_FILE, _manifest_digest
 from hdreplay.record import GroupRecord
-from hdreplay.strategies.bapo import BapoController, BapoOptions, Fresh
-from hdreplay.strategies.exgrpo import ExgrpoController, ExgrpoOptions
-from hdreplay.strategies.repo import RepoController, RepoOptions, key_of
+from hdreplay.baselines.bapo import BapoController, BapoOptions, Fresh
+from hdreplay.baselines.exgrpo import ExgrpoController, ExgrpoOptions
+from hdreplay.baselines.repo import RepoController, RepoOptions, key_of
 from hdreplay_lab.synthetic import TablePolicy, make_group
 
 FORMATS = {"repo": "hdreplay.repo", "exgrpo": "hdreplay.exgrpo", "bapo": "hdreplay.bapo"}

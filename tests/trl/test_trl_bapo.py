@@ -192,7 +192,7 @@ def test_bapo_settings_are_validated(tmp_path):
 
 def test_bapo_state_round_trips_through_a_trainer_checkpoint_and_resumes(model_dir, tmp_path):
     from hdreplay.integrations.common import STATE_DIR
-    from hdreplay.strategies.bapo import BapoController, BapoOptions
+    from hdreplay.baselines.bapo import BapoController, BapoOptions
 
     model, tok = tiny_model(model_dir)
     data = Dataset.from_dict({"prompt": list(dict.fromkeys(prompts()["prompt"]))})

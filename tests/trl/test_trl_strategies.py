@@ -16,7 +16,7 @@ pytestmark = pytest.mark.trl
 
 from hdreplay import ReplayConfigError  # noqa: E402
 from hdreplay.integrations.trl import HDRGRPOTrainer  # noqa: E402
-from hdreplay.selection import priorities  # noqa: E402
+from hdreplay.baselines.orders import priorities  # noqa: E402
 from trl_fixtures import RecordingTrainer, decoded_rows, make_args, prompts, reward_digit, tiny_model  # noqa: E402
 
 
@@ -249,7 +249,7 @@ class ExgrpoRecordingTrainer(PromptRecordingTrainer):
 
 
 def test_exgrpo_injects_the_lowest_entropy_stored_correct_trajectory_with_group_advantages(model_dir, tmp_path):
-    from hdreplay.strategies.repo import key_of
+    from hdreplay.baselines.repo import key_of
 
     model, tok = tiny_model(model_dir)
     n = 4

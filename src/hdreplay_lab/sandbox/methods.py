@@ -18,6 +18,8 @@ freshper           FreshPER: |r| priority x exp(-age/2) PER    b         r      
 adv_priority       rollouts by |A|, evicted after 4 steps      b         r rows     grpo
 dapo_dynamic       DAPO + dynamic sampling (drop all-equal)    b kept    -          dapo
 bapo               BAPO: filtered fresh + promoted + targets   <= b      fill to b  dapo
+popo               POPO: zero-variance groups swapped for the  <= b      swap to b  grpo+dec. IS
+                   newest stored effective groups
 repo_recency       RePO: newest 8 stored responses per prompt  b         8/prompt   grpo+off
 repo_reward        RePO: 8 highest-reward stored responses     b         8/prompt   grpo+off
 repo_variance      RePO: 8 stored responses of max variance    b         8/prompt   grpo+off
@@ -40,7 +42,9 @@ holds b mixed groups; the extra fresh responses are counted).  The peer strategi
 the same machinery (selector, ingress rule, priority knobs, max age); docs/strategies.md has their sources,
 rules as implemented and deviations.  ``bapo`` (BAPO's buffer-driven batch: fresh groups filtered to
 accuracy [1/8, 7/8], re-evaluated difficult prompts promoted into the batch, stored 1/8..2/8 groups replayed to
-fill b) counts its re-evaluation rollouts as fresh responses.
+fill b) counts its re-evaluation rollouts as fresh responses.  ``popo`` (POPO: each fresh group whose rewards
+are all equal is swapped for one of the newest stored effective groups, trained with decoupled importance
+sampling) generates b groups and replays as many stored groups as it swaps out.
 """
 
 from __future__ import annotations
@@ -125,6 +129,9 @@ METHODS: dict[str, Method] = {
         # BAPO (arXiv 2602.20722), released recipe (token-mean loss, clip 0.2 / 0.28) at b = 16: re-evaluation of
         # <= 16 difficult prompts every 2 steps, 128 uids; no delayed behaviour policy (rho_tis = 1)
         Method("bapo", "BAPO (b, buffer-filled)", loss_type="dapo", epsilon_high=0.28, bapo=()),
+        # POPO (arXiv 2606.01281; no public code): zero-variance fresh groups swapped for the newest of a FIFO of 64
+        # effective groups (4b, the others' capacity), decoupled IS truncated at 2; the sandbox's GRPO loss
+        Method("popo", "POPO (b, zero-variance swapped)", trl=(("replay_popo", "{}"),)),
     )
 }
 
@@ -136,7 +143,7 @@ COMPARE_METHODS = ("onpolicy_matched", "onpolicy_larger", "recency_matched", "da
 #: the strategy comparison (docs/results/strategies): the paper's method, its role-aligned baselines, the peers
 STRATEGY_METHODS = ("onpolicy_matched", "onpolicy_larger", "recency_matched", "headroom_drift", "uniform_fifo",
                     "freshper", "adv_priority", "dapo_dynamic", "repo_recency", "repo_reward", "repo_variance",
-                    "exgrpo", "bapo")
+                    "exgrpo", "bapo", "popo")
 DEMO_METHODS = ("onpolicy_matched", "recency_matched", "headroom_drift")
 #: the paper's agentic-search set (Search-R1): no recency-larger, no ablations
 SEARCH_METHODS = ("onpolicy_matched", "onpolicy_larger", "recency_matched", "dapo", "headroom_drift")

@@ -8,10 +8,10 @@ generation, rewards and advantages are TRL's) and builds the batch of B groups a
    goes to the controller for ingress after the update;
 2. every ``reeval_every`` steps (BAPO's 1-based step numbers divisible by it: steps 1, 3, 5, ... here), up to ``max_reeval`` difficult stored prompts (their stored input rows
    x n) are regenerated through the same call under the current policy; their rewards update the stored scores;
-   the promoted groups (:func:`~hdreplay.strategies.bapo.promoted`) join the batch as fresh on-policy rows, a
+   the promoted groups (:func:`~hdreplay.baselines.bapo.promoted`) join the batch as fresh on-policy rows, a
    seeded subset of whole groups when more are promoted than the batch has room for (BAPO takes a row subset);
 3. the controller's replay budget is set to B - kept - promoted groups; the trainer's replay path then appends
-   that many stored target groups (:meth:`~hdreplay.strategies.bapo.BapoController.select`) with their stored
+   that many stored target groups (:meth:`~hdreplay.baselines.bapo.BapoController.select`) with their stored
    generation log-probs, like every other selector's replay rows.
 
 Counters (logged with the step's ``replay/*``): ``dynamic/generated_rows`` (every generated response, re-evaluation
@@ -26,7 +26,7 @@ from typing import Callable
 
 import torch
 
-from ...strategies.bapo import BapoController, Fresh, in_range
+from ...baselines.bapo import BapoController, Fresh, in_range
 from .batch import check_keys, concat_rows, recount_items, take_rows
 
 
@@ -58,6 +58,7 @@ class BapoSampler:
         self.controller, self.n, self.pad_token_id = controller, n, pad_token_id
         self.rewards: torch.Tensor | None = None  # (N,) total rewards of the latest round, set by the trainer
         self.batch_rewards: torch.Tensor | None = None  # (rows,) rewards of the returned batch
+        self.metrics: dict[str, float] = {}  # (its counters reach the log through the controller's commit)
 
     def _round(self, rows: list, generate_once: Callable[[list], dict]) -> tuple[dict, torch.Tensor]:
         self.rewards = None

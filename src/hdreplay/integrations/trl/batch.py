@@ -19,6 +19,10 @@ is_ratio           importance_sampling_ratio (vLLM, IS on)   importance_sampling
 sampling_logprobs  sampling_per_token_logps (vLLM)           sampling_per_token_logps (NaN stored as the
                                                              generation log-prob)
 =================  ========================================  ===========================================
+
+A replayed copy may carry ``token_weight`` (never stored: a selection adds it, POPO's decoupled weight
+pi_prox / pi_behav, :data:`hdreplay.baselines.popo.TOKEN_WEIGHT`): the row's advantage is multiplied by it per
+token, so its ``advantages`` are (R, C) (TRL 1.16 accepts per-token advantages).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
+from ...baselines.popo import TOKEN_WEIGHT
 from ...errors import ReplayInputError
 from ...ingest import Ingest, Rows
 from ...ingest import groups_from_rows as ingest_groups
@@ -180,7 +185,7 @@ def replay_rows(groups: Sequence[GroupRecord], sl: slice, *, pad_token_id: int,
     by :func:`.mm.batch_inputs`.  ``loss_weights`` (one per group, > 0; the selection's PER importance
     weights) multiply the rows' advantages: TRL's clipped policy-gradient term -min(r A, clip(r) A) is
     positively homogeneous in A, so this weights each row's policy term exactly (a KL term, beta != 0, is
-    not weighted).
+    not weighted).  A ``token_weight`` extra (see the module) multiplies them per token instead: (R, C) advantages.
     """
     pg = pad_groups(groups, pad_token_id=pad_token_id)
     rows = trim_rows(pg, sl)  # drop the column padding that only rows outside this slice needed
@@ -191,12 +196,15 @@ def replay_rows(groups: Sequence[GroupRecord], sl: slice, *, pad_token_id: int,
         if w.shape != (len(groups),) or not bool((w > 0).all()):
             raise ReplayInputError(f"loss_weights: one weight > 0 per group ({len(groups)}), got {w.tolist()!r:.80}")
         adv = adv * torch.repeat_interleave(w, torch.tensor([g.num_responses for g in groups])).to(adv.dtype)
+    adv = adv[sl]
+    if TOKEN_WEIGHT in rows.extras:
+        adv = adv.unsqueeze(1) * rows.extras[TOKEN_WEIGHT].to(adv.dtype)
     out = {
         "prompt_ids": rows.prompt_ids,
         "prompt_mask": rows.prompt_mask,
         "completion_ids": rows.completion_ids,
         "completion_mask": rows.completion_mask,
-        "advantages": adv[sl],
+        "advantages": adv,
         "old_per_token_logps": rows.logprobs,
         "tool_mask": rows.loss_mask,
         "hdr_row": torch.full((n,), -1, dtype=torch.int64),

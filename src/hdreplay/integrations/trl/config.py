@@ -45,19 +45,24 @@ _TRL_KNOBS = (
          MICRO_STEP_MODES),
     Knob("repo", "json", None, True,
          "RePO's per-prompt replay instead of a selector (replay_selector='none'): a dict / JSON object of "
-         "hdreplay.strategies.repo.RepoOptions fields, e.g. {\"retrieval\": \"recent\"} (retrieval recent | highest | "
+         "hdreplay.baselines.repo.RepoOptions fields, e.g. {\"retrieval\": \"recent\"} (retrieval recent | highest | "
          "max_variance, num_replays 8, min_cache 16, max_cache 16, off_coef 1.0); one process, micro_step chunk, "
          "a row-mean loss_type", None),
     Knob("exgrpo", "json", None, True,
          "ExGRPO's experience pool instead of a selector (replay_selector='none'): a dict / JSON object of "
-         "hdreplay.strategies.exgrpo.ExgrpoOptions fields, e.g. {} for the released recipe (ratio 0.5, start_solved "
+         "hdreplay.baselines.exgrpo.ExgrpoOptions fields, e.g. {} for the released recipe (ratio 0.5, start_solved "
          "0.35, gamma 0.1, sigma 1.0, correct 1.0, lbound 0, rbound n - 1, seed = the run's seed); one process, text only, "
          "micro_step chunk, loss_type grpo | bnpo | dr_grpo | dapo, beta 0, entropy_coef 0", None),
     Knob("bapo", "json", None, True,
          "BAPO's buffer-driven batch construction instead of a selector (replay_selector='none'): a dict / JSON "
-         "object of hdreplay.strategies.bapo.BapoOptions fields, e.g. {\"max_reeval\": 16} (bad_thr 1/8, "
+         "object of hdreplay.baselines.bapo.BapoOptions fields, e.g. {\"max_reeval\": 16} (bad_thr 1/8, "
          "target_range [1/8, 2/8], train_range [1/8, 7/8], reeval_every 2, max_reeval 16, max_uids 128, max_target "
          "8, stale_steps 3, seed 0); one process, text only, one generation per update", None),
+    Knob("popo", "json", None, True,
+         "POPO's group replay instead of a selector (replay_selector='none'): each fresh group whose rewards are all "
+         "equal is swapped for one of the newest buffered effective groups, trained with decoupled importance "
+         "sampling; a dict / JSON object of hdreplay.baselines.popo.PopoOptions fields, e.g. {} (capacity 64, "
+         "is_cap 2.0); one process, text only, micro_step chunk, one generation per update", None),
     Knob("dynamic_sampling", bool, False, False,
          "DAPO's dynamic sampling: drop groups whose rewards are all equal and generate further prompt batches "
          "until the batch holds only mixed groups (at most dynamic_sampling_max_batches rounds); one process, "
@@ -127,9 +132,7 @@ class HDRGRPOConfig(_ReplayFields, GRPOConfig):
         if isinstance(mb, bool) or not isinstance(mb, int) or mb < 1:
             raise ReplayConfigError(f"HDRGRPOConfig: replay_dynamic_sampling_max_batches must be an int >= 1, got "
                                     f"{mb!r}", field="replay_dynamic_sampling_max_batches")
-        strategies = [name for name, opts in (("replay_repo", self.repo_options()),
-                                              ("replay_exgrpo", self.exgrpo_options()),
-                                              ("replay_bapo", self.bapo_options())) if opts is not None]
+        strategies = [PREFIX + name for name, opts in self._options().items() if opts is not None]
         for name in strategies:
             if self.replay_selector != "none":
                 raise ReplayConfigError(f"HDRGRPOConfig: {name} replaces the selector; set replay_selector='none' "
@@ -150,29 +153,40 @@ class HDRGRPOConfig(_ReplayFields, GRPOConfig):
             settings.plan.warn()
 
     def repo_options(self):
-        """``replay_repo`` as :class:`~hdreplay.strategies.repo.RepoOptions` (None when unset)."""
-        return self._options()["replay_repo"]
+        """``replay_repo`` as :class:`~hdreplay.baselines.repo.RepoOptions` (None when unset)."""
+        return self._options()["repo"]
 
     def exgrpo_options(self):
-        """``replay_exgrpo`` as :class:`~hdreplay.strategies.exgrpo.ExgrpoOptions` (None when unset)."""
-        return self._options()["replay_exgrpo"]
+        """``replay_exgrpo`` as :class:`~hdreplay.baselines.exgrpo.ExgrpoOptions` (None when unset)."""
+        return self._options()["exgrpo"]
 
     def bapo_options(self):
-        """``replay_bapo`` as :class:`~hdreplay.strategies.bapo.BapoOptions` (None when unset)."""
-        return self._options()["replay_bapo"]
+        """``replay_bapo`` as :class:`~hdreplay.baselines.bapo.BapoOptions` (None when unset)."""
+        return self._options()["bapo"]
+
+    def popo_options(self):
+        """``replay_popo`` as :class:`~hdreplay.baselines.popo.PopoOptions` (None when unset)."""
+        return self._options()["popo"]
+
+    def strategy(self) -> tuple[str, Any]:
+        """(name, options) of the run's replay strategy: a peer of :mod:`hdreplay.baselines` set by its JSON knob
+        (``repo``, ``exgrpo``, ``bapo``, ``popo``), ``dynamic`` (DAPO's dynamic sampling), else ``replay`` (the core
+        controller with ``replay_selector``; options None)."""
+        chosen = [(name, opts) for name, opts in self._options().items() if opts is not None]
+        if chosen:
+            return chosen[0]
+        return ("dynamic", None) if self.replay_dynamic_sampling else ("replay", None)
 
     def _options(self) -> dict[str, Any]:
-        """The strategies' JSON knobs parsed once (again only after one of them changed)."""
-        from ...strategies.bapo import BapoOptions
-        from ...strategies.exgrpo import ExgrpoOptions
-        from ...strategies.repo import RepoOptions
+        """The peers' JSON knobs parsed once (again only after one of them changed): name -> options or None."""
+        from ...baselines import BapoOptions, ExgrpoOptions, PopoOptions, RepoOptions
 
-        key = repr((self.replay_repo, self.replay_exgrpo, self.replay_bapo))
+        classes = {"repo": RepoOptions, "exgrpo": ExgrpoOptions, "bapo": BapoOptions, "popo": PopoOptions}
+        key = repr(tuple(getattr(self, PREFIX + name) for name in classes))
         cached = self.__dict__.get("_hdr_options")
         if cached is None or cached[0] != key:
-            cached = (key, {name: _strategy_options(getattr(self, name), name, cls) for name, cls in
-                            (("replay_repo", RepoOptions), ("replay_exgrpo", ExgrpoOptions),
-                             ("replay_bapo", BapoOptions))})
+            cached = (key, {name: _strategy_options(getattr(self, PREFIX + name), PREFIX + name, cls)
+                            for name, cls in classes.items()})
             self.__dict__["_hdr_options"] = cached
         return cached[1]
 

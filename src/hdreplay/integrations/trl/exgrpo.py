@@ -1,4 +1,4 @@
-"""ExGRPO's mixed-policy groups at TRL's generation seam (the rules: :mod:`hdreplay.strategies.exgrpo`).
+"""ExGRPO's mixed-policy groups at TRL's generation seam (the rules: :mod:`hdreplay.baselines.exgrpo`).
 
 :class:`ExperienceMixer` wraps TRL's own ``_generate_and_score_completions`` (called once, unchanged):
 
@@ -24,8 +24,8 @@ from typing import Any, Callable
 
 import torch
 
-from ...strategies.exgrpo import ExgrpoController, mean_entropies, shaped_token_loss
-from ...strategies.repo import key_of
+from ...baselines.exgrpo import ExgrpoController, mean_entropies, shaped_token_loss
+from ...baselines.repo import key_of
 from .batch import ROW_KEYS, _pad_to, take_rows
 
 #: per-row keys the mixer knows how to fill for an injected row
@@ -59,11 +59,13 @@ class ExperienceMixer:
                  entropies: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor], scale_rewards: str) -> None:
         group_advantages(torch.zeros(n), n, scale_rewards)  # refuses an unsupported scale_rewards
         self.ctl, self.n, self.pad, self._entropies, self.scale = controller, n, pad_token_id, entropies, scale_rewards
+        self.rewards: torch.Tensor | None = None  # (N,) rewards TRL computed in the round, set by the trainer
+        self.batch_rewards: torch.Tensor | None = None  # (N,) rewards of the returned rows (injected ones included)
+        self.metrics: dict[str, float] = {}
 
-    def generate(self, inputs: list, generate_once: Callable[[list], dict],
-                 rewards: Callable[[], torch.Tensor]) -> tuple[dict, torch.Tensor]:
-        """TRL's batch for ``inputs`` with the experience groups mixed in, and the (N,) rewards of its rows.
-        ``rewards()`` returns the rewards TRL computed in ``generate_once`` (captured by the trainer)."""
+    def generate(self, inputs: list, generate_once: Callable[[list], dict], *, step: int) -> dict:
+        """TRL's batch for ``inputs`` with the experience groups mixed in; the (N,) rewards of its rows are left in
+        ``batch_rewards`` (``rewards``: what TRL computed in ``generate_once``, captured by the trainer)."""
         n = self.n
         if len(inputs) % n:
             raise RuntimeError(f"exgrpo: {len(inputs)} input rows do not form groups of {n}")
@@ -73,8 +75,11 @@ class ExperienceMixer:
         inputs = list(inputs)
         for j, key in enumerate(keys):
             inputs[(first + j) * n:(first + j + 1) * n] = [self.ctl.rows[key]] * n
+        self.rewards = None
         out = generate_once(inputs)
-        r = rewards().detach().clone()
+        if self.rewards is None:
+            raise RuntimeError("exgrpo: the rewards of this generation were not captured")
+        r = self.batch_rewards = self.rewards.detach().clone()
         pids, pmask = out["prompt_ids"].cpu(), out["prompt_mask"].cpu()
         got = [key_of(pids[g * n][pmask[g * n].bool()]) for g in range(B)]
         for g in range(first):
@@ -83,7 +88,7 @@ class ExperienceMixer:
         out["hdr_off"] = torch.zeros(N, dtype=torch.bool, device=dev)
         out["hdr_off_logps"] = torch.zeros(out["completion_ids"].shape, device=dev)
         if not keys:
-            return out, r
+            return out
         if got[first:] != keys:
             raise RuntimeError("exgrpo: a substituted prompt did not tokenize to its stored key (is the processing "
                                "class deterministic?)")
@@ -124,7 +129,7 @@ class ExperienceMixer:
         mask = out["completion_mask"] * out["tool_mask"] if "tool_mask" in out else out["completion_mask"]
         out["num_items_in_batch"] = mask.sum().to(out["num_items_in_batch"].dtype)
         self.ctl.note_injected(len(picks), rescored)
-        return out, r
+        return out
 
     def _candidate_entropies(self, cands) -> torch.Tensor:
         """(m,) mean token entropy of each stored trajectory of one prompt under the current policy."""
@@ -189,12 +194,12 @@ def token_entropies(trainer, input_ids, attention_mask, logits_to_keep) -> torch
     return ent
 
 
-def shaped_part_loss(trainer, model, part: dict) -> torch.Tensor:
+def shaped_part_loss(trainer, model, part: dict, *, gamma: float) -> torch.Tensor:
     """:func:`shaped_loss` of an injected-rows part, its current log-probs from TRL's forward (with grad)."""
     ids = torch.cat([part["prompt_ids"], part["completion_ids"]], 1)
     mask = torch.cat([part["prompt_mask"], part["completion_mask"]], 1)
     logps, _, _ = trainer._get_per_token_logps_and_entropies(model, ids, mask, part["completion_ids"].shape[1])
     a = trainer.args
-    return shaped_loss(logps, part, gamma=trainer.replay.options.gamma, loss_type=trainer.loss_type,
+    return shaped_loss(logps, part, gamma=gamma, loss_type=trainer.loss_type,
                        max_completion_length=a.max_completion_length, processes=trainer.accelerator.num_processes,
                        grad_accum=trainer.current_gradient_accumulation_steps, spg=a.steps_per_generation)

@@ -42,7 +42,6 @@ from trl.trainer.utils import (
 )
 
 from ...multimodal import schema_of
-from ...strategies.repo import RepoController
 from ...padding import pad_groups
 from ..common import STATE_DIR, restore
 from . import mm, terms
@@ -51,11 +50,11 @@ from .batch import check_keys, gather_objects, gather_rows, generation_groups, i
 from .checks import check_padding_drift
 from .checkpoints import clear_pending, mark_pending, refuse_incomplete, resume_target, rotation_held
 from .config import as_replay_config
-from .exgrpo import shaped_part_loss, split_off
+from .exgrpo import split_off
 from .positions import install_position_ids, padding_drift
 from .reference import refresh_reference
 from .rescore import can_share_prompt, share_pays, shared_prompt_logps
-from .microstep import MicroStep, chunk_scales, merged, replay_chunks, separate_term_scales
+from .microstep import MicroStep, merged, replay_chunks
 from .step import ReplayStep
 from .strategies import build_strategy
 from .sharded import backward_kwargs, deferred_sync, shards_parameters
@@ -91,11 +90,8 @@ class HDRGRPOTrainer(GRPOTrainer):
         a = self.args
         settings = a.replay_settings()  # built and validated once, with the config (not again here)
         self.replay_plan, self.replay_config = settings.plan, settings.config
-        strategy = build_strategy(self)  # controller + generation wrapper (trl/strategies.py)
-        self.replay, self.replay_active = strategy.controller, strategy.active
-        self._mixer = strategy.mixer  # ExGRPO's mixed-policy groups (replay_exgrpo)
-        self._bapo = strategy.bapo  # BAPO's batch construction (replay_bapo)
-        self._dynamic = strategy.dynamic  # DAPO's dynamic sampling (replay_dynamic_sampling)
+        self._seam = build_strategy(self)  # controller + hooks of the run's strategy (trl/strategies.py)
+        self.replay, self.replay_active = self._seam.controller, self._seam.active
         self._replay_step: ReplayStep | None = None  # the open step (one optimizer update)
         self._step_offset: int | None = None  # replay step = global_step + offset (0 unless train() is called again)
         self.replay_padding_drift: float | None = None
@@ -111,21 +107,20 @@ class HDRGRPOTrainer(GRPOTrainer):
     # ------------------------------------------------------------------ 1. generation and selection
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
         rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
-        if (self._replay_step is not None or self._dynamic is not None) and self.model.training:
+        wrap = self._seam.generation
+        if (self._replay_step is not None or wrap is not None) and self.model.training:
             w = self.reward_weights.to(rewards_per_func.device)
             total = (rewards_per_func * w.unsqueeze(0)).nansum(dim=1)  # global (N,)
-            if self._dynamic is not None or self._bapo is not None:
-                (self._dynamic or self._bapo).rewards = total
+            if wrap is not None:  # a strategy that builds the batch reads them (trl/strategies.py)
+                wrap.rewards = total
             else:
                 self._replay_step.current.rewards = total
         return rewards_per_func
 
     def _generate_and_score_completions(self, inputs):
-        if self._dynamic is not None and self.model.training:
-            out = self._dynamic.generate(inputs, super()._generate_and_score_completions)
-            for k, v in self._dynamic.last.items():
-                self._metrics["train"][k].append(v)
-            return out
+        wrap = self._seam.generation
+        if wrap is not None and not self.replay_active and self.model.training:  # on-policy (dynamic sampling)
+            return self._wrapped_generation(inputs, step=self.state.global_step)
         if not (self.replay_active and self.model.training):
             return super()._generate_and_score_completions(inputs)
         if self._replay_step is None:
@@ -135,12 +130,9 @@ class HDRGRPOTrainer(GRPOTrainer):
             self._replay_step = ReplayStep(index=self.state.global_step + self._step_offset)
         step = self._replay_step
         gen = step.open_generation()
-        if self._mixer is not None:  # ExGRPO: experience prompts substituted, one stored row per such group
-            out, gen.rewards = self._mixer.generate(inputs, super()._generate_and_score_completions,
-                                                    lambda: gen.rewards)
-        elif self._bapo is not None:  # BAPO: filtered fresh + promoted groups; gen.rewards are the batch's
-            out = self._bapo.generate(inputs, super()._generate_and_score_completions, step=step.index)
-            gen.rewards = self._bapo.batch_rewards
+        if wrap is not None:  # the strategy builds the batch (ExGRPO, BAPO, POPO); gen.rewards are the batch's
+            out = self._wrapped_generation(inputs, step=step.index)
+            gen.rewards = wrap.batch_rewards
         else:
             out = super()._generate_and_score_completions(inputs)
         check_keys(out)
@@ -167,11 +159,19 @@ class HDRGRPOTrainer(GRPOTrainer):
                 out["num_items_in_batch"] = out["num_items_in_batch"] + step.replay_tokens
         return out
 
+    def _wrapped_generation(self, inputs, *, step: int):
+        """The strategy's generation hook around TRL's own generation; its counters join TRL's log."""
+        wrap = self._seam.generation
+        out = wrap.generate(inputs, super()._generate_and_score_completions, step=step)
+        for k, v in wrap.metrics.items():
+            self._metrics["train"][k].append(v)
+        return out
+
     def _select(self, step: ReplayStep) -> None:
         if self.replay_padding_drift is None and not self._is_vlm:  # a VLM is checked on a real row (mm.check_images)
             self._check_padding_invariance()
-        if isinstance(self.replay, RepoController):  # prompt-conditioned: the batch's prompts first
-            self.replay.observe_batch(step.current.rows["prompt_ids"], step.current.rows["prompt_mask"])
+        if self._seam.observe is not None:  # a prompt-conditioned strategy (RePO) sees the batch's prompts first
+            self._seam.observe(step.current.rows)
         sel = step.selection = self.replay.select(step=step.index, scorer=self._replay_scorer)
         check_rank_agreement(self.accelerator, step.index, selection_digest(step.index, sel, self.replay))
         if not sel.groups:
@@ -272,7 +272,7 @@ class HDRGRPOTrainer(GRPOTrainer):
             fresh = [unsplit_pixel_values_by_grid(f) for f in fresh]
             first = gen is step.generations[0] and step.replay_rows
             replay = [[] for _ in fresh]
-            if self._mixer is not None:  # ExGRPO's injected rows: a chunk of their own with the shaped loss
+            if self._seam.part_loss is not None:  # ExGRPO's injected rows: a chunk of their own, the shaped loss
                 fresh, offs = zip(*(split_off(f) for f in fresh))
                 replay = [[o] if o is not None else [] for o in offs]
             if first:  # (never with ExGRPO: it selects no replay groups)
@@ -296,9 +296,7 @@ class HDRGRPOTrainer(GRPOTrainer):
         else:
             parts = [inputs.fresh, *inputs.replay]
         done = None
-        scales = chunk_scales(self.loss_type, parts)
-        if isinstance(self.replay, RepoController):  # RePO: on-policy term + off_coef x off-policy term
-            scales = separate_term_scales(parts, self.replay.options.off_coef)
+        scales = self._seam.loss_scales(self.loss_type, parts)  # TRL's loss on the merged batch (RePO: on + off)
         keep = [i for i, p in enumerate(parts) if p["prompt_ids"].shape[0]]  # an all-injected fresh part is empty
         parts, scales = [parts[i] for i in keep], [scales[i] for i in keep]
         loss_shares, token_shares = terms.shares(parts)
@@ -318,7 +316,7 @@ class HDRGRPOTrainer(GRPOTrainer):
         return loss if done is None else loss + done
 
     def _shaped_loss(self, model, part: dict) -> torch.Tensor:
-        return shaped_part_loss(self, model, part)  # ExGRPO's policy-shaped term on injected rows
+        return self._seam.part_loss(model, part)  # ExGRPO's policy-shaped term on injected rows
 
     @contextmanager
     def _capturing(self, generation, part):

@@ -10,7 +10,7 @@ How verl 0.9.1 trains an actor batch of N rows (``_update_actor`` -> ``update_ac
    optimizer step each.
 
 :func:`actor_order` permutes the rows so that the rows rank r trains in global mini-batch k are exactly
-``hdreplay.layout.minibatch_layout(...)[k][r]``: mini-batches are consecutive slices of
+``hdreplay.integrations.layout.minibatch_layout(...)[k][r]``: mini-batches are consecutive slices of
 ``[replay ; fresh]`` (replay fills the first ones), each balanced over the ranks by token count.
 
 The v1 recipe pads ``[replay ; fresh]`` with :func:`padding_needed` zero-loss rows placed after the fresh
@@ -25,7 +25,7 @@ from typing import Sequence
 
 import numpy as np
 
-from ...layout import minibatch_layout
+from ..layout import minibatch_layout
 
 
 def padding_needed(num_rows: int, *, minibatch_rows: int) -> int:
