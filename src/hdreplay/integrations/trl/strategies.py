@@ -14,11 +14,15 @@ setting                controller (select -> stage -> commit)      wrapper of TR
 from __future__ import annotations
 
 import os
+import warnings
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
+import torch
+
 from ...controller import ReplayController
+from ...noise_floor import DriftFloorWarning, floor_warning, precision_of
 from ...strategies.bapo import BapoController
 from ...strategies.exgrpo import ExgrpoController
 from ...strategies.repo import RepoController
@@ -38,6 +42,17 @@ class Strategy:
     mixer: ExperienceMixer | None = None
     bapo: BapoSampler | None = None
     dynamic: DynamicSampler | None = None
+
+
+def warn_drift_floor(config, model, args) -> str | None:
+    """Warn (:class:`hdreplay.noise_floor.DriftFloorWarning`) when the measured Drift floor of the training precision
+    (the model's parameter dtype, and ``args.bf16`` / ``args.fp16`` autocast) reaches tau/10; returns the message."""
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    autocast = torch.bfloat16 if args.bf16 else (torch.float16 if args.fp16 else None)
+    msg = floor_warning(config, precision_of(dtype, autocast))
+    if msg:
+        warnings.warn(msg, DriftFloorWarning, stacklevel=4)
+    return msg
 
 
 def build_strategy(trainer) -> Strategy:
@@ -69,6 +84,8 @@ def build_strategy(trainer) -> Strategy:
         out.controller = ReplayController(
             trainer.replay_config,
             diagnostics_dir=diag if (diag and trainer.accelerator.is_main_process and active) else None)
+        if active:
+            warn_drift_floor(trainer.replay_config, trainer.accelerator.unwrap_model(trainer.model), a)
     if a.replay_dynamic_sampling:
         if procs > 1:
             raise ValueError("replay_dynamic_sampling=True runs on one process only (the group filter needs every "
