@@ -1,6 +1,6 @@
 """The bf16 Drift floor on the CPU: Drift of groups re-scored at UNCHANGED weights in another layout than at birth.
 
-    python benchmarks/bf16_floor.py            # sandbox model + a ~0.1B Qwen2-shaped model, 3 precisions (~1 h, 2 cores)
+    python benchmarks/bf16_floor.py            # sandbox model + a ~0.1B Qwen2-shaped model (~30 min on 2 free cores)
     python benchmarks/bf16_floor.py --tiny     # the same code on tiny models (the test suite's run, seconds)
 
 Models (built locally, saved with ``save_pretrained`` and loaded back with ``from_pretrained``):
@@ -8,14 +8,15 @@ Models (built locally, saved with ``save_pretrained`` and loaded back with ``fro
 * ``sandbox``: the sandbox's model (:mod:`hdreplay_lab.sandbox.model`, qwen2 hidden 128, 4 layers, the mix task's
   character vocabulary), warm-started on the mix task when the warm-start cache holds one (``--warm-start`` builds it
   into the cache, ``$HDREPLAY_CACHE``), else random-init (the output says which).  Groups: mix-task training prompts,
-  n = 8 completions of 8 tokens sampled from the model.
+  n = 8 completions sampled from the model, each ending at its EOS (at most 8 tokens) as the sandbox's do.
 * ``qwen0.1b``: a random-init Qwen2-shaped model of 112M parameters (hidden 640, 12 layers, 10 heads / 2 KV heads,
-  MLP 3456, vocabulary 32768, tied embeddings).  Groups: random prompts of 64-128 tokens, n = 8 completions of 128
+  MLP 3456, vocabulary 32768, tied embeddings).  Groups: random prompts of 48-96 tokens, n = 8 completions of 96
   tokens sampled from the model.
 
 Completions are sampled once per model in fp32 and re-scored in every precision (paired across precisions):
-``fp32`` (control), ``bf16_autocast`` (fp32 weights, ``torch.autocast(bfloat16)``: TRL with ``bf16=True``) and
-``bf16_weights`` (weights loaded in bf16: TRL with ``dtype="auto"`` on a bf16 checkpoint, verl's FSDP mixed
+``fp32`` (control; sandbox model only by default), ``bf16_autocast`` (fp32 weights, ``torch.autocast(bfloat16)``:
+TRL with ``bf16=True``), ``bf16_autocast_fp32_head`` (the same with the LM head in fp32: TRL's
+``cast_lm_head_to_fp32=True``; sandbox model only by default) and ``bf16_weights`` (weights loaded in bf16: TRL with ``dtype="auto"`` on a bf16 checkpoint, verl's FSDP mixed
 precision).  Layouts (:mod:`hdreplay_lab.drift_floor`): ``batch`` (rows shuffled among other groups' rows, 8 rows
 per forward), ``padding`` (extra left padding), ``chunking`` (one row per forward), ``shared_prompt`` (hdreplay's
 prompt-shared re-score against a birth through TRL's fused LM head).  Drift l2 (and l1) per group; percentiles
@@ -48,11 +49,17 @@ from hdreplay_lab import drift_floor as df  # noqa: E402
 
 TAU_DEFAULT, TAU_RANGE = 1e-3, (1e-3, 1e-1)
 QWEN = dict(vocab=32768, hidden=640, mlp=3456, layers=12, heads=10, kv_heads=2)
-FULL = {"sandbox": dict(groups=24, n=8, completion=8, batch_rows=8, extra_pad=4),
-        "qwen0.1b": dict(groups=16, n=8, prompt=128, completion=128, batch_rows=8, extra_pad=32, **QWEN)}
-TINY = {"sandbox": dict(groups=3, n=4, completion=4, batch_rows=4, extra_pad=3),
-        "qwen0.1b": dict(groups=3, n=4, prompt=12, completion=6, batch_rows=4, extra_pad=3, vocab=97, hidden=32,
-                         mlp=64, layers=2, heads=4, kv_heads=2)}
+BF16 = ("bf16_autocast", "bf16_weights")
+#: per model: groups, n, lengths (``natural``: completions end at EOS, at most ``completion`` tokens; else exactly
+#: ``completion`` tokens), rows per forward in the batch layout, extra left pad, and the precisions measured by default
+#: (the fp32 control and the fp32 LM head on the sandbox model only: on the 0.1B model each costs as much as autocast)
+FULL = {"sandbox": dict(groups=24, n=8, completion=8, natural=True, batch_rows=8, extra_pad=4, modes=df.MODES),
+        "qwen0.1b": dict(groups=12, n=8, prompt=96, completion=96, natural=False, batch_rows=8, extra_pad=24,
+                         modes=BF16, **QWEN)}
+TINY = {"sandbox": dict(groups=3, n=4, completion=4, natural=True, batch_rows=4, extra_pad=3, modes=df.MODES),
+        "qwen0.1b": dict(groups=3, n=4, prompt=12, completion=6, natural=False, batch_rows=4, extra_pad=3,
+                         modes=("fp32", "bf16_weights"), vocab=97, hidden=32, mlp=64, layers=2, heads=4, kv_heads=2)}
+EOS = 1  # both models' EOS id (sandbox tokenizer; the Qwen2 config below)
 
 
 # ----------------------------------------------------------------------------------------------- models and groups
@@ -94,8 +101,11 @@ def qwen_model(directory: Path, s: dict) -> tuple[Path, str]:
 def load(path: Path, mode: str):
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16 if mode == "bf16_weights" else torch.float32,
-                                                 local_files_only=True)
+    from hdreplay_lab.sandbox.model import quiet_hf_progress
+
+    with quiet_hf_progress():
+        model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=torch.bfloat16 if mode == "bf16_weights" else torch.float32, local_files_only=True)
     return model.eval()
 
 
@@ -116,22 +126,24 @@ def group_prompts(name: str, s: dict, path: Path, *, seed: int) -> tuple[list[to
 
 # ----------------------------------------------------------------------------------------------- measurement
 def measure(name: str, path: Path, s: dict, *, modes: list[str], seed: int, log) -> dict:
-    from trl.trainer.utils import add_fused_lm_head
-
     prompts, pad = group_prompts(name, s, path, seed=seed)
     t0 = time.perf_counter()
+    eos = EOS if s["natural"] else None
     completions = df.sample_completions(load(path, "fp32"), prompts, completion_len=s["completion"], pad_token_id=pad,
-                                        mode="fp32", seed=seed, batch_rows=32)
-    log(f"{name}: {len(prompts)} completions sampled in {time.perf_counter() - t0:.0f} s")
+                                        mode="fp32", seed=seed, batch_rows=32, eos_token_id=eos)
+    cm = df.completion_mask(completions, eos)
+    log(f"{name}: {len(prompts)} completions sampled in {time.perf_counter() - t0:.0f} s, mean length "
+        f"{cm.sum(1).float().mean():.1f} tokens")
     out = {}
     for mode in modes:
         t0 = time.perf_counter()
-        model = load(path, mode)
-        add_fused_lm_head(model)
-        lps = df.layout_logps(model, prompts, completions, n=s["n"], pad_token_id=pad, mode=mode,
+        model = df.prepare(load(path, mode), mode, fused=True)
+        lps = df.layout_logps(model, prompts, completions, n=s["n"], pad_token_id=pad, mode=mode, completion_mask=cm,
                               batch_rows=s["batch_rows"], extra_pad=s["extra_pad"], seed=seed, shared=True)
-        drift = {norm: {k: df.group_drift(lp, b, n=s["n"], norm=norm) for k, (b, lp) in lps.items()} for norm in df.NORMS}
-        out[mode] = {"l2": df.summarize(drift["l2"], tau=TAU_DEFAULT, tau_range=TAU_RANGE),
+        drift = {norm: {k: df.group_drift(lp, b, n=s["n"], norm=norm, completion_mask=cm) for k, (b, lp) in lps.items()}
+                 for norm in df.NORMS}
+        out[mode] = {"mean_completion_tokens": float(cm.sum(1).float().mean()),
+                     "l2": df.summarize(drift["l2"], tau=TAU_DEFAULT, tau_range=TAU_RANGE),
                      "l1": df.summarize(drift["l1"], tau=TAU_DEFAULT, tau_range=TAU_RANGE)["settings"],
                      "per_group": drift, "wall_s": time.perf_counter() - t0}
         worst = out[mode]["l2"]["settings"]["all"]
@@ -150,8 +162,9 @@ def h200_rows() -> dict | None:
 
 
 def write_markdown(path: Path, res: dict) -> None:
+    runs = "; ".join(f"`{c}`" for c in res["commands"])
     lines = ["# bf16 Drift floor (CPU)" + (" --tiny" if res["tiny"] else ""), "",
-             f"Command: `{res['command']}` ({res['wall_s'] / 60:.0f} min wall on {res['machine']}; torch "
+             f"Command{'s' if len(res['commands']) > 1 else ''}: {runs} (on {res['machine']}; torch "
              f"{res['versions']['torch']}, transformers {res['versions']['transformers']}). Drift of a group re-scored "
              "at unchanged weights in another layout than at birth (its n rows alone, one forward); l2 = mean over "
              "the group's completion tokens of the squared log-prob difference. p99 over groups ~ the largest of "
@@ -159,9 +172,13 @@ def write_markdown(path: Path, res: dict) -> None:
              "groups. Default tau 1e-3; calibrated range 1e-3 .. 1e-1 (docs/results/calibrate).", ""]
     for name, m in res["models"].items():
         lines += [f"## {name}: {m['params_m']:.1f}M parameters, {m['source']}", "",
-                  f"{m['groups']} groups x n = {m['n']}, completions {m['completion']} tokens"
+                  f"{m['groups']} groups x n = {m['n']}, completions "
+                  + (f"ending at EOS (at most {m['completion']} tokens, mean "
+                     f"{next(iter(res['results'][name].values()))['mean_completion_tokens']:.1f})" if m.get("natural")
+                     else f"of {m['completion']} tokens")
                   + (f", prompts {m['prompt'] // 2}-{m['prompt']} tokens" if "prompt" in m else ", mix-task prompts")
-                  + f", {m['batch_rows']} rows per forward in `batch`, {m['extra_pad']} extra pad tokens in `padding`.", "",
+                  + f", {m['batch_rows']} rows per forward in `batch`, {m['extra_pad']} extra pad tokens in `padding`; "
+                  f"{m['wall_s'] / 60:.0f} min wall (`{m['command']}`).", "",
                   "| precision | layout | p50 | p90 | p99 | max | p99 / tau (1e-3) | l1 p99 |", "|---|---|---|---|---|---|---|---|"]
         for mode, r in res["results"][name].items():
             l1 = r["l1"]
@@ -183,13 +200,13 @@ def write_markdown(path: Path, res: dict) -> None:
     for name, by_mode in res["results"].items():
         for mode, r in by_mode.items():
             p = r["l2"]["settings"]["all"]["p99"]
-            lines.append(f"* {name} {mode}: p99 {p:.2e} = {p / TAU_DEFAULT:.3f} tau -> "
-                         + ("**reaches tau/10**" if p >= TAU_DEFAULT / 10 else "below tau/10"))
+            lines.append(f"* {name} {mode}: p99 {p:.2e} = {p / TAU_DEFAULT:.3f} x tau 1e-3 ({p / TAU_RANGE[1]:.1e} x the "
+                         "range's top 1e-1) -> " + ("**reaches tau/10**" if p >= TAU_DEFAULT / 10 else "below tau/10"))
     if h:
         for mode, summary in h["floor"].items():
             p = summary["settings"]["all"]["p99"]
-            lines.append(f"* {h['device']} {mode}: p99 {p:.2e} = {p / TAU_DEFAULT:.3f} tau -> "
-                         + ("**reaches tau/10**" if p >= TAU_DEFAULT / 10 else "below tau/10"))
+            lines.append(f"* {h['device']} {mode}: p99 {p:.2e} = {p / TAU_DEFAULT:.3f} x tau 1e-3 ({p / TAU_RANGE[1]:.1e} x "
+                         "the range's top 1e-1) -> " + ("**reaches tau/10**" if p >= TAU_DEFAULT / 10 else "below tau/10"))
     lines += ["", f"![p99 Drift floor per layout]({path.with_suffix('.png').name})", ""]
     path.write_text("\n".join(lines))
 
@@ -230,8 +247,10 @@ def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tiny", action="store_true", help="tiny models (the test suite's run)")
     ap.add_argument("--models", default="sandbox,qwen0.1b")
-    ap.add_argument("--modes", default=",".join(df.MODES))
-    ap.add_argument("--groups", type=int, default=None, help="groups per model (default: 24 sandbox, 16 qwen0.1b)")
+    ap.add_argument("--modes", default=None, help=f"precisions, some of {list(df.MODES)} (default: per model, FULL)")
+    ap.add_argument("--groups", type=int, default=None, help="groups per model (default: 24 sandbox, 12 qwen0.1b)")
+    ap.add_argument("--update", action="store_true",
+                    help="keep the results of models this run does not measure from the existing JSON")
     ap.add_argument("--warm-start", action="store_true", help="build the sandbox warm start if it is not cached")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=str(HERE / "results" / "bf16_floor.json"))
@@ -239,10 +258,10 @@ def main(argv=None) -> dict:
     a = ap.parse_args(argv)
     spec = TINY if a.tiny else FULL
     models = [m.strip() for m in a.models.split(",") if m.strip()]
-    modes = [m.strip() for m in a.modes.split(",") if m.strip()]
+    modes = None if a.modes is None else [m.strip() for m in a.modes.split(",") if m.strip()]
     if not models or any(m not in spec for m in models):
         ap.error(f"--models must name some of {sorted(spec)}, got {a.models!r}")
-    if not modes or any(m not in df.MODES for m in modes):
+    if modes is not None and (not modes or any(m not in df.MODES for m in modes)):
         ap.error(f"--modes must name some of {list(df.MODES)}, got {a.modes!r}")
     if a.groups is not None and a.groups < 1:
         ap.error(f"--groups must be >= 1, got {a.groups}")
@@ -253,23 +272,31 @@ def main(argv=None) -> dict:
     json_path = out_dir / f"{stem}.json" if a.tiny else Path(a.json)
     t_all = time.perf_counter()
     log = lambda msg: print(f"[bf16_floor {time.perf_counter() - t_all:5.0f} s] {msg}", flush=True)  # noqa: E731
+    command = "python benchmarks/bf16_floor.py " + " ".join(sys.argv[1:] if argv is None else argv)
     res = {"tiny": a.tiny, "machine": f"{os.cpu_count()} CPU cores ({platform.processor() or platform.machine()}), "
                                       f"{torch.get_num_threads()} torch threads",
            "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
-           "command": "python benchmarks/bf16_floor.py " + " ".join(sys.argv[1:] if argv is None else argv),
            "tau_default": TAU_DEFAULT, "tau_range": list(TAU_RANGE), "models": {}, "results": {}}
+    if a.update and json_path.is_file():
+        prev = json.loads(json_path.read_text())
+        for name in prev["models"]:
+            if name not in models:
+                res["models"][name], res["results"][name] = prev["models"][name], prev["results"][name]
     with tempfile.TemporaryDirectory() as tmp:
         for name in models:
+            t_model = time.perf_counter()
             s = dict(spec[name], **({"groups": a.groups} if a.groups else {}))
+            s["modes"] = list(modes or s["modes"])
             directory = Path(tmp) / name
             path, source = (sandbox_model(directory, tiny=a.tiny, warm_start=a.warm_start) if name == "sandbox"
                             else qwen_model(directory, s))
             params = sum(p.numel() for p in load(path, "fp32").parameters()) / 1e6
             res["models"][name] = {**s, "params_m": params, "source": source}
             log(f"{name}: {params:.1f}M parameters, {source}")
-            res["results"][name] = measure(name, path, s, modes=modes, seed=a.seed, log=log)
+            res["results"][name] = measure(name, path, s, modes=s["modes"], seed=a.seed, log=log)
+            res["models"][name].update(command=command, wall_s=time.perf_counter() - t_model)
     res["h200"] = None if a.tiny else h200_rows()
-    res["wall_s"] = time.perf_counter() - t_all
+    res["commands"] = list(dict.fromkeys(m["command"] for m in res["models"].values()))
     out_dir.mkdir(parents=True, exist_ok=True)
     json_path.parent.mkdir(parents=True, exist_ok=True)
     json_path.write_text(json.dumps(res, indent=1) + "\n")

@@ -96,18 +96,22 @@ def gate_tau(config: ReplayConfig) -> float | None:
 
 def floor_warning(config: ReplayConfig, precision: str) -> str | None:
     """A warning when the largest measured floor of ``precision`` (for ``config.drift_norm``) reaches
-    :data:`WARN_FRACTION` x the smallest tau the gate uses; None when tau >= 10x the floor, without a gate, or when
-    no floor of that precision is measured."""
+    :data:`WARN_FRACTION` x the smallest tau the gate uses, quoting every measurement of that precision; None when tau
+    >= 10x the floor, without a gate, or when no floor of that precision is measured."""
     tau = gate_tau(config)
     m = worst_floor(precision, config.drift_norm)
     if tau is None or m is None:
         return None
-    p99 = m.p99(config.drift_norm)
+    norm = config.drift_norm
+    p99 = m.p99(norm)
     if p99 < WARN_FRACTION * tau:
         return None
+    rows = sorted((x for x in MEASURED_FLOORS if x.precision == precision and x.p99(norm) is not None),
+                  key=lambda x: x.p99(norm))
+    seen = "; ".join(f"p99 {x.p99(norm):.2g} = {x.p99(norm) / tau:.2f} x tau on {x.where}" for x in rows)
     knob = "adaptive_tau.tau_min" if config.adaptive_tau is not None else "tau"
-    return (f"Drift gate at {knob}={tau:g} ({config.drift_norm}) in {precision}: the measured Drift floor of "
-            f"{precision} (groups re-scored at unchanged weights in another batch layout) has p99 {p99:.2g} = "
-            f"{p99 / tau:.2f} x tau (measured on {m.where}), so the gate's decisions near tau partly follow rounding. "
-            f"Raise {knob} to >= {p99 / WARN_FRACTION:.2g} (10x the floor; the calibrated range is 1e-3 .. 1e-1) or "
-            "train in fp32; `hdreplay calibrate run` measures the floor of your model.")
+    return (f"Drift gate at {knob}={tau:g} ({norm}) in {precision}: the Drift floor (groups re-scored at unchanged "
+            f"weights in another batch layout than at birth) measured in {precision}: {seen}. The gate's decisions "
+            f"near tau partly follow rounding. Raise {knob} to >= {p99 / WARN_FRACTION:.2g} (10x the largest floor; "
+            "the calibrated range is 1e-3 .. 1e-1) or train in fp32; `hdreplay calibrate run` measures the floor of "
+            "your model (docs/results/bf16_floor.md).")

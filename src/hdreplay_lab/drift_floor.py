@@ -32,17 +32,47 @@ import torch
 SETTINGS = ("batch", "padding", "chunking")
 SHARED = "shared_prompt"
 NORMS = ("l2", "l1")
-MODES = ("fp32", "bf16_autocast", "bf16_weights")
+#: fp32; fp32 weights under bf16 autocast; the same with the LM head in fp32 outside autocast (TRL's
+#: ``cast_lm_head_to_fp32=True``: the logits are not rounded to bf16); bf16 weights
+MODES = ("fp32", "bf16_autocast", "bf16_autocast_fp32_head", "bf16_weights")
 PERCENTILES = (50, 90, 99, 100)
 
 
 def precision_context(mode: str, device: torch.device):
-    """``fp32`` / ``bf16_weights`` (no autocast: the weights are bf16) -> nullcontext; ``bf16_autocast`` -> autocast."""
+    """``fp32`` / ``bf16_weights`` (no autocast: the weights are bf16) -> nullcontext; ``bf16_autocast*`` -> autocast."""
     if mode not in MODES:
         raise ValueError(f"precision mode {mode!r}; valid: {list(MODES)}")
-    if mode == "bf16_autocast":
+    if mode.startswith("bf16_autocast"):
         return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
     return contextlib.nullcontext()
+
+
+def prepare(model, mode: str, *, fused: bool = False):
+    """``model`` ready for ``mode``: ``bf16_autocast_fp32_head`` runs its LM head in fp32 outside autocast; ``fused``
+    adds TRL's fused LM head (needed by the ``shared_prompt`` layout), cast to fp32 in that mode as well."""
+    if mode == "bf16_autocast_fp32_head":
+        head = model.get_output_embeddings()
+
+        def forward(x, head=head):
+            with torch.autocast(device_type=x.device.type, enabled=False):
+                return torch.nn.functional.linear(x.float(), head.weight.float(),
+                                                  None if head.bias is None else head.bias.float())
+
+        head.forward = forward
+    if fused:
+        from trl.trainer.utils import add_fused_lm_head
+
+        add_fused_lm_head(model, cast_lm_head_to_fp32=mode == "bf16_autocast_fp32_head")
+    return model
+
+
+def completion_mask(completions: torch.Tensor, eos_token_id: int | None) -> torch.Tensor:
+    """(R, C) 1 up to and including each row's first ``eos_token_id`` (all ones when None or absent)."""
+    if eos_token_id is None:
+        return torch.ones_like(completions)
+    eos = (completions == eos_token_id).long()
+    before = eos.cumsum(1) - eos  # EOS tokens strictly before each position
+    return (before == 0).long()
 
 
 def _left_pad(prompts: list[torch.Tensor], width: int, pad_token_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -56,20 +86,22 @@ def _left_pad(prompts: list[torch.Tensor], width: int, pad_token_id: int, device
 
 @torch.no_grad()
 def completion_logps(model, prompts: list[torch.Tensor], completions: torch.Tensor, *, pad_token_id: int,
-                     extra_pad: int = 0, batch_rows: int, mode: str, fused: bool = False) -> torch.Tensor:
+                     extra_pad: int = 0, batch_rows: int, mode: str, fused: bool = False,
+                     completion_mask: torch.Tensor | None = None) -> torch.Tensor:
     """Per-token log-probs of ``completions: (R, C)`` after ``prompts`` (R 1-D tensors of varied length), rows
     left-padded to the longest prompt of their batch (+ ``extra_pad``), ``batch_rows`` rows per forward, with
-    generation-style position ids (``cumsum(mask) - 1``).  ``fused``: through TRL's fused LM head (the model must carry
-    it, ``trl.trainer.utils.add_fused_lm_head``), as TRL's own log-prob forward runs.  Returns (R, C) float32 on
-    the CPU."""
+    generation-style position ids (``cumsum(mask) - 1``); ``completion_mask: (R, C)`` marks real completion tokens
+    (right padding after them, default all real).  ``fused``: through TRL's fused LM head (the model must carry it,
+    :func:`prepare`), as TRL's own log-prob forward runs.  Returns (R, C) float32 on the CPU (junk on padding)."""
     dev = next(model.parameters()).device
     R, C = completions.shape
+    cmask = torch.ones_like(completions) if completion_mask is None else completion_mask
     out = []
     for s in range(0, R, batch_rows):
         ps, cs = prompts[s:s + batch_rows], completions[s:s + batch_rows].to(dev)
         ids, mask = _left_pad(ps, max(len(p) for p in ps) + extra_pad, pad_token_id, dev)
         ids = torch.cat([ids, cs], 1)
-        mask = torch.cat([mask, torch.ones_like(cs)], 1)
+        mask = torch.cat([mask, cmask[s:s + batch_rows].to(dev).long()], 1)
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
         with precision_context(mode, dev):
             if fused:
@@ -87,21 +119,25 @@ def completion_logps(model, prompts: list[torch.Tensor], completions: torch.Tens
 
 
 def shared_logps(model, prompts: list[torch.Tensor], completions: torch.Tensor, *, n: int, pad_token_id: int,
-                 batch_rows: int, mode: str) -> torch.Tensor:
+                 batch_rows: int, mode: str, completion_mask: torch.Tensor | None = None) -> torch.Tensor:
     """(R, C) log-probs of ``completions`` through hdreplay's prompt-shared re-score
     (:func:`hdreplay.integrations.trl.rescore.shared_prompt_logps`), groups of ``n`` consecutive rows sharing one
-    prompt, at most ``batch_rows`` rows per call.  The model must carry TRL's fused LM head."""
+    prompt, at most ``batch_rows`` rows per call.  The model must carry TRL's fused LM head (:func:`prepare`)."""
     from hdreplay import GroupRecord
     from hdreplay.integrations.trl.rescore import shared_prompt_logps
 
     R, C = completions.shape
+    cmask = torch.ones_like(completions) if completion_mask is None else completion_mask
     groups = [GroupRecord.from_padded(group_id=g, prompt_ids=prompts[g * n], completion_ids=completions[g * n:(g + 1) * n],
-                                      completion_mask=torch.ones((n, C), dtype=torch.long), logprobs=torch.zeros((n, C)),
+                                      completion_mask=cmask[g * n:(g + 1) * n], logprobs=torch.zeros((n, C)),
                                       advantages=torch.zeros(n), rewards=torch.zeros(n), birth_step=0)
               for g in range(R // n)]
     dev = next(model.parameters()).device
-    return shared_prompt_logps(model, groups, pad_token_id=pad_token_id, device=dev, max_rows=batch_rows,
-                               autocast=lambda: precision_context(mode, dev))
+    lp = shared_prompt_logps(model, groups, pad_token_id=pad_token_id, device=dev, max_rows=batch_rows,
+                             autocast=lambda: precision_context(mode, dev))
+    out = torch.zeros((R, C))
+    out[:, :lp.shape[1]] = lp
+    return out
 
 
 def random_groups(*, num_groups: int, n: int, prompt_len: int, completion_len: int, vocab: int, seed: int,
@@ -119,9 +155,10 @@ def random_groups(*, num_groups: int, n: int, prompt_len: int, completion_len: i
 
 @torch.no_grad()
 def sample_completions(model, prompts: list[torch.Tensor], *, completion_len: int, pad_token_id: int, mode: str,
-                       seed: int, batch_rows: int | None = None) -> torch.Tensor:
-    """(R, completion_len) completions sampled from ``model`` after the R ``prompts`` (temperature 1, exactly
-    ``completion_len`` tokens, left-padded ``generate`` calls of ``batch_rows`` rows, all at once when None)."""
+                       seed: int, batch_rows: int | None = None, eos_token_id: int | None = None) -> torch.Tensor:
+    """(R, completion_len) completions sampled from ``model`` after the R ``prompts`` (temperature 1, left-padded
+    ``generate`` calls of ``batch_rows`` rows, all at once when None): exactly ``completion_len`` tokens, or with
+    ``eos_token_id`` up to the first EOS (then ``pad_token_id``; :func:`completion_mask` marks the real tokens)."""
     dev = next(model.parameters()).device
     torch.manual_seed(seed)
     step = batch_rows or len(prompts)
@@ -131,10 +168,12 @@ def sample_completions(model, prompts: list[torch.Tensor], *, completion_len: in
         P = max(len(p) for p in ps)
         ids, mask = _left_pad(ps, P, pad_token_id, dev)
         with precision_context(mode, dev):
+            stop = ({"min_new_tokens": completion_len} if eos_token_id is None else {"eos_token_id": eos_token_id})
             gen = model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0, top_k=0,
-                                 top_p=1.0, max_new_tokens=completion_len, min_new_tokens=completion_len,
-                                 pad_token_id=pad_token_id)
-        out.append(gen[:, P:].cpu())
+                                 top_p=1.0, max_new_tokens=completion_len, pad_token_id=pad_token_id, **stop)
+        gen = gen[:, P:].cpu()
+        pad = torch.full((gen.shape[0], completion_len - gen.shape[1]), pad_token_id, dtype=gen.dtype)
+        out.append(torch.cat([gen, pad], 1))
     return torch.cat(out)
 
 
@@ -150,49 +189,55 @@ def sampled_groups(model, *, num_groups: int, n: int, prompt_len: int, completio
 
 
 def layout_logps(model, prompts: list[torch.Tensor], completions: torch.Tensor, *, n: int, pad_token_id: int,
-                 mode: str, batch_rows: int, extra_pad: int, seed: int = 0,
-                 shared: bool = False) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+                 mode: str, batch_rows: int, extra_pad: int, seed: int = 0, shared: bool = False,
+                 completion_mask: torch.Tensor | None = None) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """layout -> (birth, re-scored) (R, C) log-probs for each of :data:`SETTINGS` (and :data:`SHARED` when
     ``shared``: the model must carry TRL's fused LM head), the birth layout being each group's n rows alone in one
-    batch."""
+    batch; ``completion_mask: (R, C)`` marks real completion tokens (default all)."""
     R = completions.shape[0]
     if R % n:
         raise ValueError(f"{R} rows are not whole groups of n={n}")
+    cm = torch.ones_like(completions) if completion_mask is None else completion_mask
     kw = dict(pad_token_id=pad_token_id, mode=mode)
-    birth = completion_logps(model, prompts, completions, batch_rows=n, **kw)
+    birth = completion_logps(model, prompts, completions, batch_rows=n, completion_mask=cm, **kw)
     perm = torch.randperm(R, generator=torch.Generator().manual_seed(seed))
     inv = torch.empty_like(perm)
     inv[perm] = torch.arange(R)
     out = {
         "batch": (birth, completion_logps(model, [prompts[int(i)] for i in perm], completions[perm],
-                                          batch_rows=batch_rows, **kw)[inv]),
-        "padding": (birth, completion_logps(model, prompts, completions, batch_rows=n, extra_pad=extra_pad, **kw)),
-        "chunking": (birth, completion_logps(model, prompts, completions, batch_rows=1, **kw)),
+                                          batch_rows=batch_rows, completion_mask=cm[perm], **kw)[inv]),
+        "padding": (birth, completion_logps(model, prompts, completions, batch_rows=n, extra_pad=extra_pad,
+                                            completion_mask=cm, **kw)),
+        "chunking": (birth, completion_logps(model, prompts, completions, batch_rows=1, completion_mask=cm, **kw)),
     }
     if shared:
-        out[SHARED] = (completion_logps(model, prompts, completions, batch_rows=n, fused=True, **kw),
-                       shared_logps(model, prompts, completions, n=n, batch_rows=batch_rows, **kw))
+        out[SHARED] = (completion_logps(model, prompts, completions, batch_rows=n, fused=True, completion_mask=cm, **kw),
+                       shared_logps(model, prompts, completions, n=n, batch_rows=batch_rows, completion_mask=cm, **kw))
     return out
 
 
-def group_drift(logps: torch.Tensor, birth: torch.Tensor, *, n: int, norm: str = "l2") -> list[float]:
-    """Per-group Drift of (R, C) ``logps`` against ``birth``: mean over the group's n x C tokens of the squared
-    (``l2``) or absolute (``l1``) difference; groups are ``n`` consecutive rows."""
+def group_drift(logps: torch.Tensor, birth: torch.Tensor, *, n: int, norm: str = "l2",
+                completion_mask: torch.Tensor | None = None) -> list[float]:
+    """Per-group Drift of (R, C) ``logps`` against ``birth``: mean over the group's real completion tokens
+    (``completion_mask``, default all n x C) of the squared (``l2``) or absolute (``l1``) difference; groups are ``n``
+    consecutive rows."""
     if norm not in NORMS:
         raise ValueError(f"norm {norm!r}; valid: {list(NORMS)}")
+    m = torch.ones_like(logps, dtype=torch.float64) if completion_mask is None else completion_mask.double()
     d = logps.double() - birth.double()
-    d = d.pow(2) if norm == "l2" else d.abs()
-    return d.reshape(logps.shape[0] // n, -1).mean(1).tolist()
+    d = (d.pow(2) if norm == "l2" else d.abs()) * m
+    G = logps.shape[0] // n
+    return (d.reshape(G, -1).sum(1) / m.reshape(G, -1).sum(1)).tolist()
 
 
 def floor(model, prompts: list[torch.Tensor], completions: torch.Tensor, *, n: int, pad_token_id: int, mode: str,
-          batch_rows: int, extra_pad: int, seed: int = 0, shared: bool = False,
-          norm: str = "l2") -> dict[str, list[float]]:
+          batch_rows: int, extra_pad: int, seed: int = 0, shared: bool = False, norm: str = "l2",
+          completion_mask: torch.Tensor | None = None) -> dict[str, list[float]]:
     """Per-group Drift (``norm``, default l2: mean over the group's completion tokens of (log p_layout -
     log p_birth)^2) for each of :data:`SETTINGS` (and :data:`SHARED` when ``shared``), see :func:`layout_logps`."""
     lps = layout_logps(model, prompts, completions, n=n, pad_token_id=pad_token_id, mode=mode, batch_rows=batch_rows,
-                       extra_pad=extra_pad, seed=seed, shared=shared)
-    return {k: group_drift(lp, birth, n=n, norm=norm) for k, (birth, lp) in lps.items()}
+                       extra_pad=extra_pad, seed=seed, shared=shared, completion_mask=completion_mask)
+    return {k: group_drift(lp, birth, n=n, norm=norm, completion_mask=completion_mask) for k, (birth, lp) in lps.items()}
 
 
 def percentiles(values: list[float]) -> dict[str, float]:
@@ -235,32 +280,32 @@ def measure(model_dir: str | Path, *, modes: tuple[str, ...] = ("bf16_autocast",
             n: int = 4, prompt_len: int = 16, completion_len: int = 16, batch_rows: int = 16, extra_pad: int = 8,
             seed: int = 0, prompts: list[torch.Tensor] | None = None, shared: bool = True) -> dict:
     """A quick floor of the model saved in ``model_dir`` (on the CPU): ``num_groups`` groups of ``n`` completions
-    sampled from the model itself after ``prompts`` (one per group; random token ids when None), each precision of
-    ``modes`` -> {norm -> {layout -> per-group Drift}}.  ``hdreplay calibrate run`` reports it."""
+    sampled once from the model in fp32 after ``prompts`` (one per group; random token ids when None), each ending at
+    the tokenizer's EOS or after ``completion_len`` tokens, re-scored in each precision of ``modes`` ->
+    {norm -> {layout -> per-group Drift}}.  ``hdreplay calibrate run`` reports it."""
     from .sandbox.model import load_model
 
+    model, tok = load_model(model_dir)
+    vocab = int(model.config.get_text_config().vocab_size)
+    if prompts is None:
+        specials = [i for i in tok.all_special_ids if i < vocab // 2]
+        ps, _ = random_groups(num_groups=num_groups, n=n, prompt_len=prompt_len, completion_len=1, vocab=vocab,
+                              seed=seed, low_id=max(specials, default=1) + 1)
+    else:
+        if len(prompts) != num_groups:
+            raise ValueError(f"{len(prompts)} prompts for num_groups={num_groups}")
+        ps = [torch.as_tensor(p).long() for p in prompts for _ in range(n)]
+    comps = sample_completions(model.eval(), ps, completion_len=completion_len, pad_token_id=tok.pad_token_id,
+                               mode="fp32", seed=seed, eos_token_id=tok.eos_token_id)
+    cm = completion_mask(comps, tok.eos_token_id)
     out = {}
     for mode in modes:
-        model, tok = load_model(model_dir, dtype=torch.bfloat16 if mode == "bf16_weights" else torch.float32)
-        model.eval()
-        vocab = int(model.config.get_text_config().vocab_size)
-        if prompts is None:
-            specials = [i for i in tok.all_special_ids if i < vocab // 2]
-            ps, _ = random_groups(num_groups=num_groups, n=n, prompt_len=prompt_len, completion_len=1, vocab=vocab,
-                                  seed=seed, low_id=max(specials, default=1) + 1)
-        else:
-            if len(prompts) != num_groups:
-                raise ValueError(f"{len(prompts)} prompts for num_groups={num_groups}")
-            ps = [torch.as_tensor(p).long() for p in prompts for _ in range(n)]
-        comps = sample_completions(model, ps, completion_len=completion_len, pad_token_id=tok.pad_token_id, mode=mode,
-                                   seed=seed)
-        if shared:
-            from trl.trainer.utils import add_fused_lm_head
-
-            add_fused_lm_head(model)
+        model, _ = load_model(model_dir, dtype=torch.bfloat16 if mode == "bf16_weights" else torch.float32)
+        prepare(model.eval(), mode, fused=shared)
         lps = layout_logps(model, ps, comps, n=n, pad_token_id=tok.pad_token_id, mode=mode, batch_rows=batch_rows,
-                           extra_pad=extra_pad, seed=seed, shared=shared)
-        out[mode] = {norm: {k: group_drift(lp, b, n=n, norm=norm) for k, (b, lp) in lps.items()} for norm in NORMS}
+                           extra_pad=extra_pad, seed=seed, shared=shared, completion_mask=cm)
+        out[mode] = {norm: {k: group_drift(lp, b, n=n, norm=norm, completion_mask=cm) for k, (b, lp) in lps.items()}
+                     for norm in NORMS}
         del model
     return out
 
