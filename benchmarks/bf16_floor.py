@@ -217,27 +217,27 @@ def plot(path: Path, res: dict) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(9, 4.5))
+    fig, ax = plt.subplots(figsize=(10, 4.8))
     labels, x = [], 0
     marks = {"batch": "o", "padding": "s", "chunking": "^", "shared_prompt": "D"}
     series = [(f"{name}\n{mode}", r["l2"]["settings"]) for name, by in res["results"].items() for mode, r in by.items()]
     if res.get("h200"):
         series += [(f"H200 494M\n{mode}", s["settings"]) for mode, s in res["h200"]["floor"].items()]
     for label, rows in series:
-        for layout, mk in marks.items():
+        for j, (layout, mk) in enumerate(marks.items()):
             if layout in rows and rows[layout]["p99"] > 0:  # 0 (bit-identical) has no place on a log axis
-                ax.scatter(x, rows[layout]["p99"], marker=mk, color=f"C{list(marks).index(layout)}",
-                           label=layout if x == 0 or layout not in ax.get_legend_handles_labels()[1] else None)
+                ax.scatter(x + 0.12 * (j - 1.5), rows[layout]["p99"], marker=mk, color=f"C{j}",
+                           label=layout if layout not in ax.get_legend_handles_labels()[1] else None)
         labels.append(label)
         x += 1
     for y, txt, style in ((TAU_DEFAULT, "tau = 1e-3", "-"), (TAU_DEFAULT / 10, "tau / 10", "--")):
         ax.axhline(y, color="k", ls=style, lw=0.8)
         ax.text(x - 0.5, y * 1.15, txt, ha="right", fontsize=8)
     ax.set_yscale("log")
-    ax.set_xticks(range(len(labels)), labels, fontsize=7)
+    ax.set_xticks(range(len(labels)), [lb.replace("_fp32_head", "\n+fp32 head") for lb in labels], fontsize=7)
     ax.set_ylabel("p99 Drift (l2) at unchanged weights")
     ax.set_title("Drift floor per layout (zero = bit-identical, not drawn)")
-    ax.legend(fontsize=8, loc="lower left")
+    ax.legend(fontsize=8, loc="lower right")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -272,7 +272,7 @@ def main(argv=None) -> dict:
     json_path = out_dir / f"{stem}.json" if a.tiny else Path(a.json)
     t_all = time.perf_counter()
     log = lambda msg: print(f"[bf16_floor {time.perf_counter() - t_all:5.0f} s] {msg}", flush=True)  # noqa: E731
-    command = "python benchmarks/bf16_floor.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    command = " ".join(["python benchmarks/bf16_floor.py", *(sys.argv[1:] if argv is None else argv)])
     res = {"tiny": a.tiny, "machine": f"{os.cpu_count()} CPU cores ({platform.processor() or platform.machine()}), "
                                       f"{torch.get_num_threads()} torch threads",
            "versions": {"torch": torch.__version__, "transformers": transformers.__version__},

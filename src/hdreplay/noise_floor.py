@@ -11,7 +11,7 @@ calibrates (:mod:`hdreplay_lab.drift_floor`).
     >>> from hdreplay import ReplayConfig
     >>> floor_warning(ReplayConfig(tau=1e-3), "bf16_weights") is not None
     True
-    >>> floor_warning(ReplayConfig(tau=1e-1), "bf16_weights") is None  # tau >= 10x every measured floor
+    >>> floor_warning(ReplayConfig(tau=1e-2), "bf16_weights") is None  # tau >= 10x every measured floor
     True
     >>> floor_warning(ReplayConfig(tau=1e-3), "fp32") is None
     True
@@ -26,10 +26,11 @@ import torch
 from .config import ReplayConfig
 from .selection import SELECTORS
 
-#: the compute precisions a trainer can report: fp32; fp32 weights under bf16 autocast (TRL ``bf16=True``); bf16
-#: weights (a model loaded in bf16, or FSDP mixed precision with ``param_dtype=bf16``: the forward runs on bf16
-#: parameters); fp16 (weights or autocast; not measured: 3 more mantissa bits than bf16, so no warning is issued)
-PRECISIONS = ("fp32", "bf16_autocast", "bf16_weights", "fp16")
+#: the compute precisions a trainer can report: fp32; fp32 weights under bf16 autocast (TRL ``bf16=True``), with the
+#: LM head in fp32 outside autocast or not (TRL ``cast_lm_head_to_fp32``); bf16 weights (a model loaded in bf16, or FSDP
+#: mixed precision with ``param_dtype=bf16``: the forward runs on bf16 parameters); fp16 (weights or autocast; not
+#: measured: 3 more mantissa bits than bf16, so no warning is issued)
+PRECISIONS = ("fp32", "bf16_autocast", "bf16_autocast_fp32_head", "bf16_weights", "fp16")
 
 #: a floor is worth a warning when its 99th percentile reaches this fraction of tau
 WARN_FRACTION = 0.1
@@ -54,20 +55,27 @@ class FloorMeasurement:
         return self.l2_p99 if norm == "l2" else self.l1_p99
 
 
-#: every floor measured so far (docs/results/bf16_floor.md); the warning quotes the largest for the precision in use
+#: every floor measured so far (docs/results/bf16_floor.md: p99 over groups and layouts); the warning quotes them all
+#: and decides on the largest for the precision in use
+_H200 = "an NVIDIA H200, 494M random-init Qwen2-shaped model, completions of 512 tokens (docs/results/gpu_check.md)"
+_SANDBOX = ("the CPU, the 0.6M sandbox model warm-started on the mix task, completions ending at EOS "
+            "(docs/results/bf16_floor.md)")
+_QWEN = "the CPU, a 112M random-init Qwen2-shaped model, completions of 96 tokens (docs/results/bf16_floor.md)"
 MEASURED_FLOORS: tuple[FloorMeasurement, ...] = (
-    FloorMeasurement("bf16_weights", 1.70e-4, None,
-                     "NVIDIA H200, 494M random-init Qwen2-shaped, prompt <= 256, completion 512; "
-                     "docs/results/gpu_check.md"),
-    FloorMeasurement("bf16_autocast", 7.27e-5, None,
-                     "NVIDIA H200, 494M random-init Qwen2-shaped, prompt <= 256, completion 512; "
-                     "docs/results/gpu_check.md"),
+    FloorMeasurement("bf16_weights", 1.70e-4, None, _H200),
+    FloorMeasurement("bf16_weights", 7.61e-4, 1.31e-2, _SANDBOX),
+    FloorMeasurement("bf16_weights", 3.64e-5, 4.61e-3, _QWEN),
+    FloorMeasurement("bf16_autocast", 7.24e-5, None, _H200),
+    FloorMeasurement("bf16_autocast", 5.30e-4, 8.93e-3, _SANDBOX),
+    FloorMeasurement("bf16_autocast", 1.35e-5, 2.74e-3, _QWEN),
+    FloorMeasurement("bf16_autocast_fp32_head", 2.34e-4, 6.48e-3, _SANDBOX),
 )
 
 
-def precision_of(param_dtype: torch.dtype, autocast_dtype: torch.dtype | None = None) -> str:
+def precision_of(param_dtype: torch.dtype, autocast_dtype: torch.dtype | None = None, *,
+                 fp32_head: bool = False) -> str:
     """The :data:`PRECISIONS` key of a forward on ``param_dtype`` parameters under autocast to ``autocast_dtype``
-    (None: no autocast).
+    (None: no autocast), ``fp32_head``: the LM head runs in fp32 outside autocast.
 
     >>> precision_of(torch.float32, torch.bfloat16), precision_of(torch.bfloat16, torch.bfloat16)
     ('bf16_autocast', 'bf16_weights')
@@ -76,7 +84,9 @@ def precision_of(param_dtype: torch.dtype, autocast_dtype: torch.dtype | None = 
         return "bf16_weights"
     if param_dtype == torch.float16 or autocast_dtype == torch.float16:
         return "fp16"
-    return "bf16_autocast" if autocast_dtype == torch.bfloat16 else "fp32"
+    if autocast_dtype == torch.bfloat16:
+        return "bf16_autocast_fp32_head" if fp32_head else "bf16_autocast"
+    return "fp32"
 
 
 def worst_floor(precision: str, norm: str = "l2") -> FloorMeasurement | None:

@@ -32,14 +32,15 @@ def _quiet(model_dir, tmp_path, **kw):
 
 
 @pytest.mark.parametrize("precision,kw", [("bf16_weights", dict(dtype=torch.bfloat16)),
-                                          ("bf16_autocast", dict(bf16=True))])
+                                          ("bf16_autocast", dict(bf16=True)),
+                                          ("bf16_autocast_fp32_head", dict(bf16=True, cast_lm_head_to_fp32=True))])
 def test_warns_with_the_numbers_below_ten_times_the_floor_and_not_above(model_dir, tmp_path, precision, kw):
     floor = worst_floor(precision).l2_p99
     tau = 5 * floor  # the floor is 0.2 tau
     with pytest.warns(DriftFloorWarning) as rec:
         _build(model_dir, tmp_path, replay_tau=tau, **kw)
     msg = str(rec[0].message)
-    assert f"tau={tau:g}" in msg and f"in {precision}" in msg and f"p99 {floor:.2g}" in msg and "0.20 x tau" in msg
+    assert f"tau={tau:g}" in msg and f"in {precision}:" in msg and f"p99 {floor:.2g} = 0.20 x tau" in msg
     _quiet(model_dir, tmp_path, replay_tau=11 * floor, **kw)  # tau above 10x the floor
     # adaptive tau: the warning quotes the lowest tau the gate can take
     with pytest.warns(DriftFloorWarning, match="adaptive_tau.tau_min"):

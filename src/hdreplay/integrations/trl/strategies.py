@@ -46,10 +46,12 @@ class Strategy:
 
 def warn_drift_floor(config, model, args) -> str | None:
     """Warn (:class:`hdreplay.noise_floor.DriftFloorWarning`) when the measured Drift floor of the training precision
-    (the model's parameter dtype, and ``args.bf16`` / ``args.fp16`` autocast) reaches tau/10; returns the message."""
+    (the model's parameter dtype, ``args.bf16`` / ``args.fp16`` autocast, ``args.cast_lm_head_to_fp32``) reaches tau/10;
+    returns the message."""
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
     autocast = torch.bfloat16 if args.bf16 else (torch.float16 if args.fp16 else None)
-    msg = floor_warning(config, precision_of(dtype, autocast))
+    precision = precision_of(dtype, autocast, fp32_head=bool(getattr(args, "cast_lm_head_to_fp32", False)))
+    msg = floor_warning(config, precision)
     if msg:
         warnings.warn(msg, DriftFloorWarning, stacklevel=4)
     return msg
