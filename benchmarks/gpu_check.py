@@ -11,7 +11,7 @@ tokenizer over the whole vocabulary; rewards are the parity of a completion's to
   embeddings: 494M parameters), bf16 weights (what TRL loads with ``dtype="auto"``); prompts up to 256 tokens (3/4 to
   all of it), completions exactly 512 tokens, n = 8, 4 fresh groups per update (per-device batch 8, GA 4),
   K_rep = 2, transformers generation (no vLLM).
-* **Drift floor** (:mod:`drift_floor`): Drift of groups re-scored at unchanged weights under another batch
+* **Drift floor** (:mod:`hdreplay_lab.drift_floor`): Drift of groups re-scored at unchanged weights under another batch
   composition, padding and chunking than at birth, for bf16 weights and fp32 weights + bf16 autocast;
   percentiles against the default tau (1e-3) and the calibrated range (1e-3 .. 1e-1).
 * **One step split** (replay_micro_step chunk, after the first update filled the buffer): generation /
@@ -53,7 +53,7 @@ sys.path.insert(0, str(HERE))
 
 import torch  # noqa: E402
 
-import drift_floor  # noqa: E402
+from hdreplay_lab import drift_floor  # noqa: E402
 
 FULL = dict(hidden=896, layers=24, heads=14, kv_heads=2, mlp=4864, vocab=151936, prompt=256, completion=512, n=8,
             batch=8, ga=4, k_rep=2, floor_groups=16, steps=3)

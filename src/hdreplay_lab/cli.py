@@ -265,6 +265,10 @@ class CalibrateArgs:
 
         _print_summary(run_calibration(train, taus=self.taus, adaptive=self.adaptive, out_dir=self.out,
                                        show_progress=self.progress))
+        from .drift_floor import calibration_floor  # the gate's bf16 noise floor on this model
+
+        for line in calibration_floor(model_dir, task=task, taus=self.taus, out_dir=self.out):
+            print(f"drift floor: {line}")
         return 0
 
 

@@ -161,6 +161,16 @@ def test_report_and_calibrate_on_real_sandbox_runs(tiny_model, tmp_path):
     check_recommendation(summary)
     printed = [line for line in cal.stdout.splitlines() if line.startswith("recommendation: ")]
     assert len(printed) == 1 and printed[0].split()[1] == summary["recommendation"]["status"]
+    # the gate's noise floor on the calibrated model, per bf16 precision, against the smallest tau
+    floor = json.loads((tmp_path / "cal" / "drift_floor.json").read_text())
+    assert set(floor["drift"]) == {"bf16_autocast", "bf16_weights"} and floor["taus"] == [1e-3, 1e-1]
+    lines = [line for line in cal.stdout.splitlines() if line.startswith("drift floor: ")]
+    assert [line.split()[2] for line in lines] == ["bf16_autocast:", "bf16_weights:"] and lines == [
+        f"drift floor: {x}" for x in floor["report"]]
+    assert all("x tau 0.001" in line for line in lines)
+    for by_norm in floor["drift"].values():
+        assert set(by_norm["l2"]) == {"batch", "padding", "chunking", "shared_prompt"}
+        assert max(max(v) for v in by_norm["l2"].values()) > 0  # bf16 re-layouts are not bit-identical
     # the summary of finished runs, labelled; the same decision rule
     again = cli("calibrate", "summarize", *runs, "--label", "adapt", "--label", "tau=0.001", "--label", "tau=0.1",
                 "--out", tmp_path / "cal2", "--no-progress")

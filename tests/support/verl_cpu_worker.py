@@ -16,7 +16,9 @@ verl's own pieces wherever they are device-agnostic:
 * ``save_model_to_cpu`` / ``restore_model_from_cpu`` / ``clear_cpu_model``: what ``separate_async``
   calls on verl's ``DetachActorWorker`` for its pi_old log-probs.
 * It records, per update and mini-batch, what each rank trained (uid, replay flag, tokens, stored
-  log-prob / advantage / reference sums) so tests can check the layout through this real path.
+  log-prob / advantage / reference sums) so tests can check the layout through this real path, and per
+  micro-batch the loss ``ppo_loss`` returned with the padded tensors it computed it from (``micro``), so tests
+  can recompute the loss by hand.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from verl.utils.config import omega_conf_to_dataclass
 from verl.utils.model import extract_multi_modal_inputs
 from verl.workers.engine.utils import prepare_micro_batches
 from verl.workers.utils.losses import ppo_loss
+from verl.workers.utils.padding import no_padding_2_padding
 
 from hdreplay_lab.sandbox.model import load_model
 from hdreplay_lab.sandbox.vlm import is_vlm_dir, load_vlm
@@ -182,6 +185,17 @@ class CPUActorWorker(Worker):
             rec["ref_lp_sum"] = [float((r * m).sum()) for r, m in zip(rows(mb["ref_log_prob"]), masks)]
         return rec
 
+    def _record_loss(self, micro: TensorDict, lp, loss, num_tokens) -> dict:
+        """One micro-batch's loss and the (rows, response width) padded tensors ppo_loss computed it from: the
+        current log-probs ``lp`` as ``no_padding_2_padding`` gives them to the loss, and the stored fields."""
+        keys = [k for k in ("response_mask", "old_log_probs", "advantages", "rollout_is_weights") if k in micro.keys()]
+        padded = micro.select(*keys).to_padded_tensor()
+        rec = {k: padded[k].detach().float().clone() for k in keys}
+        rec.update(lp=no_padding_2_padding(lp.detach(), micro).float().clone(), loss=float(loss.detach()),
+                   batch_num_tokens=float(num_tokens), dp_size=self.world_size, **{
+                       k: v for k, v in self._record(micro).items() if k in ("uid", "responses", "replay")})
+        return rec
+
     @register(dispatch_mode=make_nd_compute_dataproto_dispatch_fn(mesh_name="actor"))
     def update_actor(self, data: TensorDict) -> TensorDict:
         mini_batch_size = tu.pop(data, key="mini_batch_size", default=None)
@@ -212,6 +226,7 @@ class CPUActorWorker(Worker):
                 loss, _metrics = ppo_loss(cfg, {"log_probs": lp}, micro)
                 loss.backward()
                 total += loss.detach().item()
+                records[-1].setdefault("micro", []).append(self._record_loss(micro, lp, loss, num_tokens))
             if self.world_size > 1:
                 for p in self.model.parameters():
                     if p.grad is not None:

@@ -9,6 +9,7 @@ checkpoint engine that pushes weights to it.
 
 from __future__ import annotations
 
+import math
 import uuid
 
 import numpy as np
@@ -51,13 +52,20 @@ def never_flat(p: int) -> bool:
     return False
 
 
+def rollout_logps(shape, generator) -> torch.Tensor:
+    """Stand-in inference-engine log-probs near the tiny random model's own (about -log VOCAB), off by N(0, 0.4^2)
+    per token: rollout importance weights pi_old / pi_rollout around 1, some beyond a truncation at 2."""
+    return -math.log(VOCAB) + 0.4 * torch.randn(shape, generator=generator)
+
+
 def stub_rows(prompt_ids: list[int], n: int, *, seed: int, tool_tokens: bool = True,
-              flat=flat_every_4th) -> dict[str, torch.Tensor]:
+              flat=flat_every_4th, rollout_lp: bool = False) -> dict[str, torch.Tensor]:
     """verl rollout output for prompts (each repeated n times, interleaved) with deterministic tokens.
 
     Prompt p has length 3 + p % 5; response lengths vary in [2, R_WIDTH]; odd responses of length >= 6
     carry 2 tool tokens (response_mask 0, attention 1) at positions 2-3; prompts with ``flat(p)`` (default
-    p % 4 == 0) get all-equal rewards (not mixed), others reward 1 on even responses.
+    p % 4 == 0) get all-equal rewards (not mixed), others reward 1 on even responses; ``rollout_lp`` adds the
+    inference engine's ``rollout_log_probs`` (:func:`rollout_logps`).
     """
     g = torch.Generator().manual_seed(seed)
     B = len(prompt_ids) * n
@@ -83,11 +91,14 @@ def stub_rows(prompt_ids: list[int], n: int, *, seed: int, tool_tokens: bool = T
             reward = 1.0 if flat(p) else float(j % 2 == 0)
             scores[i, rlen - 1] = reward
     attn = torch.cat([pmask, rmask], dim=1)
-    return {
+    out = {
         "prompts": prompts, "responses": responses, "response_mask": resp_mask,
         "input_ids": torch.cat([prompts, responses], dim=1), "attention_mask": attn,
         "position_ids": compute_position_id_with_mask(attn), "rm_scores": scores,
     }
+    if rollout_lp:  # what the agent loop returns with rollout.calculate_log_probs=true
+        out["rollout_log_probs"] = rollout_logps((B, R_WIDTH), g) * rmask
+    return out
 
 
 def fresh_batch(prompt_ids=(1, 2, 3, 4), n=4, *, seed=0, ref=False, shuffle=True, config=None) -> DataProto:
@@ -133,15 +144,15 @@ class StubPromptDataset(torch.utils.data.Dataset):
 class StubRollout:
     """Stands in for the agent-loop manager: returns the keys AgentLoop._postprocess produces."""
 
-    def __init__(self, n: int, seed: int = 0, flat=flat_every_4th):
-        self.n, self.seed, self.calls, self.flat = n, seed, 0, flat
+    def __init__(self, n: int, seed: int = 0, flat=flat_every_4th, rollout_lp: bool = False):
+        self.n, self.seed, self.calls, self.flat, self.rollout_lp = n, seed, 0, flat, rollout_lp
         self.prompts: list[list[int]] = []  # prompt indices of each call (one call per step)
 
     def generate_sequences(self, gen_batch: DataProto) -> DataProto:
         self.calls += 1
         idx = [int(x) for x in gen_batch.non_tensor_batch["index"][:: self.n]]
         self.prompts.append(idx)
-        t = stub_rows(idx, self.n, seed=self.seed * 1000 + self.calls, flat=self.flat)
+        t = stub_rows(idx, self.n, seed=self.seed * 1000 + self.calls, flat=self.flat, rollout_lp=self.rollout_lp)
         B = len(gen_batch)
         return DataProto.from_dict(
             tensors=t,
@@ -161,8 +172,10 @@ class StubCheckpointEngine:
         pass
 
 
-def make_trainer(cls, cfg, wg, *, n: int = 4, seed: int = 0, dataset_size: int = 16, flat=flat_every_4th):
-    """Build ``cls`` (a RayPPOTrainer subclass) through its real __init__, attach a CPU worker group."""
+def make_trainer(cls, cfg, wg, *, n: int = 4, seed: int = 0, dataset_size: int = 16, flat=flat_every_4th,
+                 rollout_lp: bool = False):
+    """Build ``cls`` (a RayPPOTrainer subclass) through its real __init__, attach a CPU worker group (and a stub
+    rollout that returns ``rollout_log_probs`` when ``rollout_lp``)."""
     from verl.single_controller.ray.base import ResourcePoolManager
     from verl.trainer.ppo.utils import Role
     from verl.utils.dataset.rl_dataset import collate_fn
@@ -178,7 +191,7 @@ def make_trainer(cls, cfg, wg, *, n: int = 4, seed: int = 0, dataset_size: int =
     trainer.ref_policy_wg = wg
     trainer.distillation_config = None
     trainer.teacher_model_manager = None
-    trainer.async_rollout_manager = StubRollout(n, seed=seed, flat=flat)
+    trainer.async_rollout_manager = StubRollout(n, seed=seed, flat=flat, rollout_lp=rollout_lp)
     trainer.checkpoint_manager = StubCheckpointEngine()
     return trainer
 

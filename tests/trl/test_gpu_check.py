@@ -1,5 +1,5 @@
 """The GPU check kit (benchmarks/gpu_check.py) runs end to end on the CPU with --tiny, so it cannot rot, and the
-Drift-floor measurement it shares with benchmarks/bf16_floor.py measures what it says."""
+Drift-floor measurement it shares with benchmarks/bf16_floor.py (hdreplay_lab.drift_floor) measures what it says."""
 
 from __future__ import annotations
 
@@ -75,7 +75,7 @@ def _tiny_qwen(dtype):
 
 
 def test_floor_is_zero_to_rounding_in_fp32_and_measurable_in_bf16():
-    df = _module("drift_floor")
+    from hdreplay_lab import drift_floor as df
     prompts, comps = df.random_groups(num_groups=6, n=4, prompt_len=24, completion_len=12, vocab=97, seed=1)
     fp32 = df.floor(_tiny_qwen(torch.float32), prompts, comps, n=4, pad_token_id=0, mode="fp32", batch_rows=8,
                     extra_pad=7)
@@ -94,7 +94,7 @@ def test_floor_sees_wrong_positions():
     report it (this is the fault the floor's position ids guard against)."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    df = _module("drift_floor")
+    from hdreplay_lab import drift_floor as df
     torch.manual_seed(0)
     m = GPT2LMHeadModel(GPT2Config(vocab_size=97, n_embd=64, n_layer=2, n_head=4, n_positions=128)).eval()
     with torch.no_grad():

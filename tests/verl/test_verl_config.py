@@ -82,13 +82,11 @@ def test_user_truncate_multiple_is_folded_with_the_minibatch_unit():
     ("algorithm.filter_groups.enable=true", "algorithm.filter_groups.enable=true with trainer.use_v1=false"),
     ("algorithm.adv_estimator=gae", "algorithm.adv_estimator=gae"),
     ("critic.enable=true", "critic.enable"),
-    ("algorithm.rollout_correction.bypass_mode=true", "algorithm.rollout_correction"),
-    ("algorithm.rollout_correction.rollout_is=token", "algorithm.rollout_correction"),
+    ("algorithm.rollout_correction.bypass_mode=true", "algorithm.rollout_correction.bypass_mode=true"),
     (f"{ACTOR}.use_prefix_grouper=true", "use_prefix_grouper"),
     ("distillation.enabled=true", "distillation.enabled"),
     ("actor_rollout_ref.rollout.n=1", "rollout.n"),
     ("data.train_batch_size=5", "data.train_batch_size"),
-    ("algorithm.rollout_correction.rollout_rs=token_k1", "algorithm.rollout_correction"),
     ("hdr.k_rep=1", "hdr.k_rep"),
     ("hdr.tau=-1", "hdr.tau"),
     ("hdr.selector=bogus", "hdr.selector"),
@@ -102,8 +100,7 @@ def test_incompatible_configuration_is_rejected_naming_the_key(override, match):
 
 
 @pytest.mark.parametrize("override,match", [
-    ("algorithm.rollout_correction.rollout_is=token", "rollout_correction"),
-    ("algorithm.rollout_correction.bypass_mode=true", "rollout_correction"),
+    ("algorithm.rollout_correction.bypass_mode=true", "rollout_correction.bypass_mode=true"),
     ("trainer.v1.trainer_mode=bogus", "trainer.v1.trainer_mode=bogus"),
     (f"{ACTOR}.shuffle=true", f"{ACTOR}.shuffle"),
     ("critic.enable=true", "critic.enable"),
@@ -123,7 +120,38 @@ def test_v1_recipe_keeps_verls_own_sampling_staleness_and_rejection_settings():
     assert s.active and s.replay_config.k_rep == 1 and s.replay_config.truncate_multiple == 1
     with pytest.raises(ReplayConfigError) as e:
         validate_verl_config(compose_config(*keep, v1=False))
-    assert "filter_groups" in str(e.value) and "rollout_correction" in str(e.value) and "hdr.k_rep=1" in str(e.value)
+    assert "filter_groups" in str(e.value) and "hdr.k_rep=1" in str(e.value)
+    assert "rollout_correction" not in str(e.value)  # rejection sampling acts before the seam on v0 too
+
+
+RC = "algorithm.rollout_correction"
+
+
+@pytest.mark.parametrize("v1", [False, True])
+@pytest.mark.parametrize("overrides", [
+    (f"{RC}.rollout_is=token",), (f"{RC}.rollout_is=sequence", f"{RC}.rollout_is_threshold=5.0"),
+    (f"{RC}.rollout_is=token", f"{RC}.rollout_is_threshold=0.5_2.0"),  # IcePop bounds
+    (f"{RC}.rollout_is=sequence", f"{RC}.rollout_rs=seq_mean_k3", f"{RC}.rollout_rs_threshold=0.01"),
+])
+def test_rollout_importance_sampling_in_decoupled_mode_is_accepted(overrides, v1):
+    """Replayed rows carry their birth rollout_is_weights (test_verl_rollout_is.py), so rollout_is runs with replay."""
+    assert validate_verl_config(compose_config(*overrides, v1=v1)).active
+
+
+@pytest.mark.parametrize("v1", [False, True])
+@pytest.mark.parametrize("overrides,needles", [
+    ((f"{RC}.bypass_mode=true",), (f"{RC}.bypass_mode=true", f"{RC}.bypass_mode=false")),
+    ((f"{RC}.rollout_is=token", "actor_rollout_ref.rollout.calculate_log_probs=false"),
+     ("calculate_log_probs=false", "calculate_log_probs=true", f"{RC}.rollout_is=null")),
+    ((f"{RC}.rollout_is=sequence", f"{RC}.rollout_is_batch_normalize=true"),
+     (f"{RC}.rollout_is_batch_normalize=true", f"{RC}.rollout_is_batch_normalize=false")),
+])
+def test_rollout_correction_without_a_birth_time_meaning_is_refused_naming_setting_and_fix(overrides, needles, v1):
+    with pytest.raises(ReplayConfigError) as e:
+        validate_verl_config(compose_config(*overrides, v1=v1))
+    assert all(x in str(e.value) for x in needles), str(e.value)
+    # without replay verl's own settings are not the recipe's business
+    assert not validate_verl_config(compose_config(*overrides, "hdr.selector=none", v1=v1)).active
 
 
 @pytest.mark.parametrize("override,needle", [("hdr.typo_key=1", "typo_key"), ("hdr.k_rep=many", "many"),
@@ -238,6 +266,36 @@ def test_trainer_constructor_validates_the_config():
     assert trainer.replay_active and trainer.replay.config.k_rep == 4
 
 
+MP = f"{ACTOR}.fsdp_config.mixed_precision"
+
+
+def test_trainer_warns_at_start_when_the_bf16_drift_floor_reaches_tau_over_10():
+    """verl's FSDP forward runs on bf16 parameters by default: the largest measured bf16-weights floor reaches
+    tau/10 at the default tau 1e-3, so the trainer warns with the numbers; tau above 10x the floor, an fp32 forward,
+    a selector without a gate or no replay: no warning."""
+    import warnings
+
+    from hdreplay.integrations.verl.settings import actor_precision
+    from hdreplay.noise_floor import DriftFloorWarning, worst_floor
+
+    class NoWorkers:
+        pass
+
+    floor = worst_floor("bf16_weights").l2_p99
+    with pytest.warns(DriftFloorWarning) as rec:
+        make_trainer(HDRRayPPOTrainer, compose_config(), NoWorkers())
+    msg = str(rec[0].message)
+    assert "tau=0.001" in msg and f"p99 {floor:.2g}" in msg and f"{floor / 1e-3:.2f} x tau" in msg
+    assert "bf16_weights" in msg and "H200" in msg  # every measurement of the precision is quoted
+    assert actor_precision(compose_config()) == "bf16_weights"
+    assert actor_precision(compose_config(f"+{MP}.param_dtype=fp32")) == "fp32"
+    for quiet in ((f"hdr.tau={11 * floor:g}",), (f"+{MP}.param_dtype=fp32",), ("hdr.selector=recency",),
+                  ("hdr.selector=none",)):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", DriftFloorWarning)
+            make_trainer(HDRRayPPOTrainer, compose_config(*quiet), NoWorkers())
+
+
 class Built(Exception):
     """Raised by the first GPU-bound call of the trainer a task runner built; carries its class."""
 
@@ -287,7 +345,9 @@ def test_v1_task_runner_builds_the_hdr_trainer_for_each_mode_inside_verls_own_ru
                          v1=True)
     runner_cls = main.task_runner(cfg).__ray_actor_class__
     stock = tb.TRAINER_REGISTRY[mode]
-    with pytest.raises(Built) as e:
+    from hdreplay.noise_floor import DriftFloorWarning
+
+    with pytest.raises(Built) as e, pytest.warns(DriftFloorWarning, match="tau=0.001"):  # bf16 forward, tau 1e-3
         runner_cls().run(cfg)
     assert e.value.args[0] is HDR_TRAINERS[mode] and issubclass(HDR_TRAINERS[mode], stock)
     assert tb.TRAINER_REGISTRY[mode] is stock  # the swap is undone

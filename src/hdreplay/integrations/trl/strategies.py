@@ -26,13 +26,17 @@ step)`` returns the batch to train, reads the round's rewards from its ``rewards
 from __future__ import annotations
 
 import os
+import warnings
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, Callable
 
+import torch
+
 from ...baselines import BapoController, ExgrpoController, PopoController, RepoController
 from ...baselines.protocol import Strategy
 from ...controller import ReplayController
+from ...noise_floor import DriftFloorWarning, floor_warning, precision_of
 from .bapo import BapoSampler, check_bapo
 from .checks import check_exgrpo, check_sharding, check_supported
 from .dynamic import DynamicSampler
@@ -62,6 +66,19 @@ class StrategySeam:
     part_loss: Callable | None = None
 
 
+def warn_drift_floor(config, model, args) -> str | None:
+    """Warn (:class:`hdreplay.noise_floor.DriftFloorWarning`) when the measured Drift floor of the training precision
+    (the model's parameter dtype, ``args.bf16`` / ``args.fp16`` autocast, ``args.cast_lm_head_to_fp32``) reaches tau/10;
+    returns the message."""
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    autocast = torch.bfloat16 if args.bf16 else (torch.float16 if args.fp16 else None)
+    precision = precision_of(dtype, autocast, fp32_head=bool(getattr(args, "cast_lm_head_to_fp32", False)))
+    msg = floor_warning(config, precision)
+    if msg:
+        warnings.warn(msg, DriftFloorWarning, stacklevel=5)
+    return msg
+
+
 def build_strategy(trainer) -> StrategySeam:
     """Check ``trainer``'s replay settings against its setup and build what they ask for (errors name the setting)."""
     a = trainer.args
@@ -80,9 +97,12 @@ def _replay(trainer, options, *, active: bool, procs: int, pad: int) -> Strategy
     diag = a.replay_diagnostics_dir
     if diag is None:
         diag = os.path.join(a.output_dir, "replay")
-    return StrategySeam(ReplayController(
+    seam = StrategySeam(ReplayController(
         trainer.replay_config, diagnostics_dir=diag if (diag and trainer.accelerator.is_main_process and active)
         else None), active)
+    if active:
+        warn_drift_floor(trainer.replay_config, trainer.accelerator.unwrap_model(trainer.model), a)
+    return seam
 
 
 def _dynamic(trainer, options, *, active: bool, procs: int, pad: int) -> StrategySeam:

@@ -12,6 +12,8 @@ The batch ``RayPPOTrainer._update_actor`` receives holds B = groups x n rows (sh
     response_mask   (B, R)     1 where the policy generated the token (tool tokens 0): the loss mask
     old_log_probs   (B, R)     log-probs computed by verl before the update (= log pi_gen for replay)
     advantages      (B, R)     A_i * response_mask, one value per response for GRPO-style estimators
+    rollout_is_weights (B, R)  with ``algorithm.rollout_correction.rollout_is``: verl's truncated pi_old / pi_rollout;
+                               stored at birth and given back to the row when it is replayed
     uid             (B,)       non-tensor: one id per prompt, i.e. per GRPO group
     multi_modal_inputs (B,)    non-tensor: the processor's dict per row (empty for text); stored once per
                                group and given back to every replayed row (:mod:`.mm`)
@@ -38,7 +40,8 @@ from ...record import GroupRecord
 from . import mm
 
 #: fresh-batch key -> GroupRecord extras name, stored at ingress when the key is present
-STORED_EXTRAS = {"ref_log_prob": "ref_logprobs", "rollout_log_probs": "rollout_logprobs"}
+STORED_EXTRAS = {"ref_log_prob": "ref_logprobs", "rollout_log_probs": "rollout_logprobs",
+                 "rollout_is_weights": "rollout_is_weights"}
 #: how replay rows fill each tensor key (documentation of :func:`replay_rows`)
 REPLAY_FILL = {
     "prompts": "stored prompt ids", "responses": "stored response ids", "input_ids": "prompts ; responses",
@@ -47,6 +50,7 @@ REPLAY_FILL = {
     "response_mask": "stored loss mask", "old_log_probs": "stored generation-time log-probs",
     "advantages": "stored A_i * response_mask", "returns": "stored A_i * response_mask (GRPO: returns = advantages)",
     "ref_log_prob": "stored reference log-probs", "rollout_log_probs": "stored rollout log-probs",
+    "rollout_is_weights": "stored birth-time rollout IS weights (algorithm.rollout_correction.rollout_is; 0 on padding)",
     "token_level_scores": "stored reward on the last response token",
     "token_level_rewards": "stored reward on the last response token (no in-reward KL term)",
     "rm_scores": "stored reward on the last response token", "dummy_tensor": "zeros",
@@ -65,7 +69,7 @@ def check_batch_keys(batch: DataProto) -> None:
     if unknown:
         raise RuntimeError(
             f"the actor batch has tensor key(s) {unknown} that hdreplay cannot fill for replayed rows (e.g. critic "
-            "values, rollout importance weights, MoE routing replay, distillation targets). Disable the feature that "
+            "values, MoE routing replay, distillation targets). Disable the feature that "
             f"produces them or run with hdr.selector=none. Known keys: {sorted(REPLAY_FILL)}"
         )
     for k in ("input_ids", "attention_mask", "response_mask", "prompts", "responses", "old_log_probs", "advantages"):
@@ -207,7 +211,7 @@ def replay_rows(groups: Sequence[GroupRecord], *, like: DataProto, P: int, R: in
         if key in like.batch.keys():
             if name not in pg.extras:
                 raise RuntimeError(f"the actor batch has `{key}` but replayed groups carry no stored {name} "
-                                   "(buffer filled without it, e.g. resumed with a different KL setting)")
+                                   "(buffer filled without it, e.g. resumed with a different KL or rollout_is setting)")
             base[key] = pg.extras[name]
     tensors = {}
     for k, ref in like.batch.items():

@@ -11,6 +11,7 @@ layout cannot honour, with errors that name the config key to change.  ``trainer
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -151,8 +152,8 @@ def validate_verl_config(config: Any) -> HDRSettings:
     ``hdr.selector=none`` (or ``hdr.k_rep=0``) only the ``hdr`` section is checked: the trainer is
     then plain verl.  Left alone on purpose (orthogonal to replay, see docs/verl.md): verl's staleness
     bound ``trainer.v1.sampler.max_off_policy_*``, DAPO's ``algorithm.filter_groups`` (v1), and rollout
-    rejection sampling ``algorithm.rollout_correction.rollout_rs`` (v1: acts on the fresh rows' mask before
-    the seam; replay stores the mask it produced).
+    correction in decoupled mode (``algorithm.rollout_correction.rollout_is`` / ``rollout_rs``: replayed rows carry
+    their birth weights and mask, :func:`_rollout_correction_problems`).
     """
     problems = type_problems(config)
     if problems:  # the checks below read these keys
@@ -168,13 +169,13 @@ def validate_verl_config(config: Any) -> HDRSettings:
     if not active:
         _raise(problems)
         return settings
-    problems += _common_problems(config, v1=v1)
+    problems += _common_problems(config)
     problems += _v1_problems(config) if v1 else _v0_problems(config, settings)
     _raise(problems)
     return settings
 
 
-def _common_problems(config: Any, *, v1: bool) -> list[str]:
+def _common_problems(config: Any) -> list[str]:
     problems = []
     if _get(config, f"{ACTOR}.shuffle", False):
         problems.append(f"{ACTOR}.shuffle=true: replay rows must fill the first mini-batches in order, and verl "
@@ -190,13 +191,7 @@ def _common_problems(config: Any, *, v1: bool) -> list[str]:
                         "are not supported")
     if _get(config, "critic.enable", None):
         problems.append("critic.enable=true: replayed groups carry no values/returns for a critic; disable the critic")
-    rc = _get(config, "algorithm.rollout_correction")
-    if rc is not None and (_get(rc, "rollout_is") or _get(rc, "bypass_mode", False) or (not v1 and _get(rc, "rollout_rs"))):
-        keys = "rollout_is / bypass_mode" if v1 else "rollout_is / rollout_rs / bypass_mode"
-        problems.append(f"algorithm.rollout_correction ({keys}) is set: replayed rows have no rollout importance "
-                        "weights (and with bypass_mode Drift would be measured against the inference engine's "
-                        "log-probs, never 0 even at unchanged weights); set rollout_is=null, bypass_mode=false"
-                        + ("" if v1 else ", rollout_rs=null"))
+    problems += _rollout_correction_problems(config)
     if _get(config, f"{ACTOR}.use_prefix_grouper", False):
         problems.append(f"{ACTOR}.use_prefix_grouper=true: it keeps uid groups together on ranks, which conflicts "
                         "with the per-mini-batch row balancing of the replay layout; set it to false")
@@ -207,6 +202,61 @@ def _common_problems(config: Any, *, v1: bool) -> list[str]:
         problems.append(f"actor_rollout_ref.rollout.n={n}: a GRPO group needs n >= 2 responses to be mixed; "
                         "raise rollout.n")
     return problems
+
+
+def _rollout_correction_problems(config: Any) -> list[str]:
+    """verl's rollout correction with replay (docs/verl.md, "Rollout correction"): a replayed row carries its birth
+    ``rollout_is_weights`` (pi_old / pi_rollout at birth, truncated), so with the PPO ratio against its stored
+    ``old_log_probs`` its weight is what a fresh row's is; ``rollout_rs`` acts on the fresh rows' mask before the
+    seam and replay stores that mask.  Refused: what has no birth-time meaning for a replayed row."""
+    rc = _get(config, "algorithm.rollout_correction")
+    if rc is None:
+        return []
+    key, problems = "algorithm.rollout_correction", []
+    if _get(rc, "bypass_mode", False):
+        problems.append(f"{key}.bypass_mode=true: it replaces old_log_probs by the inference engine's log-probs, so "
+                        "Drift would be measured against them (never 0 even at unchanged weights); set "
+                        f"{key}.bypass_mode=false (decoupled mode, where replayed rows keep their birth weights)")
+    level = _get(rc, "rollout_is")
+    if level:
+        if not _get(config, "actor_rollout_ref.rollout.calculate_log_probs", True):
+            problems.append(f"{key}.rollout_is={level} with actor_rollout_ref.rollout.calculate_log_probs=false: "
+                            "without the inference engine's log-probs verl computes no importance weights (silently), "
+                            "and replayed groups would store none; set actor_rollout_ref.rollout.calculate_log_probs="
+                            f"true, or {key}.rollout_is=null")
+        if _get(rc, "rollout_is_batch_normalize", False):
+            problems.append(f"{key}.rollout_is_batch_normalize=true: it divides each weight by the mean over the batch "
+                            "it was computed in, so a replayed row's birth weight was normalized in another batch "
+                            "than the one it trains in, and the actor batch's weights no longer average to 1; set "
+                            f"{key}.rollout_is_batch_normalize=false")
+    return problems
+
+
+#: verl dtype names -> :data:`hdreplay.noise_floor.PRECISIONS`
+_DTYPES = {"bf16": "bf16_weights", "bfloat16": "bf16_weights", "fp16": "fp16", "float16": "fp16", "half": "fp16",
+           "fp32": "fp32", "float32": "fp32", "float": "fp32"}
+
+
+def actor_precision(config: Any) -> str:
+    """The precision of the actor's log-prob forward (a key of :data:`hdreplay.noise_floor.PRECISIONS`): verl's FSDP
+    engine casts the parameters to ``fsdp_config.mixed_precision.param_dtype`` (default bf16) for the forward,
+    Megatron computes in ``megatron.dtype`` (default bfloat16); either way bf16 parameters, i.e. ``bf16_weights``."""
+    if str(_get(config, f"{ACTOR}.strategy", "fsdp")) == "megatron":
+        name = _get(config, f"{ACTOR}.megatron.dtype", "bfloat16")
+    else:
+        name = _get(config, f"{ACTOR}.fsdp_config.mixed_precision.param_dtype", "bf16")
+    return _DTYPES.get(str(name).lower(), "bf16_weights")
+
+
+def warn_drift_floor(config: Any, settings: HDRSettings) -> str | None:
+    """Warn (:class:`hdreplay.noise_floor.DriftFloorWarning`) when the measured Drift floor of the actor's precision
+    reaches tau/10; returns the message (None: no warning)."""
+    from ...noise_floor import DriftFloorWarning, floor_warning
+
+    msg = floor_warning(settings.replay_config, actor_precision(config)) if settings.active else None
+    if msg:
+        warnings.warn(msg, DriftFloorWarning, stacklevel=3)
+    return msg
 
 
 def _v1_problems(config: Any) -> list[str]:

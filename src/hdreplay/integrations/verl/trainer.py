@@ -30,7 +30,7 @@ from verl.protocol import pad_dataproto_to_divisor, unpad_dataproto
 from verl.trainer.ppo.ray_trainer import RayPPOTrainer
 
 from ...controller import ReplayController
-from .settings import validate_verl_config, verl_truncate_multiple
+from .settings import validate_verl_config, verl_truncate_multiple, warn_drift_floor
 from .actor_batch import build_actor_batch
 from .checkpoints import ReplayCheckpoints
 from .dataproto import groups_from_batch, scoring_batch
@@ -44,6 +44,7 @@ class HDRRayPPOTrainer(ReplayCheckpoints, RayPPOTrainer):
     def __init__(self, *args, **kwargs):
         config = kwargs["config"] if "config" in kwargs else args[0]
         self.hdr = validate_verl_config(config)  # fail before verl builds dataloaders
+        warn_drift_floor(config, self.hdr)
         super().__init__(*args, **kwargs)
         self.replay_active = self.hdr.active
         self.replay = ReplayController(

@@ -16,6 +16,8 @@ P_i prompt and L_i response tokens; shape glossary of :mod:`hdreplay.record`):
     advantages      (L_i,)       A_i * response_mask (GRPO-style outcome estimators)
     rm_scores       (L_i,)       the reward on the last response token
     ref_log_prob    (L_i,)       with a reference policy (KL loss)
+    rollout_is_weights (L_i,)    with ``algorithm.rollout_correction.rollout_is``: verl's truncated pi_old / pi_rollout
+                                 (token or sequence level); a replayed row carries its birth value
     uid             str          non-tensor: one per prompt, i.e. per GRPO group
     multi_modal_inputs dict      non-tensor: the processor's tensors for the row's prompt ({} for text); the n
                                  rows of a uid hold copies -- stored once per group (:mod:`.mm`)
@@ -52,6 +54,7 @@ REPLAY_FILL = {
     "response_mask": "stored loss mask",
     "loss_mask": "stored loss mask", "old_log_probs": "stored generation-time log-probs",
     "advantages": "stored A_i * loss mask", "ref_log_prob": "stored reference log-probs", "uid": "group id",
+    "rollout_is_weights": "stored birth-time rollout IS weights (algorithm.rollout_correction.rollout_is)",
     "multi_modal_inputs": "the group's stored processor inputs (one dict shared by its rows; {} for text)",
 }
 #: tensor fields of a v1 batch that the actor update never reads (not sent to the workers for the update);
@@ -60,7 +63,6 @@ NOT_READ = ("rm_scores", "rollout_log_probs", "log_probs", "entropy", "returns",
             "token_level_rewards", "dummy_tensor")
 #: tensor fields the actor update reads that replayed rows cannot carry -> the run is refused
 UNFILLABLE = {
-    "rollout_is_weights": "rollout importance weights (algorithm.rollout_correction.rollout_is)",
     "values": "critic values (critic.enable)", "routed_experts": "MoE router replay",
     "teacher_ids": "distillation targets", "teacher_logprobs": "distillation targets",
 }
@@ -206,23 +208,25 @@ def replay_rows(groups: Sequence[GroupRecord], *, fields: Sequence[str], dtypes:
                 uid_of=lambda g: str(g.group_id)) -> tuple[list[dict], list[dict]]:
     """Per-row field dicts and tags for the groups' rows (each group's n responses in order).
 
-    Rows carry exactly ``fields`` (from :func:`update_fields`), cast to the fresh rows' ``dtypes``.
-    Raises RuntimeError when the batch has ``ref_log_prob`` but the groups carry no stored reference
-    log-probs (buffer filled without it, e.g. resumed with a different KL setting).
+    Rows carry exactly ``fields`` (from :func:`update_fields`), cast to the fresh rows' ``dtypes``; the
+    :data:`~.dataproto.STORED_EXTRAS` among them (``ref_log_prob``, ``rollout_is_weights``) come from the group.
+    Raises RuntimeError when the batch has one but a group does not carry it (buffer filled without it, e.g.
+    resumed with a different KL or rollout_is setting).
     """
-    if "ref_log_prob" in fields and any("ref_logprobs" not in g.extras for g in groups):
-        raise RuntimeError("the actor batch has `ref_log_prob` but replayed groups carry no stored ref_logprobs "
-                           "(buffer filled without it, e.g. resumed with a different KL setting)")
+    stored = {key: name for key, name in STORED_EXTRAS.items() if key in fields}
+    for key, name in stored.items():
+        if any(name not in g.extras for g in groups):
+            raise RuntimeError(f"the actor batch has `{key}` but replayed groups carry no stored {name} (buffer "
+                               "filled without it, e.g. resumed with a different KL or rollout_is setting)")
     out, tags = [], []
     for g in groups:
         split = lambda t: g.split(t)  # noqa: E731
-        ref = split(g.extras["ref_logprobs"]) if "ref_log_prob" in fields else None
+        extras = {key: split(g.extras[name]) for key, name in stored.items()}
         for j, (resp, lm, lp) in enumerate(zip(g.responses(), split(g.loss_mask), split(g.logprobs))):
             m = lm.long()
             row = _sequence(g.prompt_ids.long(), resp.long(), m, g)
             row.update(old_log_probs=lp, advantages=g.advantages[j] * m.float(), uid=uid_of(g))
-            if ref is not None:
-                row["ref_log_prob"] = ref[j]
+            row.update({key: v[j] for key, v in extras.items()})
             out.append(_cast(row, fields, dtypes))
             tags.append(_tag(g.prompt_ids.numel(), resp.numel(), hdr_replay=True, birth_step=g.birth_step))
     return out, tags
@@ -253,12 +257,14 @@ def padding_rows(count: int, *, fields: Sequence[str], dtypes: dict[str, torch.d
 
     With ``response_mask = loss_mask = 0`` they add nothing to the loss or to the token count verl
     normalizes by; tagged ``is_padding`` like verl's own synthetic rows.  ``position_rows`` = K gives them
-    ``(K, 2)`` positions (a batch's rows must agree on the position layout), and ``{}`` multimodal inputs.
+    ``(K, 2)`` positions (a batch's rows must agree on the position layout), and ``{}`` multimodal inputs;
+    ``rollout_is_weights`` 0.
     """
     tok = torch.tensor([int(token_id)])
     row = _sequence(tok, tok.clone(), torch.zeros(1, dtype=torch.long))
     if position_rows is not None:
         row["position_ids"] = torch.arange(2).repeat(position_rows, 1)
-    row.update(old_log_probs=torch.zeros(1), advantages=torch.zeros(1), ref_log_prob=torch.zeros(1), uid=uid)
+    row.update(old_log_probs=torch.zeros(1), advantages=torch.zeros(1), ref_log_prob=torch.zeros(1),
+               rollout_is_weights=torch.zeros(1), uid=uid)
     row = _cast(row, fields, dtypes)
     return [dict(row) for _ in range(count)], [_tag(1, 1, is_padding=True) for _ in range(count)]

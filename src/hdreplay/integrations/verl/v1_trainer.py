@@ -49,7 +49,7 @@ from ...controller import ReplayController
 from ...record import GroupRecord
 from .checkpoints import ReplayCheckpoints
 from .minibatches import actor_order, layout_metrics, padding_needed
-from .settings import validate_verl_config
+from .settings import validate_verl_config, warn_drift_floor
 from .mm import POSITIONS
 from .v1_rows import fresh_groups, padding_rows, replay_rows, score_fields, scoring_rows
 
@@ -72,6 +72,7 @@ class HDRTrainerMixin(ReplayCheckpoints):
 
     def __init__(self, config):
         self.hdr = validate_verl_config(config)  # fail before verl builds anything
+        warn_drift_floor(config, self.hdr)
         super().__init__(config)
         self.replay_active = self.hdr.active
         self.replay = ReplayController(self.hdr.replay_config,
