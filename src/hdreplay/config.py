@@ -23,6 +23,7 @@ from .adaptive import AdaptiveTau
 from .errors import ReplayConfigError
 from .ingress import INGRESS_RULES, make_ingress_rule
 from .scores import DRIFT_NORMS, HEADROOM_WEIGHTINGS
+from .scan import SCAN_REFRESH
 from .selection import SELECTORS
 
 from .validate import MAX_CAPACITY, MAX_COUNT  # noqa: F401  (re-exported: the bounds every front end shows)
@@ -108,6 +109,14 @@ class ReplayConfig:
         None, "scan budget: at most this many groups are re-scored per step; unset = min(capacity, 8 * k_rep), "
               "so a gate that passes fewer than 1 in 8 groups cannot fill the budget, and a tau so tight that "
               "nothing passes costs at most 8 * k_rep re-scores per step instead of the whole buffer", flat=int)
+    scan_passes: int = knob(
+        4, "exact early rejection: each scanned group's responses are forwarded in at most this many slices (batched "
+           "across the groups of a scan window) and a group stops being forwarded once the Drift of what was forwarded "
+           "already proves Drift > tau; the gate decisions are the full scan's. 1 = every group forwarded whole")
+    scan_refresh: str = knob(
+        "slice", "cached Headroom of a group rejected early: slice (refresh from the responses forwarded), keep (leave "
+                 "the cached value), finish (forward the rest of the group for its exact Headroom: the full scan's "
+                 "refresh and its cost for those groups)", choices=SCAN_REFRESH)
     acceptance_ema: float = knob(0.5, "weight of the newest step in the running acceptance rate that sizes "
                                       "chunks, in (0, 1]")
     group_size: int | None = knob(None, "if set, every ingress group must have exactly this many responses",
@@ -168,6 +177,10 @@ class ReplayConfig:
             raise _err("max_scan_chunk", f"must be an int in [1, {MAX_COUNT}], got {self.max_scan_chunk!r}")
         if self.max_scan is not None and (not _is_int(self.max_scan) or not 1 <= self.max_scan <= MAX_CAPACITY):
             raise _err("max_scan", f"must be unset (auto) or an int in [1, {MAX_CAPACITY}], got {self.max_scan!r}")
+        if not _is_int(self.scan_passes) or not 1 <= self.scan_passes <= MAX_COUNT:
+            raise _err("scan_passes", f"must be an int in [1, {MAX_COUNT}] (1 = whole groups), got {self.scan_passes!r}")
+        if not isinstance(self.scan_refresh, str) or self.scan_refresh not in SCAN_REFRESH:
+            raise _err("scan_refresh", f"unknown refresh {self.scan_refresh!r}; valid: {list(SCAN_REFRESH)}")
         a = self.acceptance_ema
         if not _is_real(a) or not math.isfinite(a) or not (0 < a <= 1):
             raise _err("acceptance_ema", f"must be in (0, 1], got {a!r}")

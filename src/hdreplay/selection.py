@@ -47,6 +47,7 @@ import torch
 from . import sampling
 from .errors import ReplayInputError
 from .record import GroupRecord
+from .scan import _EARLY, _PASS, run_scan
 from .scores import check_scorer_output, score_groups
 from .validate import check_real, check_step
 
@@ -147,6 +148,12 @@ class Selection:
     #: last chunk, counterfactual): the selection's forward cost
     rescored_rows: int = 0
     rescored_tokens: int = 0
+    #: (s,) per scanned group: its Drift is exact (False: early-rejected, ``scanned_drift`` is the lower bound and
+    #: ``scanned_headroom`` that of the responses forwarded, :mod:`hdreplay.scan`), and the completion tokens forwarded
+    scanned_exact: np.ndarray | None = None
+    scanned_rescored_tokens: np.ndarray | None = None
+    #: completion tokens forwarded for groups beyond the stopping index (``scored_unused`` of them)
+    unused_tokens: int = 0
 
 
 def empty_selection(step: int, name: str, size: int, tau: float) -> Selection:
@@ -154,7 +161,7 @@ def empty_selection(step: int, name: str, size: int, tau: float) -> Selection:
     z = np.zeros(0)
     zi = np.zeros(0, dtype=np.int64)
     return _frozen(Selection(step, name, zi, zi, zi, z, z, z, z, zi, np.zeros(0, bool), zi, [], False,
-                             buffer_size=size, tau=tau))
+                             buffer_size=size, tau=tau, scanned_exact=np.zeros(0, bool), scanned_rescored_tokens=zi))
 
 
 def _frozen(sel: Selection) -> Selection:
@@ -277,48 +284,21 @@ def select_replay(
     if scorer is None:
         raise ReplayInputError(f"scorer: selector {spec.name!r} re-scores groups under the current policy; "
                                "pass a scorer")
-    scanned: list[int] = []
-    cols: dict[str, list] = {k: [] for k in ("drift", "headroom", "kl", "pass", "tokens")}
-    accepted: list[int] = []
-    accepted_groups: list[GroupRecord] = []
     limit = min(eligible, max(K, config.scan_budget))  # an ungated order always takes its K groups
     if spec.random:
         limit = len(drawn)
-    prefix = order_fn(min(limit, max(K, chunk_size(K, acceptance_rate, config))))
-    pos, calls, unused, chunks, cost = 0, 0, 0, [], [0, 0]
-    while len(accepted) < K and pos < limit:
-        want = chunk_size(K - len(accepted), acceptance_rate, config) if spec.gate else K - len(accepted)
-        want = min(want, limit - pos)
-        if pos + want > len(prefix) and len(prefix) < limit:
-            prefix = order_fn(min(limit, max(2 * len(prefix), pos + want)))
-        ids = prefix[pos:pos + want]
-        pos += len(ids)
-        groups = buffer.get(ids.tolist())
-        lps = check_scorer_output(groups, scorer(groups))
-        calls += 1
-        cost[0] += sum(g.num_responses for g in groups)
-        cost[1] += sum(g.num_tokens for g in groups)
-        chunks.append(len(ids))
-        sc = score_groups(groups, lps, drift_norm=config.drift_norm, headroom_weighting=config.headroom_weighting)
-        d, h, kl, ntok = (sc.drift.tolist(), sc.headroom.tolist(), sc.replay_kl.tolist(),
-                          sc.num_loss_tokens.tolist())
-        for j, gid in enumerate(ids.tolist()):
-            if len(accepted) == K:
-                unused += len(ids) - j
-                break
-            ok = (not spec.gate) or d[j] <= tau
-            scanned.append(gid)
-            cols["drift"].append(d[j])
-            cols["headroom"].append(h[j])
-            cols["kl"].append(kl[j])
-            cols["pass"].append(ok)
-            cols["tokens"].append(ntok[j])
-            if ok:
-                accepted.append(gid)
-                accepted_groups.append(groups[j])
-    acc = np.asarray(accepted, dtype=np.int64)
+    window = ((lambda need: chunk_size(need, acceptance_rate, config)) if spec.gate else (lambda need: need))
+    out = run_scan(order_fn, lambda ids: buffer.get(ids), scorer, limit=limit, k=K, gate=spec.gate, tau=tau,
+                   passes=config.scan_passes, refresh=config.scan_refresh, window=window,
+                   drift_norm=config.drift_norm, headroom_weighting=config.headroom_weighting)
+    scanned = out.scanned
+    cols = {"drift": [c.scores[0] for c in scanned], "headroom": [c.scores[1] for c in scanned],
+            "kl": [c.scores[2] for c in scanned]}
+    passed = [c.state == _PASS for c in scanned]
+    acc = np.asarray([c.insertion_id for c, ok in zip(scanned, passed) if ok], dtype=np.int64)
+    accepted_groups = [c.group for c, ok in zip(scanned, passed) if ok]
     kept, cut = _truncate(acc, u)
-    sc_ids = np.asarray(scanned, dtype=np.int64)
+    sc_ids = np.asarray([c.insertion_id for c in scanned], dtype=np.int64)
     sel = Selection(
         step=step,
         selector=spec.name,
@@ -330,23 +310,28 @@ def select_replay(
         scanned_kl=np.asarray(cols["kl"]),
         scanned_cached=buffer.slot_values("cached_headroom", sc_ids),
         scanned_age=step - buffer.slot_values("birth_step", sc_ids),
-        scanned_pass=np.asarray(cols["pass"], dtype=bool),
-        scanned_tokens=np.asarray(cols["tokens"], dtype=np.int64),
+        scanned_pass=np.asarray(passed, dtype=bool),
+        scanned_tokens=np.asarray([c.group.num_loss_tokens for c in scanned], dtype=np.int64),
         groups=accepted_groups[: len(kept)],
         scored=True,
-        scored_unused=unused,
-        scorer_calls=calls,
-        chunk_sizes=chunks,
+        scored_unused=out.unused,
+        scorer_calls=out.calls,
+        chunk_sizes=out.chunk_sizes,
         buffer_size=size,
         tau=tau,
         scanned_group_ids=buffer.group_ids(sc_ids),
-        scan_capped=len(accepted) < K and pos >= limit and limit < eligible,
+        scan_capped=len(acc) < K and out.reached >= limit and limit < eligible,
         loss_weights=None if weights is None else weights[:len(kept)],
         rng_state=_state(rng, spec),
         eligible=eligible,
-        rescored_rows=cost[0],
-        rescored_tokens=cost[1],
+        rescored_rows=out.rows,
+        rescored_tokens=out.tokens,
+        scanned_exact=np.asarray([c.state != _EARLY or c.finish for c in scanned], dtype=bool),
+        scanned_rescored_tokens=np.asarray([c.tokens for c in scanned], dtype=np.int64),
+        unused_tokens=out.unused_tokens,
     )
+    if config.scan_refresh == "keep":  # early-rejected groups keep their cached Headroom (the commit re-writes it)
+        sel.scanned_headroom = np.where(sel.scanned_exact, sel.scanned_headroom, sel.scanned_cached)
     if config.counterfactual and len(kept) and spec.name != "recency":
         _counterfactual(sel, buffer, config, scorer, cols)
     return _frozen(sel)
@@ -359,7 +344,8 @@ def _counterfactual(sel: Selection, buffer: "ReplayBuffer", config: "ReplayConfi
     Groups already scanned reuse their scores; the others cost one extra scorer call.  Nothing
     here touches the buffer or the scan (no cache refresh for counterfactual-only groups)."""
     rec = buffer.order_by_recency(len(sel.accepted))
-    known = {g: j for j, g in enumerate(sel.scanned.tolist())}
+    exact = sel.scanned_exact if sel.scanned_exact is not None else np.ones(len(sel.scanned), bool)
+    known = {g: j for j, g in enumerate(sel.scanned.tolist()) if exact[j]}  # early-rejected: scored in full here
     missing = [g for g in rec.tolist() if g not in known]
     extra = {}
     if missing:
