@@ -117,6 +117,10 @@ class ReplayConfig:
         "slice", "cached Headroom of a group rejected early: slice (refresh from the responses forwarded), keep (leave "
                  "the cached value), finish (forward the rest of the group for its exact Headroom: the full scan's "
                  "refresh and its cost for those groups)", choices=SCAN_REFRESH)
+    skip_rejected: int = knob(
+        0, "futile re-scoring: a group the gate rejects with Drift D (or the early-rejection bound of it) is not "
+           "scanned at the next min(skip_rejected, floor(log2(D / tau))) steps (0 = off, the paper's scan: a "
+           "rejected group may be scanned again at the next step)")
     acceptance_ema: float = knob(0.5, "weight of the newest step in the running acceptance rate that sizes "
                                       "chunks, in (0, 1]")
     group_size: int | None = knob(None, "if set, every ingress group must have exactly this many responses",
@@ -181,6 +185,9 @@ class ReplayConfig:
             raise _err("scan_passes", f"must be an int in [1, {MAX_COUNT}] (1 = whole groups), got {self.scan_passes!r}")
         if not isinstance(self.scan_refresh, str) or self.scan_refresh not in SCAN_REFRESH:
             raise _err("scan_refresh", f"unknown refresh {self.scan_refresh!r}; valid: {list(SCAN_REFRESH)}")
+        if not _is_int(self.skip_rejected) or not 0 <= self.skip_rejected <= MAX_CAPACITY:
+            raise _err("skip_rejected", f"must be an int in [0, {MAX_CAPACITY}] (steps; 0 = off), got "
+                                        f"{self.skip_rejected!r}")
         a = self.acceptance_ema
         if not _is_real(a) or not math.isfinite(a) or not (0 < a <= 1):
             raise _err("acceptance_ema", f"must be in (0, 1], got {a!r}")

@@ -154,6 +154,10 @@ class Selection:
     scanned_rescored_tokens: np.ndarray | None = None
     #: completion tokens forwarded for groups beyond the stopping index (``scored_unused`` of them)
     unused_tokens: int = 0
+    #: groups left out of this scan by ``skip_rejected`` (rejected widely at an earlier step)
+    skipped: int = 0
+    #: (s,) per scanned group: the consecutive scans that rejected it before this one
+    scanned_streak: np.ndarray | None = None
 
 
 def empty_selection(step: int, name: str, size: int, tau: float) -> Selection:
@@ -161,7 +165,8 @@ def empty_selection(step: int, name: str, size: int, tau: float) -> Selection:
     z = np.zeros(0)
     zi = np.zeros(0, dtype=np.int64)
     return _frozen(Selection(step, name, zi, zi, zi, z, z, z, z, zi, np.zeros(0, bool), zi, [], False,
-                             buffer_size=size, tau=tau, scanned_exact=np.zeros(0, bool), scanned_rescored_tokens=zi))
+                             buffer_size=size, tau=tau, scanned_exact=np.zeros(0, bool), scanned_rescored_tokens=zi,
+                             scanned_streak=zi))
 
 
 def _frozen(sel: Selection) -> Selection:
@@ -180,12 +185,15 @@ def chunk_size(remaining: int, acceptance_rate: float, config: "ReplayConfig") -
     return int(min(config.max_scan_chunk, max(1, math.ceil(remaining / rate))))
 
 
-def _eligible(buffer: "ReplayBuffer", config: "ReplayConfig", step: int) -> np.ndarray:
-    """(size,) bool, oldest first: within ``max_age`` steps of ``step`` (all True when max_age is unset)."""
+def _eligible(buffer: "ReplayBuffer", config: "ReplayConfig", step: int) -> tuple[np.ndarray, int]:
+    """(size,) bool, oldest first: within ``max_age`` steps of ``step`` and not skipped after a wide gate rejection
+    (``skip_rejected``); and how many the skip left out."""
     ids = buffer.insertion_ids()
-    if config.max_age is None:
-        return np.ones(len(ids), dtype=bool)
-    return step - buffer.slot_values("birth_step", ids) <= config.max_age
+    ok = np.ones(len(ids), dtype=bool)
+    if config.max_age is not None:
+        ok = step - buffer.slot_values("birth_step", ids) <= config.max_age
+    skip = buffer.slot_values("skip_until", ids) > step
+    return ok & ~skip, int((ok & skip).sum())
 
 
 def priorities(buffer: "ReplayBuffer", config: "ReplayConfig", step: int) -> np.ndarray:
@@ -258,16 +266,16 @@ def select_replay(
     K, size, u = config.unit_budget, len(buffer), config.unit_multiple
     if spec.order is None or K == 0 or size == 0:
         return empty_selection(step, spec.name, size, tau)
-    ok = _eligible(buffer, config, step)
+    ok, skipped = _eligible(buffer, config, step)
     weights = None
     if spec.random:
         drawn, weights = _random_order(buffer, config, rng, step, K, ok)
         order_fn = lambda limit: drawn[:limit]  # noqa: E731
     else:
         full = buffer.order_by_cached_headroom if spec.order == "headroom" else buffer.order_by_recency
-        if config.max_age is None:
+        if ok.all():
             order_fn = full
-        else:  # the whole order, then the eligible part of it (ages are checked on every id)
+        else:  # the whole order, then the eligible part of it (ages and skips are checked on every id)
             live = set(buffer.insertion_ids()[ok].tolist())
             allowed = np.asarray([i for i in full(size).tolist() if i in live], dtype=np.int64)
             order_fn = lambda limit: allowed[:limit]  # noqa: E731
@@ -278,7 +286,7 @@ def select_replay(
         sel = empty_selection(step, spec.name, size, tau)
         sel.accepted, sel.truncated, sel.groups = kept, cut, buffer.get(kept.tolist())
         sel.loss_weights = None if weights is None else weights[:len(kept)]
-        sel.rng_state, sel.eligible = _state(rng, spec), eligible
+        sel.rng_state, sel.eligible, sel.skipped = _state(rng, spec), eligible, skipped
         return _frozen(sel)
 
     if scorer is None:
@@ -329,6 +337,8 @@ def select_replay(
         scanned_exact=np.asarray([c.state != _EARLY or c.finish for c in scanned], dtype=bool),
         scanned_rescored_tokens=np.asarray([c.tokens for c in scanned], dtype=np.int64),
         unused_tokens=out.unused_tokens,
+        skipped=skipped,
+        scanned_streak=buffer.slot_values("reject_streak", sc_ids),
     )
     if config.scan_refresh == "keep":  # early-rejected groups keep their cached Headroom (the commit re-writes it)
         sel.scanned_headroom = np.where(sel.scanned_exact, sel.scanned_headroom, sel.scanned_cached)
