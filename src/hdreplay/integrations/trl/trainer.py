@@ -51,7 +51,7 @@ from .config import as_replay_config
 from .exgrpo import shaped_part_loss, split_off
 from .positions import install_position_ids, padding_drift
 from .reference import refresh_reference
-from .rescore import can_share_prompt, share_pays, shared_prompt_logps
+from .rescore import can_share_prompt, rescore_batches, share_pays, shared_prompt_logps
 from .microstep import MicroStep, chunk_scales, merged, replay_chunks, separate_term_scales
 from .step import ReplayStep
 from .strategies import build_strategy
@@ -197,34 +197,57 @@ class HDRGRPOTrainer(GRPOTrainer):
                 **mm.to_device(mm_inputs, input_ids.device))
         return logps
 
-    def _group_logps(self, groups, share: bool) -> torch.Tensor:
-        """(R, C) current log-probs of ``groups``' rows (``pad_groups`` layout): one prompt pass per group when
-        the model allows it and it saves token positions (long prompts), else TRL's full-row forward."""
-        dev, pad = self.accelerator.device, self._tokenizer.pad_token_id
-        if share:
-            with disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs):
-                return shared_prompt_logps(self.accelerator.unwrap_model(self.model), groups, pad_token_id=pad,
-                                           device=dev, max_rows=self._score_batch_size,
-                                           autocast=self.accelerator.autocast)
-        pg = pad_groups(groups, pad_token_id=pad)
-        ids = torch.cat([pg.prompt_ids, pg.completion_ids], 1).to(dev)
-        mask = torch.cat([pg.prompt_mask, pg.completion_mask], 1).to(dev)
-        C = pg.completion_ids.shape[1]
-        images = mm.batch_inputs([groups[int(g)].mm_inputs for g in pg.row_group.tolist()], pg.prompt_mask, C)
-        return self._logps(ids, mask, C, **images).float().cpu()
+    def _row_logps(self, groups, rows: list[int]) -> torch.Tensor:
+        """(len(rows), C) current log-probs of rows ``rows`` of ``pad_groups(groups)`` through TRL's full-row forward
+        (columns no row of them needs are trimmed before the forward and zero-filled after it)."""
+        pg = pad_groups(groups, pad_token_id=self._tokenizer.pad_token_id)
+        idx = torch.as_tensor(rows)
+        pm, cm = pg.prompt_mask[idx], pg.completion_mask[idx]
+        P, C = int(pm.sum(1).max()), int(cm.sum(1).max())
+        ids = torch.cat([pg.prompt_ids[idx][:, -P:], pg.completion_ids[idx][:, :C]], 1).to(self.accelerator.device)
+        mask = torch.cat([pm[:, -P:], cm[:, :C]], 1).to(self.accelerator.device)
+        images = mm.batch_inputs([groups[int(g)].mm_inputs for g in pg.row_group[idx].tolist()], pm[:, -P:], C)
+        out = torch.zeros(len(rows), pg.completion_ids.shape[1])
+        out[:, :C] = self._logps(ids, mask, C, **images).float().cpu()
+        return out
+
+    def _shared_logps(self, groups, min_batches: int) -> torch.Tensor:
+        """(R, C) current log-probs of ``groups``' rows (``pad_groups`` layout), one prompt pass per group, in at
+        least ``min_batches`` forward calls (filler calls repeat the first batch: every rank runs as many)."""
+        with disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs):
+            return shared_prompt_logps(self.accelerator.unwrap_model(self.model), groups,
+                                       pad_token_id=self._tokenizer.pad_token_id, device=self.accelerator.device,
+                                       max_rows=self._score_batch_size, autocast=self.accelerator.autocast,
+                                       min_batches=min_batches)
 
     def _replay_scorer(self, groups):
-        """Current-policy log-probs of ``groups``, the forwards sharded over ranks by group (same calls everywhere)."""
+        """Current-policy log-probs of ``groups`` (whole groups or response slices of them, :mod:`hdreplay.scan`).
+
+        The forwards are sharded over ranks and every rank runs the same number of forward calls whatever the
+        groups' sizes (ZeRO-3 / FSDP gather parameters inside each forward): the full-row path gives each rank
+        ceil(R / W) rows (the last rank repeats a filler row); the prompt-shared path gives each rank
+        ceil(G / W) groups and pads every rank to the largest number of forward calls."""
         acc = self.accelerator
         W, r, G = acc.num_processes, acc.process_index, len(groups)
-        per = -(-G // W)
-        mine = [groups[min(i, G - 1)] for i in range(r * per, (r + 1) * per)]  # the last rank repeats a filler group
-        share = self._share_prompt and share_pays(groups)  # decided on all groups: the same on every rank
-        logps = self._group_logps(mine, share).to(acc.device)
-        if W > 1:
-            logps = acc.gather(acc.pad_across_processes(logps, dim=1, pad_index=0))
         pg = pad_groups(groups, pad_token_id=self._tokenizer.pad_token_id)
-        return pg.split_by_group(logps[:pg.num_rows].cpu())
+        R = pg.num_rows
+        if self._share_prompt and share_pays(groups):  # decided on all groups: the same on every rank
+            per = -(-G // W)
+            shards = [[groups[min(i, G - 1)] for i in range(q * per, (q + 1) * per)] for q in range(W)]
+            calls = max(len(rescore_batches(s, self._score_batch_size)) for s in shards)
+            logps = self._shared_logps(shards[r], calls)
+            sizes = [sum(g.num_responses for g in s) for s in shards]
+            logps = torch.cat([logps, logps.new_zeros(max(sizes) - logps.shape[0], logps.shape[1])])
+            if W > 1:
+                logps = acc.gather(acc.pad_across_processes(logps.to(acc.device), dim=1, pad_index=0)).cpu()
+            blocks = logps.split(max(sizes))
+            logps = torch.cat([b[:n] for b, n in zip(blocks, sizes)])
+        else:
+            per = -(-R // W)
+            logps = self._row_logps(groups, [min(i, R - 1) for i in range(r * per, (r + 1) * per)])
+            if W > 1:
+                logps = acc.gather(acc.pad_across_processes(logps.to(acc.device), dim=1, pad_index=0)).cpu()
+        return pg.split_by_group(logps[:R])
 
     def _mm_schema(self):
         """The buffer's multimodal schema (None for the text-only per-prompt stores of RePO, ExGRPO and BAPO)."""
