@@ -34,6 +34,10 @@ def _explode(steps: pd.DataFrame, names: tuple[str, ...]) -> pd.DataFrame:
     df = df[df["scan_pass"].map(lambda v: isinstance(v, list) and len(v) > 0)]
     if not len(df):
         return pd.DataFrame(columns=["step", "tau", *names])
+    df = df.copy()
+    for n in have:  # a list the record predates (written empty) or lacks: None per scanned group
+        df[n] = [v if isinstance(v, list) and len(v) == len(p) else [None] * len(p)
+                 for v, p in zip(df[n], df["scan_pass"])]
     out = df.explode(have).reset_index(drop=True)
     for n in names:
         if n not in out:

@@ -91,6 +91,7 @@ class HDRGRPOTrainer(GRPOTrainer):
         self._dynamic = strategy.dynamic  # DAPO's dynamic sampling (replay_dynamic_sampling)
         self._replay_step: ReplayStep | None = None  # the open step (one optimizer update)
         self._capture: tuple | None = None  # (generation, part) while one fresh part's loss forward runs
+        self._gated_update: int | None = None  # the optimizer update whose gate admitted the buffered replay rows
         self._step_offset: int | None = None  # replay step = global_step + offset (0 unless train() is called again)
         self.replay_padding_drift: float | None = None
         self._position_hook = None
@@ -292,8 +293,10 @@ class HDRGRPOTrainer(GRPOTrainer):
                 fresh, offs = zip(*(split_off(f) for f in fresh))
                 replay = [[o] if o is not None else [] for o in offs]
             if first:  # (never with ExGRPO: it selects no replay groups)
-                replay = replay_chunks(step.replay_part, spg=spg, max_rows=self.args.per_device_train_batch_size,
-                                       num_items=out["num_items_in_batch"])
+                steps = spg if self.args.replay_train_scope == "generation" else self._micro_steps_left(spg)
+                replay = replay_chunks(step.replay_part, spg=steps, max_rows=self.args.per_device_train_batch_size,
+                                       num_items=out["num_items_in_batch"]) + [[] for _ in range(spg - steps)]
+                self._gated_update = self.state.global_step
                 for chunk in (c for cs in replay for c in cs if "hdr_mm" in c):  # TRL's flat image layout per chunk
                     images = mm.batch_inputs(chunk.pop("hdr_mm"), chunk["prompt_mask"].cpu(),
                                              chunk["completion_ids"].shape[1])
@@ -301,7 +304,16 @@ class HDRGRPOTrainer(GRPOTrainer):
                 step.replay_part = None
             capture = gen if gen.needs_capture else None
             self._buffered_inputs = [MicroStep(f, r, capture) for f, r in zip(fresh, replay)]
-        return self._buffered_inputs[self._step % spg]
+        micro = self._buffered_inputs[self._step % spg]
+        if micro.replay and self._gated_update != self.state.global_step and self._mixer is None \
+                and self.args.replay_train_scope == "update":  # a later update: its gate no longer vouches for them
+            micro = MicroStep(micro.fresh, [], micro.generation)
+        return micro
+
+    def _micro_steps_left(self, spg: int) -> int:
+        """Micro-steps of the generation that run in the current optimizer update (replay_train_scope="update")."""
+        ga = self.args.gradient_accumulation_steps
+        return max(1, min(spg, ga - self._step % ga))
 
     # ------------------------------------------------------------------ 3. the loss
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
