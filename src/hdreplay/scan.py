@@ -26,14 +26,14 @@ With ``passes=1`` every group is forwarded whole in one call: the full scan.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import numpy as np
 import torch
 
 from .record import GroupRecord
-from .scores import check_scorer_output, drift_bound_rejects, drift_term_sums, score_groups
+from .scores import check_scorer_output, drift_bound_rejects, drift_term_sums, score_group
 
 #: per-group states of the scan
 _OPEN, _PASS, _REJECT, _EARLY = 0, 1, 2, 3
@@ -41,22 +41,42 @@ SCAN_REFRESH = ("slice", "keep", "finish")
 
 
 def response_slices(group: GroupRecord, passes: int) -> list[list[int]]:
-    """The responses of ``group`` with at least one loss token, in order, cut into at most ``passes`` slices of
-    ceil(active / passes) responses (one slice: the whole group)."""
-    active = [i for i, m in enumerate(group.split(group.loss_mask)) if bool(m.any())]
+    """The responses of ``group`` with at least one loss token, in order, cut into slices of ceil(active / passes)
+    responses (one slice: the whole group): the first slice is what the scan forwards first."""
+    active = _Layout(group).active
     size = max(1, math.ceil(len(active) / max(1, passes)))
     return [active[i:i + size] for i in range(0, len(active), size)]
 
 
-def sub_group(group: GroupRecord, responses: Sequence[int]) -> GroupRecord:
-    """``group`` restricted to ``responses`` (same id, prompt and multimodal inputs): what one slice forwards.
+class _Layout:
+    """Where a group's responses lie in its flat token arrays, and their loss-token counts."""
 
-    Built without re-validation (the parts of a validated group), like :meth:`GroupRecord.clone`."""
-    idx = torch.as_tensor(list(responses), dtype=torch.int64)
-    if len(responses) == group.num_responses:
+    def __init__(self, group: GroupRecord) -> None:
+        lens = group.response_lengths.numpy()
+        self.starts = np.concatenate([[0], np.cumsum(lens)]).tolist()
+        lm = group.loss_mask.numpy().astype(np.int64)
+        self.loss = np.add.reduceat(lm, self.starts[:-1]).tolist() if lm.size else [0] * len(lens)
+        self.active = [i for i, c in enumerate(self.loss) if c > 0]
+        self.num_loss = sum(self.loss)
+
+
+def sub_group(group: GroupRecord, responses: Sequence[int], layout: _Layout | None = None) -> GroupRecord:
+    """``group`` restricted to ``responses`` (in order; same id, prompt and multimodal inputs): what one slice
+    forwards.  Built from views of the validated group, without re-validation (like :meth:`GroupRecord.clone`)."""
+    responses = list(responses)
+    if responses == list(range(group.num_responses)):
         return group
-    ri = group.response_index()
-    tok = torch.isin(ri, idx)
+    st = (layout or _Layout(group)).starts
+    runs, a = [], 0  # contiguous runs of responses -> token ranges
+    for j in range(1, len(responses) + 1):
+        if j == len(responses) or responses[j] != responses[j - 1] + 1:
+            runs.append((st[responses[a]], st[responses[j - 1] + 1]))
+            a = j
+
+    def take(t: torch.Tensor) -> torch.Tensor:
+        return t[runs[0][0]:runs[0][1]] if len(runs) == 1 else torch.cat([t[x:y] for x, y in runs])
+
+    idx = torch.as_tensor(responses, dtype=torch.int64)
     rec = object.__new__(GroupRecord)
     put = object.__setattr__
     put(rec, "group_id", group.group_id)
@@ -65,46 +85,64 @@ def sub_group(group: GroupRecord, responses: Sequence[int]) -> GroupRecord:
     put(rec, "mm_inputs", group.mm_inputs)
     put(rec, "response_lengths", group.response_lengths[idx])
     for f in ("completion_ids", "loss_mask", "logprobs"):
-        put(rec, f, getattr(group, f)[tok])
+        put(rec, f, take(getattr(group, f)))
     put(rec, "advantages", group.advantages[idx])
     put(rec, "rewards", group.rewards[idx])
-    put(rec, "extras", {k: v[tok] for k, v in group.extras.items()})
+    put(rec, "extras", {k: take(v) for k, v in group.extras.items()})
     return rec
 
 
-@dataclass
+#: a group that looks rejectable forwards next what its running mean Drift term says the bound needs, times this
+PREDICT_MARGIN = 1.25
+
+
 class _Candidate:
-    """One group of the order as the scan sees it."""
+    """One group of the order as the scan sees it: its active responses are forwarded in order, a prefix at a time."""
 
-    insertion_id: int
-    group: GroupRecord
-    slices: list[list[int]]
-    done: int = 0  # slices forwarded
-    state: int = _OPEN
-    sum64: float = 0.0
-    pieces: dict = field(default_factory=dict)  # response index -> (L_i,) current log-probs
-    rows: int = 0  # rows forwarded
-    tokens: int = 0  # completion tokens forwarded
-    scores: tuple | None = None  # (drift, headroom, kl) once known (exact, or of the slice for _EARLY)
-    finish: bool = False  # early-rejected, but forwarded to the end for its exact Headroom (refresh="finish")
-    loss_tokens: int = 0  # loss tokens forwarded
+    def __init__(self, insertion_id: int, group: GroupRecord, passes: int) -> None:
+        self.insertion_id, self.group, self.layout = insertion_id, group, _Layout(group)
+        self.first = max(1, math.ceil(len(self.layout.active) / passes))  # responses of the first slice
+        self.done = 0  # active responses forwarded
+        self.state = _OPEN
+        self.sum64 = 0.0  # float64 sum of the Drift terms forwarded
+        self.loss_fwd = 0  # loss tokens forwarded
+        self.pieces: dict[int, torch.Tensor] = {}  # response index -> (L_i,) current log-probs
+        self.rows = self.tokens = 0  # forwarded
+        self.scores: tuple | None = None  # (drift, headroom, kl): exact, or for _EARLY the bound and the slice's
+        self.finish = False  # early-rejected, forwarded to the end for its exact Headroom (refresh="finish")
 
-    def grow(self, tau: float) -> None:
-        """A group whose forwarded tokens' mean Drift term is within tau looks admissible: its next slice is the
-        rest of it (an admitted group costs two calls, not ``passes``); otherwise slicing goes on."""
-        looks_ok = self.state == _OPEN and self.sum64 <= tau * self.loss_tokens
-        if (looks_ok or self.finish) and 0 < self.done < len(self.slices) - 1:
-            self.slices[self.done:] = [[i for s in self.slices[self.done:] for i in s]]
+    @property
+    def rest(self) -> int:
+        return len(self.layout.active) - self.done
 
     @property
     def waiting(self) -> bool:
         """Needs another forward: undecided, or early-rejected and to be finished."""
-        return self.state == _OPEN or (self.finish and self.done < len(self.slices))
+        return self.state == _OPEN or (self.finish and self.rest > 0)
+
+    def next_slice(self, tau: float) -> list[int]:
+        """The responses the next call forwards: the first slice; then the rest of a group whose forwarded tokens'
+        mean Drift term is within tau (it looks admissible: an admitted group costs two calls) or that is being
+        finished; else the responses that, at the running mean, would take the partial sum past tau |T(g)|."""
+        act, k = self.layout.active, self.rest
+        if self.done == 0:
+            k = min(k, self.first)
+        elif self.state == _OPEN and self.sum64 > tau * self.loss_fwd:
+            need = PREDICT_MARGIN * tau * self.layout.num_loss * self.loss_fwd / self.sum64 - self.loss_fwd
+            take, got = 1, self.layout.loss[act[self.done]]
+            while take < k and got < need:
+                got += self.layout.loss[act[self.done + take]]
+                take += 1
+            k = take
+        return act[self.done:self.done + k]
 
     def current(self, responses: Sequence[int]) -> torch.Tensor:
         """The flat current log-probs of ``responses`` (zeros for responses never forwarded: no loss token)."""
         lens = self.group.response_lengths.tolist()
         return torch.cat([self.pieces.get(i, torch.zeros(lens[i])) for i in responses])
+
+    def forwarded(self) -> list[int]:
+        return self.layout.active[:self.done]
 
 
 @dataclass
@@ -148,43 +186,49 @@ def run_scan(order: Callable[[int], np.ndarray], get: Callable[[list[int]], list
                 if len(cands) + new > len(prefix):
                     prefix = order(min(limit, max(2 * len(prefix), len(cands) + new)))
                 ids = prefix[len(cands):len(cands) + new].tolist()
-                fresh = [_Candidate(i, g, response_slices(g, passes)) for i, g in zip(ids, get(ids))]
+                fresh = [_Candidate(i, g, passes) for i, g in zip(ids, get(ids))]
                 cands += fresh
                 todo += fresh
         if not todo:
             break
-        for c in todo:
-            c.grow(tau)
-        subs = [sub_group(c.group, c.slices[c.done]) for c in todo]
+        slices = [c.next_slice(tau) for c in todo]
+        subs = [sub_group(c.group, sl, c.layout) for c, sl in zip(todo, slices)]
         lps = check_scorer_output(subs, scorer(subs))
         calls += 1
         sizes.append(len(todo))
-        for c, s, lp in zip(todo, subs, lps):
-            for i, piece in zip(c.slices[c.done], s.split(lp)):
+        for c, sl, sub, lp in zip(todo, slices, subs, lps):
+            for i, piece in zip(sl, sub.split(lp)):
                 c.pieces[i] = piece
-            c.done += 1
-            c.rows += s.num_responses
-            c.tokens += s.num_tokens
-            c.loss_tokens += s.num_loss_tokens
-            rows += s.num_responses
-            tokens += s.num_tokens
-        open_ = [(c, s, lp) for c, s, lp in zip(todo, subs, lps) if c.state == _OPEN]
+            c.done += len(sl)
+            c.rows += sub.num_responses
+            c.tokens += sub.num_tokens
+            c.loss_fwd += sum(c.layout.loss[i] for i in sl)
+            rows += sub.num_responses
+            tokens += sub.num_tokens
+        open_ = [j for j, c in enumerate(todo) if c.state == _OPEN]
         if gate and open_:
-            sums = drift_term_sums([s for _, s, _ in open_], [lp for _, _, lp in open_], drift_norm=drift_norm)
-            for (c, _, _), x in zip(open_, sums):
+            sums = drift_term_sums([subs[j] for j in open_], [lps[j] for j in open_], drift_norm=drift_norm)
+            for j, x in zip(open_, sums):
+                c = todo[j]
                 c.sum64 += x
-                if c.done < len(c.slices) and drift_bound_rejects(c.sum64, c.group.num_loss_tokens, tau):
+                if c.rest and drift_bound_rejects(c.sum64, c.layout.num_loss, tau):
                     c.state = _EARLY
-        complete = [c for c in todo if c.done == len(c.slices) and c.state in (_OPEN, _EARLY)]
-        _score_whole(complete, gate=gate, tau=tau, drift_norm=drift_norm, headroom_weighting=headroom_weighting)
-        if refresh == "finish":
-            for c in todo:
-                c.finish = c.state == _EARLY
+                    c.finish = refresh == "finish"
+        for c in todo:
+            if c.rest == 0 and c.scores is None:
+                c.scores = score_group(c.group, c.current(range(c.group.num_responses)), drift_norm=drift_norm,
+                                       headroom_weighting=headroom_weighting)
+                if c.state == _OPEN:
+                    c.state = _PASS if (not gate or c.scores[0] <= tau) else _REJECT
     kth = _kth_pass(cands, k)
     m = len(cands) if kth is None else kth + 1
     scanned, rest = cands[:m], cands[m:]
-    early = [c for c in scanned if c.state == _EARLY and c.scores is None]
-    _score_slices(early, drift_norm=drift_norm, headroom_weighting=headroom_weighting)
+    for c in scanned:  # early-rejected: Drift = the lower bound, Headroom and replay KL of the responses forwarded
+        if c.state == _EARLY and c.scores is None:
+            sub = sub_group(c.group, c.forwarded(), c.layout)
+            _, h, kl = score_group(sub, c.current(c.forwarded()), drift_norm=drift_norm,
+                                   headroom_weighting=headroom_weighting)
+            c.scores = (c.sum64 / c.layout.num_loss, h, kl)
     return ScanOutcome(scanned=scanned, unused=len(rest), calls=calls, chunk_sizes=sizes, rows=rows, tokens=tokens,
                        unused_tokens=sum(c.tokens for c in rest), reached=len(cands))
 
@@ -197,26 +241,3 @@ def _kth_pass(cands: list[_Candidate], k: int) -> int | None:
         if seen == k:
             return j
     return None
-
-
-def _score_whole(cands: list[_Candidate], *, gate: bool, tau: float, drift_norm: str, headroom_weighting: str) -> None:
-    """Exact scores of fully forwarded groups; decide those still open.  Each group is scored on its own row, so
-    its Drift is the same float32 number however the scan batched it (and equals a one-group-at-a-time scan's)."""
-    for c in cands:
-        cur = c.current(range(c.group.num_responses))
-        sc = score_groups([c.group], [cur], drift_norm=drift_norm, headroom_weighting=headroom_weighting)
-        d = float(sc.drift[0])
-        c.scores = (d, float(sc.headroom[0]), float(sc.replay_kl[0]))
-        if c.state == _OPEN:
-            c.state = _PASS if (not gate or d <= tau) else _REJECT
-
-
-def _score_slices(cands: list[_Candidate], *, drift_norm: str, headroom_weighting: str) -> None:
-    """Early-rejected groups: Drift = the lower bound, Headroom and replay KL of the responses forwarded."""
-    if not cands:
-        return
-    subs = [sub_group(c.group, [i for s in c.slices[:c.done] for i in s]) for c in cands]
-    cur = [c.current([i for s in c.slices[:c.done] for i in s]) for c in cands]
-    sc = score_groups(subs, cur, drift_norm=drift_norm, headroom_weighting=headroom_weighting)
-    for c, h, kl in zip(cands, sc.headroom.tolist(), sc.replay_kl.tolist()):
-        c.scores = (c.sum64 / c.group.num_loss_tokens, h, kl)

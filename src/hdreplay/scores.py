@@ -333,15 +333,27 @@ _U32 = 2.0 ** -24
 
 def drift_term_sums(groups: Sequence[GroupRecord], current_logprobs: Sequence[torch.Tensor], *,
                     drift_norm: str) -> list[float]:
-    """Per group, the sum over its loss tokens of the float32 Drift terms (what :func:`drift` averages), summed in
-    float64.  Inputs as :func:`score_groups` (checked); used on response slices of stored groups, whose sums add
-    up to a lower bound of the group's total (every term is >= 0)."""
+    """Per group, the sum over its loss tokens of the float32 Drift terms (what :func:`drift` averages, the same
+    float32 numbers), summed in float64.  Inputs as :func:`score_groups` (checked); used on response slices of
+    stored groups, whose sums add up to a lower bound of the group's total (every term is >= 0)."""
     if not groups:
         return []
-    pk = _Packed.of(groups)
-    d = _delta(pk.grid(torch.cat(list(current_logprobs)).float()), pk.logprobs, pk.mask)
-    terms = d.square() if drift_norm == "l2" else d.abs()  # float32, exactly the full scan's terms
-    return terms.double().sum(dim=1).tolist()
+    d = torch.cat(list(current_logprobs)).float() - torch.cat([g.logprobs for g in groups]).float()
+    d = torch.where(torch.cat([g.loss_mask for g in groups]), d, torch.zeros_like(d))
+    terms = (d.square() if drift_norm == "l2" else d.abs()).double()
+    return [float(t.sum()) for t in terms.split([g.num_tokens for g in groups])]
+
+
+def score_group(group: GroupRecord, current: torch.Tensor, *, drift_norm: str,
+                headroom_weighting: str) -> tuple[float, float, float]:
+    """(Drift, runtime Headroom, replay KL) of one stored group from its checked ``(T,)`` current log-probs: the
+    same float32 numbers :func:`score_groups` gives for ``[group]`` alone (one row, no padding), without packing."""
+    m = group.loss_mask[None]
+    count = m.sum(dim=1)
+    lp, ref = current.float()[None], group.logprobs[None]
+    return (float(_drift(lp, ref, m, count, drift_norm)[0]),
+            float(_headroom(lp, group.token_advantages()[None], m, count, headroom_weighting)[0]),
+            float(_kl_per_group(lp, ref, m, count)[0]))
 
 
 def drift_bound_rejects(partial_sum: float, num_loss_tokens: int, tau: float) -> bool:

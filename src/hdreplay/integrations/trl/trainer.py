@@ -198,10 +198,10 @@ class HDRGRPOTrainer(GRPOTrainer):
                 **mm.to_device(mm_inputs, input_ids.device))
         return logps
 
-    def _row_logps(self, groups, rows: list[int]) -> torch.Tensor:
-        """(len(rows), C) current log-probs of rows ``rows`` of ``pad_groups(groups)`` through TRL's full-row forward
-        (columns no row of them needs are trimmed before the forward and zero-filled after it)."""
-        pg = pad_groups(groups, pad_token_id=self._tokenizer.pad_token_id)
+    def _row_logps(self, groups, rows: list[int], pg=None) -> torch.Tensor:
+        """(len(rows), C) current log-probs of rows ``rows`` of ``pg = pad_groups(groups)`` through TRL's full-row
+        forward (columns no row of them needs are trimmed before the forward and zero-filled after it)."""
+        pg = pg if pg is not None else pad_groups(groups, pad_token_id=self._tokenizer.pad_token_id)
         idx = torch.as_tensor(rows)
         pm, cm = pg.prompt_mask[idx], pg.completion_mask[idx]
         P, C = int(pm.sum(1).max()), int(cm.sum(1).max())
@@ -245,7 +245,7 @@ class HDRGRPOTrainer(GRPOTrainer):
             logps = torch.cat([b[:n] for b, n in zip(blocks, sizes)])
         else:
             per = -(-R // W)
-            logps = self._row_logps(groups, [min(i, R - 1) for i in range(r * per, (r + 1) * per)])
+            logps = self._row_logps(groups, [min(i, R - 1) for i in range(r * per, (r + 1) * per)], pg)
             if W > 1:
                 logps = acc.gather(acc.pad_across_processes(logps.to(acc.device), dim=1, pad_index=0)).cpu()
         return pg.split_by_group(logps[:R])
