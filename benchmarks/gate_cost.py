@@ -13,7 +13,8 @@ cached Headroom refreshed from the whole group).  At every step, on the same wei
 * **shadow controllers**: copies of the controller fed the same fresh groups at every step (so they hold the same
   groups: buffer membership does not depend on selection) but selecting with their own settings and keeping their
   own cached Headroom, reject streaks and skips: ``slice`` / ``keep`` / ``finish`` (scan_passes 4 and that
-  ``scan_refresh``) and ``skip`` (slice + skip_rejected).  Their selections are compared with the full scan's at
+  ``scan_refresh``) and ``skip`` / ``skip2`` / ``skip_life`` (slice + skip_rejected = --skip, 2, and 10,000: a
+  rejected group is never scanned again).  Their selections are compared with the full scan's at
   every step (Jaccard of the replayed group ids; ``finish`` must agree at every step), holding the policy
   trajectory fixed: what the refresh policy and the skip do to later selections, separated from what they do to
   training (the paired accuracy runs are docs/results/gate_cost).
@@ -57,7 +58,9 @@ PAIRED = {"passes2": dict(scan_passes=2), "passes4": dict(scan_passes=4), "passe
 def shadows(skip: int) -> dict[str, dict]:
     return {"slice": dict(scan_passes=4, scan_refresh="slice"), "keep": dict(scan_passes=4, scan_refresh="keep"),
             "finish": dict(scan_passes=4, scan_refresh="finish"),
-            "skip": dict(scan_passes=4, scan_refresh="slice", skip_rejected=skip)}
+            "skip": dict(scan_passes=4, scan_refresh="slice", skip_rejected=skip),
+            "skip2": dict(scan_passes=4, scan_refresh="slice", skip_rejected=2),
+            "skip_life": dict(scan_passes=4, scan_refresh="slice", skip_rejected=10_000)}
 
 
 class Tally:

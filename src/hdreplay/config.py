@@ -119,7 +119,7 @@ class ReplayConfig:
                  "refresh and its cost for those groups)", choices=SCAN_REFRESH)
     skip_rejected: int = knob(
         0, "futile re-scoring: a group the gate rejects with Drift D (or the early-rejection bound of it) is not "
-           "scanned at the next min(skip_rejected, floor(log2(D / tau))) steps (0 = off, the paper's scan: a "
+           "scanned at the next min(skip_rejected, 1 + floor(log2(D / tau))) steps (0 = off, the paper's scan: a "
            "rejected group may be scanned again at the next step)")
     acceptance_ema: float = knob(0.5, "weight of the newest step in the running acceptance rate that sizes "
                                       "chunks, in (0, 1]")

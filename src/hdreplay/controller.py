@@ -354,13 +354,14 @@ class ReplayController:
 
 def skip_until(sel: Selection, max_skip: int) -> np.ndarray:
     """(s,) per scanned group, the first step the scan may consider it again: the next step, or for a group rejected
-    with Drift D (its lower bound when rejected early) min(max_skip, floor(log2(D / tau))) steps later."""
+    with Drift D (its lower bound when rejected early) after sitting out min(max_skip, 1 + floor(log2(D / tau)))
+    steps (0 everywhere when max_skip is 0: nothing is skipped)."""
     nxt = np.full(len(sel.scanned), sel.step + 1, dtype=np.int64)
     if max_skip == 0:
         return np.zeros(len(sel.scanned), dtype=np.int64)
     with np.errstate(divide="ignore"):
         ratio = np.where(sel.scanned_pass, 1.0, sel.scanned_drift / sel.tau if sel.tau > 0 else np.inf)
-    steps = np.floor(np.log2(np.maximum(ratio, 1.0)))
+    steps = np.where(sel.scanned_pass, 0.0, 1.0 + np.floor(np.log2(np.maximum(ratio, 1.0))))
     return nxt + np.minimum(steps, max_skip).astype(np.int64)
 
 

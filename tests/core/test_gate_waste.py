@@ -68,7 +68,7 @@ def test_skip_leaves_out_widely_rejected_groups_for_log2_steps(max_skip):
         assert rec.skipped == sum(banned.get(g, 0) > st.step for g in st.live_before)
         for gid, ok, d in zip(sel.scanned_group_ids, sel.scanned_pass, sel.scanned_drift):
             if not ok:
-                banned[gid] = st.step + 1 + min(max_skip, math.floor(math.log2(d / cfg.tau)))
+                banned[gid] = st.step + 1 + min(max_skip, 1 + math.floor(math.log2(d / cfg.tau)))
         skipped += rec.skipped
     assert skipped > 0
     # off, the same run scans some of the groups the option left out
