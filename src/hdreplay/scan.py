@@ -33,11 +33,11 @@ import numpy as np
 import torch
 
 from .record import GroupRecord
+from .selectors import SCAN_REFRESH  # noqa: F401  (re-exported)
 from .scores import check_scorer_output, drift_bound_rejects, drift_term_sums, score_group
 
 #: per-group states of the scan
 _OPEN, _PASS, _REJECT, _EARLY = 0, 1, 2, 3
-SCAN_REFRESH = ("slice", "keep", "finish")
 
 
 def response_slices(group: GroupRecord, passes: int) -> list[list[int]]:

@@ -1,6 +1,7 @@
 """HDRGRPOConfig's replay fields are generated from ReplayConfig: every knob settable, parsed, validated once."""
 
 import dataclasses
+import json
 
 import pytest
 
@@ -45,15 +46,25 @@ def test_every_replay_knob_reaches_the_core_config():
 
 
 def test_trl_parser_parses_every_knob_from_the_command_line():
+    """``--replay_<knob>=value`` through TrlParser (what `trl grpo` and scripts use) for every knob ReplayConfig
+    declares: each parsed value is the HDRGRPOConfig field and the core config's (a knob missing from VALUES is a
+    KeyError here, so a new knob cannot go untested)."""
     from trl import TrlParser
+
+    from hdreplay.config import adaptive_tau_from
 
     argv = ["--output_dir=/tmp/hdr_cfg", "--use_cpu", "--bf16=false", "--num_generations=4",
             "--per_device_train_batch_size=8"]
-    for k, v in VALUES.items():
-        argv.append(f"--replay_{k}={str(v).lower() if isinstance(v, bool) else v}")
+    argv += [f"--replay_{k.name}={str(VALUES[k.name]).lower() if isinstance(VALUES[k.name], bool) else VALUES[k.name]}"
+             for k in knobs()]
     (args,) = TrlParser((HDRGRPOConfig,)).parse_args_and_config(argv)
     rc = args.to_replay_config()
-    assert rc.adaptive_tau.patience == 2 and rc.counterfactual is True and rc.tau == 0.02 and rc.scan_chunk == 5
+    for k in knobs():
+        want, field, core = VALUES[k.name], getattr(args, f"replay_{k.name}"), getattr(rc, k.name)
+        if k.name == "adaptive_tau":
+            want, field = adaptive_tau_from(json.loads(want)), adaptive_tau_from(field)
+        assert field == want and core == want and type(core) is type(want), (k.name, field, core, want)
+    assert rc.group_size == 4
 
 
 @pytest.mark.parametrize("over,needle", [
@@ -67,3 +78,28 @@ def test_bad_values_are_refused_naming_the_trl_field(over, needle):
     with pytest.raises(ReplayConfigError, match=needle) as e:
         HDRGRPOConfig(**BASE, **over)
     assert e.value.field == needle
+
+
+def test_the_replay_settings_are_built_once_per_run_and_follow_a_changed_field(monkeypatch, tmp_path):
+    """One ReplayConfig and one plan per run: built with the HDRGRPOConfig, then handed to the trainer (and to
+    everything that asks the config again) instead of being rebuilt; a field changed afterwards is honoured."""
+    import hdreplay.integrations.trl.config as trl_config
+    from trl_fixtures import make_args, prompts, reward_digit, tiny_model
+
+    from hdreplay.integrations.trl import HDRGRPOTrainer
+
+    plans, builds = [], []
+    real_plan, real_init = trl_config.plan_replay, ReplayConfig.__post_init__
+    monkeypatch.setattr(trl_config, "plan_replay", lambda **kw: plans.append(kw) or real_plan(**kw))
+    monkeypatch.setattr(ReplayConfig, "__post_init__", lambda self: builds.append(self) or real_init(self))
+    args = make_args(tmp_path, replay_k_rep=None)  # the default K_rep: the plan sets it (F // 2 = 2)
+    assert len(plans) == 1 and builds[-1].k_rep == 2
+    done = len(builds)
+    model, tok = tiny_model(tmp_path)
+    tr = HDRGRPOTrainer(model=model, reward_funcs=reward_digit, args=args, train_dataset=prompts(),
+                        processing_class=tok)
+    assert len(plans) == 1 and len(builds) == done  # the trainer took the config's settings
+    assert tr.replay_config is args.to_replay_config() is tr.replay.config and tr.replay_plan is args.replay_plan()
+    assert tr.replay.tau == args.replay_tau
+    args.replay_tau = 0.5  # a field changed after construction is not served stale
+    assert args.to_replay_config().tau == 0.5 and len(plans) == 2
