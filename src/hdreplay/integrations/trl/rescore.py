@@ -22,9 +22,12 @@ import torch
 from ...padding import pad_groups
 from ...record import GroupRecord
 
-#: share the prompt pass only when it runs at most this fraction of the full forward's token positions: with short
-#: prompts the two forward calls it takes cost more than the prompt tokens they save
-SHARE_BELOW_TOKEN_RATIO = 0.75
+#: share the prompt pass only when it runs at most this fraction of the full forward's token positions.  A token of
+#: the shared path costs more than one of the full forward (two calls per batch, the KV cache copied per row):
+#: measured on CPU (benchmarks/trl_rescore.py) 1.2-2.3x, so it pays below a ratio of 0.43-0.86 depending on rows
+#: per call; on one H200 (docs/results/README.md, GPU check) 3-5x per row at a ratio of 0.71, where it did not pay.
+#: 0.3 keeps it where prompts dominate by far (a ratio 0.3 costs at most ~1.2x at 4x per token)
+SHARE_BELOW_TOKEN_RATIO = 0.3
 
 
 def can_share_prompt(model: torch.nn.Module) -> bool:
