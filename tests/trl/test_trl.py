@@ -413,3 +413,29 @@ def test_user_callbacks_see_the_step_committed_at_step_end(model_dir, tmp_path):
                         args=make_args(tmp_path / "o", max_steps=3), callbacks=[Probe()])
     tr.train()
     assert seen == [(1, 0), (2, 1), (3, 2)]  # the update's replay step (opened at global_step - 1) is committed
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_sliced_scan_through_the_trainers_scorer_makes_the_full_scans_decisions(model_dir, tmp_path, monkeypatch,
+                                                                                  shared):
+    """Exact early rejection through TRL's own re-scoring paths (full rows, and one prompt pass per slice): the same
+    scanned groups and gate decisions as whole groups, fewer rows forwarded, and the run itself rejected early."""
+    import dataclasses
+
+    import hdreplay.integrations.trl.rescore as rescore
+    from hdreplay import select_replay
+
+    tr = run(model_dir, tmp_path / "out", max_steps=6, replay_tau=0.02, learning_rate=1e-2, replay_k_rep=2)
+    if shared:
+        monkeypatch.setattr(rescore, "SHARE_BELOW_TOKEN_RATIO", 10.0)  # these short prompts would not be shared
+        tr._share_prompt = True
+    ctrl = tr.replay
+    cfg = ctrl.config
+    assert cfg.scan_passes == 4
+    whole = select_replay(ctrl.buffer, dataclasses.replace(cfg, scan_passes=1), tr._replay_scorer,
+                          step=ctrl.last_step + 1, tau=ctrl.tau)
+    sliced = select_replay(ctrl.buffer, cfg, tr._replay_scorer, step=ctrl.last_step + 1, tau=ctrl.tau)
+    assert len(whole.scanned) and (~whole.scanned_pass).any()
+    assert sliced.scanned.tolist() == whole.scanned.tolist()
+    assert sliced.scanned_pass.tolist() == whole.scanned_pass.tolist()
+    assert sliced.rescored_rows < whole.rescored_rows and (~sliced.scanned_exact).any()
