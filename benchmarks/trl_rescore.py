@@ -4,7 +4,7 @@
     python benchmarks/trl_rescore.py --quick
 
 Workload: G groups of n responses, prompts of ~P tokens (>= 4x the completion length C), a Qwen2-shaped random
-model through HDRGRPOTrainer's own scoring path (``_group_logps``: the same fused LM head, temperature and
+model through HDRGRPOTrainer's own scoring paths (``_row_logps`` / ``_shared_logps``: the same fused LM head, temperature and
 position ids as training).  ``full`` re-scores every row as prompt + completion (what the trainer did before);
 ``shared`` encodes each prompt once and expands its KV cache to the group's n rows.
 
@@ -55,7 +55,7 @@ def make_groups(tr, *, G, n, P, C, seed=0):
                                                  logprobs=[torch.zeros(C)] * n, advantages=torch.zeros(n),
                                                  rewards=torch.zeros(n), birth_step=0))
     pg = pad_groups(groups, pad_token_id=tr._tokenizer.pad_token_id)
-    lps = pg.split_by_group(tr._group_logps(groups, share=False))
+    lps = pg.split_by_group(tr._row_logps(groups, list(range(pg.num_rows))))
     return [GroupRecord(group_id=x.group_id, prompt_ids=x.prompt_ids, completion_ids=x.completion_ids,
                         response_lengths=x.response_lengths, loss_mask=x.loss_mask, logprobs=lp.clamp(max=0),
                         advantages=x.advantages, rewards=x.rewards, birth_step=0) for x, lp in zip(groups, lps)]
@@ -95,10 +95,11 @@ def main() -> None:
     shared_tokens, full_tokens = rescore_token_counts(groups)
     assert share_pays(groups), "the trainer would not share the prompt pass on this workload"
     res = {}
+    pg = pad_groups(groups, pad_token_id=tok.pad_token_id)
     for rows_per_call in (args.generations, G * args.generations):
         tr.args.replay_score_batch_size = rows_per_call
-        t_full, full = timed(lambda: tr._group_logps(groups, share=False), repeats)
-        t_shared, shared = timed(lambda: tr._group_logps(groups, share=True), repeats)
+        t_full, full = timed(lambda: tr._row_logps(groups, list(range(pg.num_rows))), repeats)
+        t_shared, shared = timed(lambda: tr._shared_logps(groups, 0), repeats)
         res[f"rows_per_call_{rows_per_call}"] = {"full_s": t_full, "shared_s": t_shared,
                                                  "rescore_time_ratio": t_shared / t_full}
     pg = pad_groups(groups, pad_token_id=tok.pad_token_id)

@@ -2,6 +2,7 @@
 
     python benchmarks/trl_step.py            # full run (a few minutes)
     python benchmarks/trl_step.py --quick    # under 60 s
+    python benchmarks/trl_step.py --gate     # the full scan vs exact early rejection at a rejecting tau
 
 Workload shaped like LLM RL: long sampled completions (min/max new tokens, default 96/96), so
 generation is at least half of the on-policy step (reported as ``generation_fraction``).  Equal
@@ -144,6 +145,9 @@ class StepClock(TrainerCallback):
             "train": c["training_step"] - c["prepare"],
             "scanned": getattr(self.tr.replay.last_record, "scanned", 0) if self.tr.replay_active else 0,
             "accepted": getattr(self.tr.replay.last_record, "accepted", 0) if self.tr.replay_active else 0,
+            **({k: getattr(self.tr.replay.last_record, k, 0) for k in (
+                "rescored_rows", "rescored_tokens", "replayed_rows", "replayed_tokens", "scored_unused", "scan_drift")}
+               if self.tr.replay_active and self.tr.replay.last_record is not None else {}),
         })
 
 
@@ -151,7 +155,7 @@ def reward_digits(completions, **kw):
     return [float(sum(ch.isdigit() for ch in c) > len(c) / 4) for c in completions]
 
 
-def make(name, *, model_dir, b, n, r, selector, min_new, max_new, seed, steps, rollout_ms):
+def make(name, *, model_dir, b, n, r, selector, min_new, max_new, seed, steps, rollout_ms, tau=1e9, passes=None):
     model, tok = load_model(model_dir)
     prompts = [f"{i}+{j}=" for i in range(200) for j in range(7)]
     ds = Dataset.from_dict({"prompt": prompts})
@@ -161,8 +165,8 @@ def make(name, *, model_dir, b, n, r, selector, min_new, max_new, seed, steps, r
         per_device_train_batch_size=b * n, num_generations=n, max_completion_length=max_new,
         generation_kwargs={"min_new_tokens": min_new}, learning_rate=1e-5, lr_scheduler_type="constant",
         loss_type="grpo", seed=seed, disable_tqdm=True, disable_dropout=True,
-        replay_selector=selector, replay_k_rep=r, replay_tau=1e9, replay_capacity=512, replay_diagnostics_dir="",
-        replay_score_batch_size=4096,
+        replay_selector=selector, replay_k_rep=r, replay_tau=tau, replay_capacity=512, replay_diagnostics_dir="",
+        replay_score_batch_size=4096, **({} if passes is None else {"replay_scan_passes": passes}),
     )
     tr = TimedTrainer(model=model, reward_funcs=reward_digits, args=args, train_dataset=ds, processing_class=tok)
     tr.rollout_s_per_token = rollout_ms / 1000.0
@@ -245,9 +249,64 @@ def rank_agreement_cost(step_s: float, bookkeeping_fraction: float, calls: int =
                     "2 processes on this machine); step and bookkeeping fraction: this file's hdr_b_r"}
 
 
+def gate_pair(args, b, n, r, rounds, per_round) -> None:
+    """``--gate``: the full scan against exact early rejection (``replay_scan_passes`` 1 vs the default), the same
+    workload at a tau that rejects: the first round runs both at tau = 1e9 and the scanned groups' Drift sets tau
+    to its ``--gate-quantile`` quantile.  Writes trl_step_gate.json: per configuration the median step and
+    re-scoring seconds, rows / tokens re-scored per admitted row / token, scanned groups per step."""
+    t_start = time.perf_counter()
+    model_dir = Path(tempfile.mkdtemp(prefix="bench-model-")) / "m"
+    build_tiny_model(model_dir, hidden=128, layers=4, max_positions=512)
+    common = dict(model_dir=model_dir, n=n, min_new=args.min_new, max_new=args.max_new, seed=0, steps=per_round,
+                  rollout_ms=args.rollout_ms_per_token, b=b, r=r, selector="headroom_drift")
+    probe = make("probe", **common)
+    for _ in range(2):
+        probe.train()
+    drifts = sorted(d for st in probe.steps for d in st.get("scan_drift", []) if d is not None)
+    tau = float(drifts[int(args.gate_quantile * (len(drifts) - 1))])
+    trainers = {name: make(name, tau=tau, passes=p, **common) for name, p in (("hdr_full", 1), ("hdr_sliced", None))}
+    for rnd in range(rounds):
+        for tr in trainers.values():
+            before = len(tr.steps)
+            tr.train()
+            if rnd == 0:
+                tr.steps.clear()
+            else:
+                del tr.steps[before]
+        print(f"round {rnd + 1}/{rounds} done ({time.perf_counter() - t_start:.0f} s)", flush=True)
+    res = {}
+    for name, tr in trainers.items():
+        st = tr.steps
+        tot = {k: sum(s[k] for s in st) for k in ("rescored_rows", "rescored_tokens", "replayed_rows",
+                                                  "replayed_tokens", "scanned", "accepted", "scored_unused")}
+        res[name] = {"step_s": statistics.median(s["step"] for s in st),
+                     "rescoring_s": statistics.median(s["rescoring"] for s in st),
+                     "rescoring_s_total": sum(s["rescoring"] for s in st),
+                     "rows_per_admitted_row": tot["rescored_rows"] / max(tot["replayed_rows"], 1),
+                     "tokens_per_admitted_token": tot["rescored_tokens"] / max(tot["replayed_tokens"], 1),
+                     "groups_touched_per_admitted": (tot["scanned"] + tot["scored_unused"]) / max(tot["accepted"], 1),
+                     "scanned_per_step": tot["scanned"] / len(st), "budget_fill": tot["accepted"] / (r * len(st)),
+                     "timed_steps": len(st), "totals": tot}
+    result = {"tau": tau, "tau_quantile": args.gate_quantile, "configs": res,
+              "rescoring_ratio": res["hdr_sliced"]["rescoring_s_total"] / max(res["hdr_full"]["rescoring_s_total"],
+                                                                           1e-12),
+              "workload": {"b": b, "r": r, "n": n, "min_new_tokens": args.min_new, "max_new_tokens": args.max_new,
+                           "rounds": rounds, "steps_per_round": per_round, "lr": 1e-5,
+                           "rollout_ms_per_token": args.rollout_ms_per_token},
+              "torch": torch.__version__, "threads": torch.get_num_threads(), "loadavg_end": list(os.getloadavg()),
+              "wall_s": time.perf_counter() - t_start}
+    out = Path(args.out if args.out != str(RESULTS / "trl_step.json") else RESULTS / "trl_step_gate.json")
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result, indent=2))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--gate", action="store_true", help="the full scan against exact early rejection at a tau that "
+                                                        "rejects (writes trl_step_gate.json; see gate_pair)")
+    ap.add_argument("--gate-quantile", type=float, default=0.35,
+                    help="--gate: tau = this quantile of the probe's scanned Drift (about the acceptance rate)")
     ap.add_argument("--prompts", type=int, default=8, help="b: fresh groups per step")
     ap.add_argument("--generations", type=int, default=8)
     ap.add_argument("--min-new", type=int, default=96)
@@ -273,6 +332,8 @@ def main() -> None:
     if b % 2:
         raise SystemExit("--prompts must be even (r = b/2, 1.5b)")
     r = b // 2
+    if args.gate:
+        return gate_pair(args, b, n, r, rounds, per_round)
     t_start = time.perf_counter()
     model_dir = Path(tempfile.mkdtemp(prefix="bench-model-")) / "m"
     build_tiny_model(model_dir, hidden=128, layers=4, max_positions=512)

@@ -8,7 +8,8 @@ them changes the stored state.
 
 Per-group mutable state lives in slot arrays indexed by ``insertion_id % L``
 (:data:`hdreplay.storage.SLOT_FIELDS`): cached Headroom, reference Headroom, last refresh step, birth
-step, lifetime replay count N_rep, exposure W and the loss-token count.  Insertion ids are consecutive,
+step, lifetime replay count N_rep, exposure W, the loss-token count, the consecutive gate rejections
+and the first step the scan may consider the group again.  Insertion ids are consecutive,
 so the live ids ``[next_id - size, next_id)`` (oldest first) map to distinct slots whenever
 ``L >= size``; ``L`` grows geometrically up to the capacity as the buffer fills, so a large capacity
 costs nothing until it is used.
@@ -275,6 +276,8 @@ class ReplayBuffer:
         s["replay_count"][sl] = 0
         s["exposure"][sl] = 0.0
         s["num_loss_tokens"][sl] = [r.num_loss_tokens for r in records]
+        s["reject_streak"][sl] = 0
+        s["skip_until"][sl] = 0
         for r, i in zip(records, ids.tolist()):
             self._id_of_group[r.group_id] = i
         if self._extras_keys is None:
@@ -321,6 +324,18 @@ class ReplayBuffer:
         step = check_step("step", step)
         self._slots["cached_headroom"][sl] = v
         self._slots["refresh_step"][sl] = step
+
+    def record_scan(self, ids, passed, skip_until) -> None:
+        """After a scan: ``passed`` (bool per id) resets the reject streak or adds one; ``skip_until`` (a step per
+        id, >= 0) is the first step the scan may consider the group again (ids distinct, live)."""
+        arr = check_ids("ids", ids)
+        sl = self._slot(arr)
+        ok = np.asarray(passed, dtype=bool).reshape(-1)
+        until = np.asarray(skip_until, dtype=np.int64).reshape(-1)
+        if ok.size != arr.size or until.size != arr.size or (until < 0).any() or (until > MAX_STEP).any():
+            raise ReplayInputError(f"record_scan: passed and skip_until need {arr.size} entries (steps >= 0)")
+        self._slots["reject_streak"][sl] = np.where(ok, 0, self._slots["reject_streak"][sl] + 1)
+        self._slots["skip_until"][sl] = until
 
     def record_use(self, ids, *, weight: float) -> None:
         """Count one replay of each id (N_rep += 1) and add ``weight`` = 1/|A_t| in (0, 1] to its exposure."""

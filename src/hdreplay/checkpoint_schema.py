@@ -37,7 +37,9 @@ from .validate import MAX_COUNT, MAX_STEP, is_int, is_real
 CONFIG_REFUSED = ("capacity", "headroom_weighting")
 CONFIG_WARNED = ("selector", "k_rep", "tau", "drift_norm", "ingress", "answer_threshold", "truncate_multiple",
                  "max_scan", "acceptance_ema", "adaptive_tau", "group_size", "seed", "priority_alpha", "age_decay",
-                 "is_beta", "max_age")
+                 "is_beta", "max_age", "scan_refresh", "skip_rejected")
+#: slots added after checkpoints were first written, and the value an older checkpoint's groups get
+SLOT_DEFAULTS = {"reject_streak": 0, "skip_until": 0}
 BUFFER_META_KEYS = ("capacity", "group_size", "next_id", "size", "group_ids", "birth_steps", "extras_keys")
 _TORCH = {np.int64: torch.int64, np.float64: torch.float64}
 
@@ -116,6 +118,9 @@ def parse_buffer_state(tensors: Any, meta: Any, *, capacity: int, group_size: in
     slots = {}
     for k, dt in slot_fields.items():
         t = tensors.get(f"slot.{k}")
+        if t is None and k in SLOT_DEFAULTS:  # written before the slot existed
+            slots[k] = np.full(size, SLOT_DEFAULTS[k], dtype=dt)
+            continue
         if t is None or t.dim() != 1 or t.numel() != size or t.dtype != _TORCH[dt]:
             raise bad(f"slot.{k} must be a 1-D {_TORCH[dt]} tensor of {size} entries")
         slots[k] = t.numpy().astype(dt)  # a copy
@@ -131,6 +136,8 @@ def parse_buffer_state(tensors: Any, meta: Any, *, capacity: int, group_size: in
         raise bad("negative replay counts or exposure")
     if ((slots["refresh_step"] < 0) | (slots["refresh_step"] >= MAX_STEP)).any():
         raise bad("refresh steps out of range")
+    if (slots["reject_streak"] < 0).any() or ((slots["skip_until"] < 0) | (slots["skip_until"] > MAX_STEP)).any():
+        raise bad("negative reject streaks or skip steps out of range")
     block = None
     if size:
         block = Block.from_tensors(tensors, first_id=int(ids[0]), group_ids=gids, birth_steps=births,

@@ -25,7 +25,7 @@ from .adaptive import AdaptiveTau
 from .errors import ReplayConfigError
 from .ingress import INGRESS_RULES
 from .scores import DRIFT_NORMS, HEADROOM_WEIGHTINGS
-from .selectors import SELECTORS
+from .selectors import SCAN_REFRESH, SELECTORS
 
 from .validate import MAX_CAPACITY, MAX_COUNT  # noqa: F401  (re-exported: the bounds every front end shows)
 
@@ -122,6 +122,18 @@ class ReplayConfig:
         None, "scan budget: at most this many groups are re-scored per step; unset = min(capacity, 8 * k_rep), "
               "so a gate that passes fewer than 1 in 8 groups cannot fill the budget, and a tau so tight that "
               "nothing passes costs at most 8 * k_rep re-scores per step instead of the whole buffer", flat=int)
+    scan_passes: int = knob(
+        4, "exact early rejection: each scanned group's responses are forwarded in at most this many slices (batched "
+           "across the groups of a scan window) and a group stops being forwarded once the Drift of what was forwarded "
+           "already proves Drift > tau; the gate decisions are the full scan's. 1 = every group forwarded whole")
+    scan_refresh: str = knob(
+        "slice", "cached Headroom of a group rejected early: slice (refresh from the responses forwarded), keep (leave "
+                 "the cached value), finish (forward the rest of the group for its exact Headroom: the full scan's "
+                 "refresh and its cost for those groups)", choices=SCAN_REFRESH)
+    skip_rejected: int = knob(
+        0, "futile re-scoring: a group the gate rejects with Drift D (or the early-rejection bound of it) is not "
+           "scanned at the next min(skip_rejected, 1 + floor(log2(D / tau))) steps (0 = off, the paper's scan: a "
+           "rejected group may be scanned again at the next step)")
     acceptance_ema: float = knob(0.5, "weight of the newest step in the running acceptance rate that sizes "
                                       "chunks, in (0, 1]")
     group_size: int | None = knob(None, "if set, every ingress group must have exactly this many responses",
@@ -181,6 +193,13 @@ class ReplayConfig:
             raise _err("max_scan_chunk", f"must be an int in [1, {MAX_COUNT}], got {self.max_scan_chunk!r}")
         if self.max_scan is not None and (not _is_int(self.max_scan) or not 1 <= self.max_scan <= MAX_CAPACITY):
             raise _err("max_scan", f"must be unset (auto) or an int in [1, {MAX_CAPACITY}], got {self.max_scan!r}")
+        if not _is_int(self.scan_passes) or not 1 <= self.scan_passes <= MAX_COUNT:
+            raise _err("scan_passes", f"must be an int in [1, {MAX_COUNT}] (1 = whole groups), got {self.scan_passes!r}")
+        if not isinstance(self.scan_refresh, str) or self.scan_refresh not in SCAN_REFRESH:
+            raise _err("scan_refresh", f"unknown refresh {self.scan_refresh!r}; valid: {list(SCAN_REFRESH)}")
+        if not _is_int(self.skip_rejected) or not 0 <= self.skip_rejected <= MAX_CAPACITY:
+            raise _err("skip_rejected", f"must be an int in [0, {MAX_CAPACITY}] (steps; 0 = off), got "
+                                        f"{self.skip_rejected!r}")
         a = self.acceptance_ema
         if not _is_real(a) or not math.isfinite(a) or not (0 < a <= 1):
             raise _err("acceptance_ema", f"must be in (0, 1], got {a!r}")

@@ -211,6 +211,8 @@ class ReplayController:
         # everything was validated when it was selected / staged: from here on nothing is refused
         if sel.scored and len(sel.scanned):
             self.buffer.refresh(sel.scanned, sel.scanned_headroom, step=step)
+            if SELECTORS[sel.selector].gate:
+                self.buffer.record_scan(sel.scanned, sel.scanned_pass, skip_until(sel, self.config.skip_rejected))
             rate = float(sel.scanned_pass.mean())
             a = self.config.acceptance_ema
             self.acceptance_rate = (1 - a) * self.acceptance_rate + a * rate
@@ -229,6 +231,7 @@ class ReplayController:
                           evicted=len(evicted), num_fresh_groups=fresh, accepted_ages=np.asarray(ages),
                           buffer_size_after=len(self.buffer),
                           replayed_rows=sum(g.num_responses for g in sel.groups),
+                          replayed_tokens=sum(g.num_tokens for g in sel.groups),
                           unit_size=self.config.group_size if self.config.unit == "rollout" else 1)
         rec.rescored_rows += extra.pop("rescored_rows", 0)
         rec.rescored_tokens += extra.pop("rescored_tokens", 0)
@@ -373,6 +376,19 @@ class ReplayController:
             except ReplayInputError:
                 raise CheckpointError(f"{directory}: last_step {last!r} is not a step") from None
         return last
+
+
+def skip_until(sel: Selection, max_skip: int) -> np.ndarray:
+    """(s,) per scanned group, the first step the scan may consider it again: the next step, or for a group rejected
+    with Drift D (its lower bound when rejected early) after sitting out min(max_skip, 1 + floor(log2(D / tau)))
+    steps (0 everywhere when max_skip is 0: nothing is skipped)."""
+    nxt = np.full(len(sel.scanned), sel.step + 1, dtype=np.int64)
+    if max_skip == 0:
+        return np.zeros(len(sel.scanned), dtype=np.int64)
+    with np.errstate(divide="ignore"):
+        ratio = np.where(sel.scanned_pass, 1.0, sel.scanned_drift / sel.tau if sel.tau > 0 else np.inf)
+    steps = np.where(sel.scanned_pass, 0.0, 1.0 + np.floor(np.log2(np.maximum(ratio, 1.0))))
+    return nxt + np.minimum(steps, max_skip).astype(np.int64)
 
 
 def buffer_group_size(config: ReplayConfig) -> int | None:

@@ -102,6 +102,19 @@ class StepRecord:
     rescored_tokens: int = 0
     replayed_rows: int = 0
     generated_rows: int | None = None
+    #: where the re-scoring went (issue 27): completion tokens replayed; forwarded for groups the gate rejected, and
+    #: for groups touched beyond the stopping index; groups rejected before being forwarded whole (their scan_drift
+    #: is a lower bound: scan_exact False); rejected groups whose previous scan had rejected them too; groups the
+    #: scan left out after a wide rejection (skip_rejected)
+    replayed_tokens: int = 0
+    rescored_tokens_rejected: int = 0
+    rescored_tokens_unused: int = 0
+    early_rejected: int = 0
+    rejected_again: int = 0
+    skipped: int = 0
+    scan_exact: list[bool] = field(default_factory=list)
+    #: per scanned group, the consecutive scans that had rejected it before this step's
+    scan_streak: list[int] = field(default_factory=list)
     #: the named strategy driving the step (a peer of ``hdreplay.baselines``) and its own counters (name -> number)
     strategy: str | None = None
     strategy_counters: dict[str, float] | None = None
@@ -134,6 +147,7 @@ def step_record(
     accepted_ages: np.ndarray,
     buffer_size_after: int,
     replayed_rows: int = 0,
+    replayed_tokens: int = 0,
     unit_size: int = 1,
 ) -> StepRecord:
     """The per-step record of a committed selection (``unit_size``: stored units per replay group of the budget --
@@ -183,8 +197,27 @@ def step_record(
         rescored_rows=sel.rescored_rows,
         rescored_tokens=sel.rescored_tokens,
         replayed_rows=replayed_rows,
+        **_waste_fields(sel, gate_ok, replayed_tokens),
         **_counterfactual_fields(sel, gate_ok),
     )
+
+
+def _waste_fields(sel: Selection, gate_ok: np.ndarray, replayed_tokens: int) -> dict[str, Any]:
+    n = len(sel.scanned)
+    exact = sel.scanned_exact if sel.scanned_exact is not None else np.ones(n, bool)
+    cost = sel.scanned_rescored_tokens if sel.scanned_rescored_tokens is not None else np.zeros(n, np.int64)
+    streak = sel.scanned_streak if sel.scanned_streak is not None else np.zeros(n, np.int64)
+    rejected = ~gate_ok if sel.scored else np.zeros(n, bool)
+    return {
+        "replayed_tokens": int(replayed_tokens),
+        "rescored_tokens_rejected": int(cost[rejected].sum()),
+        "rescored_tokens_unused": int(sel.unused_tokens),
+        "early_rejected": int((~exact).sum()),
+        "rejected_again": int((rejected & (streak > 0)).sum()),
+        "skipped": int(sel.skipped),
+        "scan_exact": [bool(x) for x in exact],
+        "scan_streak": [int(x) for x in streak],
+    }
 
 
 def _counterfactual_fields(sel: Selection, gate_ok: np.ndarray) -> dict[str, Any]:
@@ -205,7 +238,8 @@ def _counterfactual_fields(sel: Selection, gate_ok: np.ndarray) -> dict[str, Any
 METRIC_KEYS = (
     "buffer_size", "ingress_admitted", "scanned", "accepted", "accept_rate", "budget_fill",
     "drift_accepted", "drift_rejected", "replay_kl", "mean_age", "evicted", "scorer_calls", "tau", "scan_capped",
-    "rescored_rows", "rescored_tokens", "replayed_rows",
+    "rescored_rows", "rescored_tokens", "replayed_rows", "replayed_tokens", "rescored_tokens_rejected",
+    "early_rejected", "rejected_again", "skipped",
 )
 
 

@@ -337,3 +337,49 @@ def reference_headroom(groups: Sequence[GroupRecord], *, weighting: HeadroomWeig
         return torch.zeros(0)
     pk = _Packed.of(groups)
     return _headroom(pk.logprobs, pk.token_adv, pk.mask, pk.mask.sum(dim=1), weighting)
+
+
+# ---------------------------------------------------------------- exact early rejection (the sliced scan)
+#: float32 unit round-off (2**-24): the early-rejection bound allows for the full scan's float32 arithmetic
+_U32 = 2.0 ** -24
+
+
+def drift_term_sums(groups: Sequence[GroupRecord], current_logprobs: Sequence[torch.Tensor], *,
+                    drift_norm: str) -> list[float]:
+    """Per group, the sum over its loss tokens of the float32 Drift terms (what :func:`drift` averages, the same
+    float32 numbers), summed in float64.  Inputs as :func:`score_groups` (checked); used on response slices of
+    stored groups, whose sums add up to a lower bound of the group's total (every term is >= 0)."""
+    if not groups:
+        return []
+    d = torch.cat(list(current_logprobs)).float() - torch.cat([g.logprobs for g in groups]).float()
+    d = torch.where(torch.cat([g.loss_mask for g in groups]), d, torch.zeros_like(d))
+    terms = (d.square() if drift_norm == "l2" else d.abs()).double()
+    return [float(t.sum()) for t in terms.split([g.num_tokens for g in groups])]
+
+
+def score_group(group: GroupRecord, current: torch.Tensor, *, drift_norm: str,
+                headroom_weighting: str) -> tuple[float, float, float]:
+    """(Drift, runtime Headroom, replay KL) of one stored group from its checked ``(T,)`` current log-probs: the
+    same float32 numbers :func:`score_groups` gives for ``[group]`` alone (one row, no padding), without packing."""
+    m = group.loss_mask[None]
+    count = m.sum(dim=1)
+    lp, ref = current.float()[None], group.logprobs[None]
+    return (float(_drift(lp, ref, m, count, drift_norm)[0]),
+            float(_headroom(lp, group.token_advantages()[None], m, count, headroom_weighting)[0]),
+            float(_kl_per_group(lp, ref, m, count)[0]))
+
+
+def drift_bound_rejects(partial_sum: float, num_loss_tokens: int, tau: float) -> bool:
+    """Whether a group is rejected by the gate whatever its unscored tokens hold.
+
+    ``partial_sum``: float64 sum of the Drift terms of some of the group's loss tokens (:func:`drift_term_sums`);
+    ``num_loss_tokens``: |T(g)| of the WHOLE group (the mean's denominator).  Every term is >= 0, so the group's
+    Drift is at least ``partial_sum / |T(g)|``; the gate rejects iff Drift > tau.  The test allows for the full
+    scan's float32 arithmetic (a sum of N float32 terms in any order is at least (1 - (N - 1) u / (1 - (N - 1) u))
+    times the exact sum, the division loses at most one more u, u = 2**-24): with slack = 2 (N + 2) u it returns True
+    only if the full scan's float32 Drift, however its sum is ordered, exceeds tau.  So early rejection never
+    rejects a group the full scan would accept.
+    """
+    n = int(num_loss_tokens)
+    slack = 2.0 * (n + 2) * _U32
+    return slack < 0.5 and partial_sum * (1.0 - slack) > tau * n

@@ -15,10 +15,12 @@ than ``max_age`` steps is ever selected, whatever the order.
 
 The scan (paper Appendix A.5, Proposition 3): walk the order, re-score each group
 under the current policy through the caller's ``scorer``, accept iff Drift <= tau,
-stop at K_rep accepted or the end of the buffer.  Groups are re-scored in chunks
-(one scorer call per chunk); groups of the last chunk that lie beyond the stopping
-index m* are *not* scanned (their result is discarded, their cache not refreshed),
-so the outcome equals a one-group-at-a-time scan exactly.  Ungated orders need
+stop at K_rep accepted or the end of the buffer.  Groups are re-scored in windows
+(one scorer call per window), each group's responses a slice at a time with exact early
+rejection (:mod:`hdreplay.scan`: a group stops being forwarded once its partial Drift
+proves Drift > tau); groups of the last window that lie beyond the stopping index m*
+are *not* scanned (their result is discarded, their cache not refreshed), so the
+decisions equal a one-group-at-a-time scan forwarding whole groups exactly.  Ungated orders need
 no scoring except ``headroom_only``, whose same-pass refresh keeps its priority
 current (the PER analogue of updating priorities when sampled).
 """
@@ -35,6 +37,7 @@ from . import sampling
 from .config import ReplayConfig
 from .errors import ReplayInputError
 from .record import GroupRecord
+from .scan import _EARLY, _PASS, run_scan
 from .scores import check_scorer_output, score_groups
 from .selectors import SELECTORS, BufferView, Selection, SelectorSpec, empty_selection
 from .selectors import frozen as _frozen
@@ -59,12 +62,15 @@ def chunk_size(remaining: int, acceptance_rate: float, config: ReplayConfig) -> 
     return int(min(config.max_scan_chunk, max(1, math.ceil(remaining / rate))))
 
 
-def _eligible(buffer: BufferView, config: ReplayConfig, step: int) -> np.ndarray:
-    """(size,) bool, oldest first: within ``max_age`` steps of ``step`` (all True when max_age is unset)."""
+def _eligible(buffer: BufferView, config: ReplayConfig, step: int) -> tuple[np.ndarray, int]:
+    """(size,) bool, oldest first: within ``max_age`` steps of ``step`` and not skipped after a wide gate rejection
+    (``skip_rejected``); and how many the skip left out."""
     ids = buffer.insertion_ids()
-    if config.max_age is None:
-        return np.ones(len(ids), dtype=bool)
-    return step - buffer.slot_values("birth_step", ids) <= config.max_age
+    ok = np.ones(len(ids), dtype=bool)
+    if config.max_age is not None:
+        ok = step - buffer.slot_values("birth_step", ids) <= config.max_age
+    skip = buffer.slot_values("skip_until", ids) > step
+    return ok & ~skip, int((ok & skip).sum())
 
 
 def select_replay(
@@ -106,16 +112,16 @@ def select_replay(
     K, size, u = config.unit_budget, len(buffer), config.unit_multiple
     if spec.order is None or K == 0 or size == 0:
         return empty_selection(step, spec.name, size, tau)
-    ok = _eligible(buffer, config, step)
+    ok, skipped = _eligible(buffer, config, step)
     weights = None
     if spec.random:
         drawn, weights = spec.draw(buffer, config, rng, step, K, ok)
         order_fn = lambda limit: drawn[:limit]  # noqa: E731
     else:
         full = buffer.order_by_cached_headroom if spec.order == "headroom" else buffer.order_by_recency
-        if config.max_age is None:
+        if ok.all():
             order_fn = full
-        else:  # the whole order, then the eligible part of it (ages are checked on every id)
+        else:  # the whole order, then the eligible part of it (ages and skips are checked on every id)
             live = set(buffer.insertion_ids()[ok].tolist())
             allowed = np.asarray([i for i in full(size).tolist() if i in live], dtype=np.int64)
             order_fn = lambda limit: allowed[:limit]  # noqa: E731
@@ -126,54 +132,27 @@ def select_replay(
         sel = empty_selection(step, spec.name, size, tau)
         sel.accepted, sel.truncated, sel.groups = kept, cut, buffer.get(kept.tolist())
         sel.loss_weights = None if weights is None else weights[:len(kept)]
-        sel.rng_state, sel.eligible = _state(rng, spec), eligible
+        sel.rng_state, sel.eligible, sel.skipped = _state(rng, spec), eligible, skipped
         return _frozen(sel)
 
     if scorer is None:
         raise ReplayInputError(f"scorer: selector {spec.name!r} re-scores groups under the current policy; "
                                "pass a scorer")
-    scanned: list[int] = []
-    cols: dict[str, list] = {k: [] for k in ("drift", "headroom", "kl", "pass", "tokens")}
-    accepted: list[int] = []
-    accepted_groups: list[GroupRecord] = []
     limit = min(eligible, max(K, config.scan_budget))  # an ungated order always takes its K groups
     if spec.random:
         limit = len(drawn)
-    prefix = order_fn(min(limit, max(K, chunk_size(K, acceptance_rate, config))))
-    pos, calls, unused, chunks, cost = 0, 0, 0, [], [0, 0]
-    while len(accepted) < K and pos < limit:
-        want = chunk_size(K - len(accepted), acceptance_rate, config) if spec.gate else K - len(accepted)
-        want = min(want, limit - pos)
-        if pos + want > len(prefix) and len(prefix) < limit:
-            prefix = order_fn(min(limit, max(2 * len(prefix), pos + want)))
-        ids = prefix[pos:pos + want]
-        pos += len(ids)
-        groups = buffer.get(ids.tolist())
-        lps = check_scorer_output(groups, scorer(groups))
-        calls += 1
-        cost[0] += sum(g.num_responses for g in groups)
-        cost[1] += sum(g.num_tokens for g in groups)
-        chunks.append(len(ids))
-        sc = score_groups(groups, lps, drift_norm=config.drift_norm, headroom_weighting=config.headroom_weighting)
-        d, h, kl, ntok = (sc.drift.tolist(), sc.headroom.tolist(), sc.replay_kl.tolist(),
-                          sc.num_loss_tokens.tolist())
-        for j, gid in enumerate(ids.tolist()):
-            if len(accepted) == K:
-                unused += len(ids) - j
-                break
-            ok = (not spec.gate) or d[j] <= tau
-            scanned.append(gid)
-            cols["drift"].append(d[j])
-            cols["headroom"].append(h[j])
-            cols["kl"].append(kl[j])
-            cols["pass"].append(ok)
-            cols["tokens"].append(ntok[j])
-            if ok:
-                accepted.append(gid)
-                accepted_groups.append(groups[j])
-    acc = np.asarray(accepted, dtype=np.int64)
+    window = ((lambda need: chunk_size(need, acceptance_rate, config)) if spec.gate else (lambda need: need))
+    out = run_scan(order_fn, lambda ids: buffer.get(ids), scorer, limit=limit, k=K, gate=spec.gate, tau=tau,
+                   passes=config.scan_passes, refresh=config.scan_refresh, window=window,
+                   drift_norm=config.drift_norm, headroom_weighting=config.headroom_weighting)
+    scanned = out.scanned
+    cols = {"drift": [c.scores[0] for c in scanned], "headroom": [c.scores[1] for c in scanned],
+            "kl": [c.scores[2] for c in scanned]}
+    passed = [c.state == _PASS for c in scanned]
+    acc = np.asarray([c.insertion_id for c, ok in zip(scanned, passed) if ok], dtype=np.int64)
+    accepted_groups = [c.group for c, ok in zip(scanned, passed) if ok]
     kept, cut = _truncate(acc, u)
-    sc_ids = np.asarray(scanned, dtype=np.int64)
+    sc_ids = np.asarray([c.insertion_id for c in scanned], dtype=np.int64)
     sel = Selection(
         step=step,
         selector=spec.name,
@@ -185,23 +164,30 @@ def select_replay(
         scanned_kl=np.asarray(cols["kl"]),
         scanned_cached=buffer.slot_values("cached_headroom", sc_ids),
         scanned_age=step - buffer.slot_values("birth_step", sc_ids),
-        scanned_pass=np.asarray(cols["pass"], dtype=bool),
-        scanned_tokens=np.asarray(cols["tokens"], dtype=np.int64),
+        scanned_pass=np.asarray(passed, dtype=bool),
+        scanned_tokens=np.asarray([c.group.num_loss_tokens for c in scanned], dtype=np.int64),
         groups=accepted_groups[: len(kept)],
         scored=True,
-        scored_unused=unused,
-        scorer_calls=calls,
-        chunk_sizes=chunks,
+        scored_unused=out.unused,
+        scorer_calls=out.calls,
+        chunk_sizes=out.chunk_sizes,
         buffer_size=size,
         tau=tau,
         scanned_group_ids=buffer.group_ids(sc_ids),
-        scan_capped=len(accepted) < K and pos >= limit and limit < eligible,
+        scan_capped=len(acc) < K and out.reached >= limit and limit < eligible,
         loss_weights=None if weights is None else weights[:len(kept)],
         rng_state=_state(rng, spec),
         eligible=eligible,
-        rescored_rows=cost[0],
-        rescored_tokens=cost[1],
+        rescored_rows=out.rows,
+        rescored_tokens=out.tokens,
+        scanned_exact=np.asarray([c.state != _EARLY or c.finish for c in scanned], dtype=bool),
+        scanned_rescored_tokens=np.asarray([c.tokens for c in scanned], dtype=np.int64),
+        unused_tokens=out.unused_tokens,
+        skipped=skipped,
+        scanned_streak=buffer.slot_values("reject_streak", sc_ids),
     )
+    if config.scan_refresh == "keep":  # early-rejected groups keep their cached Headroom (the commit re-writes it)
+        sel.scanned_headroom = np.where(sel.scanned_exact, sel.scanned_headroom, sel.scanned_cached)
     if config.counterfactual and len(kept) and spec.name != "recency":
         _counterfactual(sel, buffer, config, scorer, cols)
     return _frozen(sel)
@@ -214,7 +200,8 @@ def _counterfactual(sel: Selection, buffer: BufferView, config: ReplayConfig, sc
     Groups already scanned reuse their scores; the others cost one extra scorer call.  Nothing
     here touches the buffer or the scan (no cache refresh for counterfactual-only groups)."""
     rec = buffer.order_by_recency(len(sel.accepted))
-    known = {g: j for j, g in enumerate(sel.scanned.tolist())}
+    exact = sel.scanned_exact if sel.scanned_exact is not None else np.ones(len(sel.scanned), bool)
+    known = {g: j for j, g in enumerate(sel.scanned.tolist()) if exact[j]}  # early-rejected: scored in full here
     missing = [g for g in rec.tolist() if g not in known]
     extra = {}
     if missing:

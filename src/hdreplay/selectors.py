@@ -88,6 +88,10 @@ def register_selector(spec: SelectorSpec) -> None:
     SELECTORS["none"] = none
 
 
+#: what the cached Headroom of a group rejected early by the sliced scan becomes (:mod:`hdreplay.scan`)
+SCAN_REFRESH = ("slice", "keep", "finish")
+
+
 @runtime_checkable
 class BufferView(Protocol):
     """What a selection reads from a buffer (:class:`~hdreplay.buffer.ReplayBuffer` provides it; the scan
@@ -153,6 +157,16 @@ class Selection:
     #: last chunk, counterfactual): the selection's forward cost
     rescored_rows: int = 0
     rescored_tokens: int = 0
+    #: (s,) per scanned group: its Drift is exact (False: early-rejected, ``scanned_drift`` is the lower bound and
+    #: ``scanned_headroom`` that of the responses forwarded, :mod:`hdreplay.scan`), and the completion tokens forwarded
+    scanned_exact: np.ndarray | None = None
+    scanned_rescored_tokens: np.ndarray | None = None
+    #: completion tokens forwarded for groups beyond the stopping index (``scored_unused`` of them)
+    unused_tokens: int = 0
+    #: groups left out of this scan by ``skip_rejected`` (rejected widely at an earlier step)
+    skipped: int = 0
+    #: (s,) per scanned group: the consecutive scans that rejected it before this one
+    scanned_streak: np.ndarray | None = None
 
 
 def empty_selection(step: int, name: str, size: int, tau: float) -> Selection:
@@ -165,7 +179,8 @@ def empty_selection(step: int, name: str, size: int, tau: float) -> Selection:
     z = np.zeros(0)
     zi = np.zeros(0, dtype=np.int64)
     return frozen(Selection(step, name, zi, zi, zi, z, z, z, z, zi, np.zeros(0, bool), zi, [], False,
-                            buffer_size=size, tau=tau))
+                            buffer_size=size, tau=tau, scanned_exact=np.zeros(0, bool),
+                            scanned_rescored_tokens=zi, scanned_streak=zi))
 
 
 def frozen(sel: Selection) -> Selection:

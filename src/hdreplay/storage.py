@@ -46,6 +46,8 @@ SLOT_FIELDS: dict[str, type] = {
     "insertion_id": np.int64, "birth_step": np.int64, "cached_headroom": np.float64,
     "ref_headroom": np.float64, "refresh_step": np.int64, "replay_count": np.int64,
     "exposure": np.float64, "num_loss_tokens": np.int64,
+    # consecutive scans that rejected the group; the first step the scan may consider it again (skip_rejected)
+    "reject_streak": np.int64, "skip_until": np.int64,
 }
 
 

@@ -55,7 +55,7 @@ def test_storage_is_compact_and_tracks_live_groups():
                   for g in live)  # ids, logprobs, prompt, (int64 len, adv, reward) per response; masks all ones
     slot_and_offsets = buf.nbytes() - payload
     assert buf.stored_response_tokens() == sum(g.num_tokens for g in live)
-    assert 0 < slot_and_offsets <= 8 * 8 * 4 + 3 * 8 * (4 + 2) + 8  # slot arrays + offsets only
+    assert 0 < slot_and_offsets <= 10 * 8 * 4 + 3 * 8 * (4 + 2) + 8  # slot arrays (10 fields) + offsets only
 
 
 def test_tool_mask_stored_only_when_needed():
@@ -115,7 +115,7 @@ def test_bad_capacity(cap):
 
 def test_a_large_capacity_costs_nothing_until_used():
     big, small = ReplayBuffer(1 << 24), ReplayBuffer(64)
-    assert big.nbytes() == small.nbytes() < 8 * 8 * 64 + 1  # slot arrays grow with the groups held
+    assert big.nbytes() == small.nbytes() < 10 * 8 * 64 + 1  # slot arrays grow with the groups held
     big.append(groups("a", 70), ref_headroom=[0.5] * 70, step=0)
     assert len(big) == 70 and [g.group_id for g in big.get([0, 69])] == ["a0", "a69"]
 

@@ -13,37 +13,16 @@ from hdreplay import (
     SELECTORS, ReplayConfig, ReplayConfigError, ReplayController, ReplayInputError, drift, group_scores,
     select_replay,
 )
-from protocol import build
+from protocol import build, reference_scan
 
 pytestmark = pytest.mark.filterwarnings("ignore::hdreplay.ReplayStarvedWarning")  # tau = 0 starves on purpose
-
-def reference_scan(ctrl, policy, K, tau, gate=True, order="headroom"):
-    """The paper's loop, one group at a time, over the full buffer order."""
-    buf = ctrl.buffer
-    ids = buf.insertion_ids()
-    if order == "headroom":
-        key = buf.slot_values("cached_headroom", ids)
-        ordered = ids[np.lexsort((ids, -key))]
-    else:
-        ordered = ids[::-1]
-    accepted, scanned = [], []
-    for i in ordered.tolist():
-        if len(accepted) >= K:
-            break
-        g = buf.get([i])[0]
-        d = float(group_scores([g], [policy.token_logprobs(g.completion_ids, g.response_lengths)]).drift[0])
-        scanned.append(i)
-        if not gate or d <= tau:
-            accepted.append(i)
-    return accepted, scanned
-
 
 @given(seed=st.integers(0, 500), K=st.integers(0, 12), tau=st.sampled_from([0.0, 1e-3, 5e-3, 2e-2, 1.0]),
        cap=st.integers(1, 25), chunk=st.sampled_from([None, 1, 3, 50]))
 def test_headroom_drift_invariants_and_chunked_equals_one_at_a_time(seed, K, tau, cap, chunk):
     cfg = ReplayConfig(k_rep=K, tau=tau, capacity=cap, scan_chunk=chunk)
     ctrl, pol = build(cfg, seed=seed)
-    ref_acc, ref_scan = reference_scan(ctrl, pol, K, tau)
+    ref_acc, ref_scan, _ = reference_scan(ctrl, pol, K, tau)
     sel = select_replay(ctrl.buffer, cfg, pol.scorer, step=6, acceptance_rate=ctrl.acceptance_rate)
     assert sel.accepted.tolist() == ref_acc
     assert sel.scanned.tolist() == ref_scan
@@ -60,30 +39,39 @@ def test_headroom_drift_invariants_and_chunked_equals_one_at_a_time(seed, K, tau
     assert [g.group_id for g in sel.groups] == [ctrl.buffer.group_id(int(i)) for i in sel.accepted]
 
 
-def test_each_group_scored_at_most_once_per_step():
-    cfg = ReplayConfig(k_rep=6, tau=4e-3, capacity=40, scan_chunk=None)
+@pytest.mark.parametrize("passes", [1, 2, 4])
+def test_each_response_scored_at_most_once_per_step(passes):
+    cfg = ReplayConfig(k_rep=6, tau=4e-3, capacity=40, scan_chunk=None, scan_passes=passes)
     ctrl, pol = build(cfg, steps=8, per_step=6)
-    seen = Counter()
+    seen, rows = Counter(), Counter()
 
     def scorer(groups):
         seen.update(g.group_id for g in groups)
+        rows.update({g.group_id: g.num_responses for g in groups})
         return pol.scorer(groups)
 
     sel = select_replay(ctrl.buffer, cfg, scorer, step=8, acceptance_rate=0.3)
-    assert max(seen.values()) == 1
-    assert sum(seen.values()) == len(sel.scanned) + sel.scored_unused
+    n = {g.group_id: g.num_responses for g in ctrl.buffer.get(ctrl.buffer.insertion_ids().tolist())}
+    assert all(rows[g] <= n[g] for g in rows)  # a response is forwarded at most once
+    assert max(seen.values()) <= passes  # and a group in at most `passes` slices
+    assert len(seen) == len(sel.scanned) + sel.scored_unused
+    assert sum(rows.values()) == sel.rescored_rows
     assert sel.scorer_calls == len(pol.calls)  # every call of this selection, and only those
-    assert sum(pol.calls) == sum(sel.chunk_sizes) == len(sel.scanned) + sel.scored_unused
+    assert sum(pol.calls) == sum(sel.chunk_sizes)
 
 
 def test_auto_chunk_follows_acceptance_rate():
-    cfg = ReplayConfig(k_rep=4, tau=1.0, capacity=50)
+    cfg = ReplayConfig(k_rep=4, tau=1.0, capacity=50, scan_passes=1)
     ctrl, pol = build(cfg, steps=10)
     s1 = select_replay(ctrl.buffer, cfg, pol.scorer, step=10, acceptance_rate=1.0)
     s2 = select_replay(ctrl.buffer, cfg, pol.scorer, step=10, acceptance_rate=0.25)
     assert s1.chunk_sizes == [4] and s1.scored_unused == 0
     assert s2.chunk_sizes == [16] and s2.scored_unused == 12
     assert s1.accepted.tolist() == s2.accepted.tolist()  # chunking never changes the outcome
+    # sliced: the same window, one slice of each group, then the rest of the groups that look admissible
+    s3 = select_replay(ctrl.buffer, dataclasses.replace(cfg, scan_passes=4), pol.scorer, step=10,
+                       acceptance_rate=0.25)
+    assert s3.chunk_sizes == [16, 16] and s3.accepted.tolist() == s2.accepted.tolist()
 
 
 @pytest.mark.parametrize("name", ["recency", "drift_only", "headroom_only", "none"])
@@ -97,7 +85,7 @@ def test_baseline_selectors(name):
         assert sel.accepted.tolist() == [] and len(pol.calls) == n_calls
         return
     order = "recency" if name in ("recency", "drift_only") else "headroom"
-    ref_acc, ref_scan = reference_scan(ctrl, pol, 4, 3e-3, gate=gate, order=order)
+    ref_acc, ref_scan, _ = reference_scan(ctrl, pol, 4, 3e-3, gate=gate, order=order)
     assert sel.accepted.tolist() == ref_acc
     if name == "recency":
         assert len(pol.calls) == n_calls  # no forward pass spent
@@ -166,7 +154,11 @@ def test_gate_uses_l1_when_configured():
         g = ctrl.buffer.get([i])[0]
         cur = pol.token_logprobs(g.completion_ids, g.response_lengths)
         ref = drift(logprobs=cur[None], ref_logprobs=g.logprobs[None], mask=g.loss_mask[None], norm="l1")
-        assert d == pytest.approx(float(ref), rel=1e-6)
+        if s1.scanned_exact[s1.scanned.tolist().index(i)]:
+            assert d == pytest.approx(float(ref), rel=1e-6)
+        else:  # rejected early: a lower bound, already above tau
+            assert 0.05 < d <= float(ref) * (1 + 1e-6)
+    assert not s1.scanned_exact.all()  # the L1 bound rejected some early
 
 
 def test_scan_budget_caps_rescoring_and_is_reported():

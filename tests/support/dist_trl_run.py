@@ -23,11 +23,27 @@ from hdreplay_lab.sandbox.vlm import is_vlm_dir, load_vlm  # noqa: E402
 
 
 class CountingTrainer(RecordingTrainer):
-    forward_calls = 0
+    """Counts the model's forward calls made while re-scoring (backbone calls: a prompt-shared batch makes two)."""
 
-    def _logps(self, *a, **k):
+    forward_calls = 0
+    shared_calls = 0
+    _scoring = False
+
+    def _replay_scorer(self, groups):
+        CountingTrainer._scoring = True
+        try:
+            return super()._replay_scorer(groups)
+        finally:
+            CountingTrainer._scoring = False
+
+    def _shared_logps(self, *a, **k):
+        CountingTrainer.shared_calls += 1
+        return super()._shared_logps(*a, **k)
+
+
+def _count_forward(module, args, kwargs):
+    if CountingTrainer._scoring:
         CountingTrainer.forward_calls += 1
-        return super()._logps(*a, **k)
 
 
 def reward_digit_chat(completions, **kw):
@@ -55,6 +71,10 @@ def main() -> None:
     max_steps = int(sys.argv[3]) if len(sys.argv) > 3 else 4
     resume = sys.argv[4] if len(sys.argv) > 4 and sys.argv[4] != "-" else None
     data, reward, over = prompts(), reward_digit, {}
+    if os.environ.get("HDR_TEST_SHARE") == "1":  # the prompt-shared re-scoring path, whatever the token counts
+        import hdreplay.integrations.trl.rescore as rescore
+
+        rescore.SHARE_BELOW_TOKEN_RATIO = 10.0
     if is_vlm_dir(model_dir):
         from hdreplay_lab.sandbox.geo import GeoTask
 
@@ -73,6 +93,9 @@ def main() -> None:
                                     save_strategy="steps", save_steps=2, replay_scan_chunk=3), **over})
     tr = CountingTrainer(model=model, reward_funcs=reward, args=args, train_dataset=data,
                          processing_class=tok)
+    if os.environ.get("HDR_TEST_SHARE") == "1":
+        tr._share_prompt = True
+    tr.accelerator.unwrap_model(tr.model).base_model.register_forward_pre_hook(_count_forward, with_kwargs=True)
     r = tr.accelerator.process_index
     if os.environ.get("HDR_DIVERGE_RANK1") and r == 1:
         diverge(tr)
@@ -96,6 +119,9 @@ def main() -> None:
                    "replay_old_vs_now": float((x["now"] - x["old"]).abs().max()) if x["old"] is not None else None}
                   for x in tr.records],
         "forward_calls": CountingTrainer.forward_calls,
+        "shared_calls": CountingTrainer.shared_calls,
+        "rescored_rows": [h.get("replay/rescored_rows") for h in tr.state.log_history if "loss" in h],
+        "early_rejected": [h.get("replay/early_rejected") for h in tr.state.log_history if "loss" in h],
         "losses": [h["loss"] for h in tr.state.log_history if "loss" in h],
         "accepted": [h.get("replay/accepted") for h in tr.state.log_history if "loss" in h],
     }

@@ -6,9 +6,10 @@ import hashlib
 import json
 from functools import partial
 
+import numpy as np
 import torch
 
-from hdreplay import ReplayController
+from hdreplay import ReplayController, group_scores
 from hdreplay_lab.synthetic import drive, fresh_groups, policy_walk
 
 #: the moving table policy of every core test: a random walk from TablePolicy(seed=1)
@@ -59,3 +60,27 @@ def _digest(tensors, meta, extra=None) -> str:
         h.update((t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy().tobytes())  # numpy has no bf16
     h.update(repr(extra).encode())
     return h.hexdigest()
+
+
+def reference_scan(ctrl, policy, K, tau, gate=True, order="headroom", norm="l2"):
+    """The paper's loop, one group at a time, each forwarded whole, over the full buffer order: (accepted ids,
+    scanned ids, {id: (drift, headroom)})."""
+    buf = ctrl.buffer
+    ids = buf.insertion_ids()
+    if order == "headroom":
+        key = buf.slot_values("cached_headroom", ids)
+        ordered = ids[np.lexsort((ids, -key))]
+    else:
+        ordered = ids[::-1]
+    accepted, scanned, scores = [], [], {}
+    for i in ordered.tolist():
+        if len(accepted) >= K:
+            break
+        g = buf.get([i])[0]
+        sc = group_scores([g], [policy.token_logprobs(g.completion_ids, g.response_lengths)], drift_norm=norm)
+        d = float(sc.drift[0])
+        scanned.append(i)
+        scores[i] = (d, float(sc.headroom[0]))
+        if not gate or d <= tau:
+            accepted.append(i)
+    return accepted, scanned, scores

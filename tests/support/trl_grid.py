@@ -9,7 +9,9 @@ generations and returns what :func:`check_cell` asserts:
   independently at each generation) before the update it is trained in: ``global_step`` at the replay chunk
   > birth step, i.e. at least one weight update since its birth;
 * the observable consequence: each replayed row with loss tokens has a ratio pi_theta / pi_gen != 1 somewhere
-  (a same-update replay has Drift 0 and ratio exactly 1).
+  (a same-update replay has Drift 0 and ratio exactly 1);
+* every replay chunk is trained in the optimizer update whose selection (gate) admitted its groups
+  (``replay_train_scope="update"``), however many updates the generation spans.
 """
 
 from __future__ import annotations
@@ -64,12 +66,15 @@ def cell_outcome(tr) -> dict:
         for gid, b in zip(s["groups"], s["births"]):
             births[gid] = b
     same_update = 0  # replay chunks trained before any update since the birth of one of their groups
+    later_update = 0  # replay chunks trained in an update after the one whose gate admitted them
     ratio_one = 0  # replayed rows with loss tokens whose ratio is exactly 1 (no update seen)
     rows = 0
     for r in rep:
         sel = tr.selections[r["selection"]]
         if r["global_step"] <= max(sel["births"]):
             same_update += 1
+        if r["global_step"] != sel["step"]:
+            later_update += 1
         m = r["mask"].bool()
         for i in range(len(r["is_replay"])):
             if m[i].any():
@@ -80,6 +85,7 @@ def cell_outcome(tr) -> dict:
     steps = [h for h in tr.state.log_history if "loss" in h]
     return {
         "replay_chunks": len(rep), "replay_rows": rows, "same_update": same_update, "ratio_one": ratio_one,
+        "later_update": later_update,
         "bad_births": bad_births, "ingress": sum(h.get("replay/ingress_admitted", 0) for h in steps),
         "empty_groups": sum(h.get("replay/ingress_empty", 0) for h in steps),
         "steps": tr.state.global_step, "generations": len(tr.generation_steps),
@@ -93,6 +99,7 @@ def check_cell(tr) -> dict:
     o = cell_outcome(tr)
     assert o["replay_chunks"] > 0 and o["replay_rows"] > 0, o
     assert o["same_update"] == 0 and o["ratio_one"] == 0, o
+    assert o["later_update"] == 0, o  # replay_train_scope="update": trained only in the update that gated it
     assert o["bad_births"] == 0 and o["sel_after_birth"] and o["sel_at_generation"], o
     assert o["finite_loss"], o
     assert all(torch.isfinite(r["now"]).all() for r in tr.records)

@@ -334,12 +334,13 @@ def test_tool_tokens_are_masked_in_buffer_loss_and_replay(model_dir, tmp_path):
         assert all(r["nib"] == sum(int(x["mask"].sum()) for x in gen) for r in gen)
 
 
-def test_generation_spanning_several_optimizer_steps_spreads_replay_over_them(model_dir, tmp_path):
-    """steps_per_generation = 2 x GA: one generation feeds two optimizer updates; replay rows are spread evenly
-    over its micro-steps, so both updates replay, and the step is committed after the first update."""
+def test_generation_spanning_several_optimizer_steps_trains_replay_only_in_the_gated_update(model_dir, tmp_path):
+    """steps_per_generation = 2 x GA: one generation feeds two optimizer updates.  By default the replay rows fill
+    the micro-steps of the update whose gate admitted them (the next update trains the generation's fresh rows
+    only); with replay_train_scope="generation" they are spread over all four micro-steps, both updates."""
     tr = run(model_dir, tmp_path / "out", max_steps=6, steps_per_generation=4, gradient_accumulation_steps=2,
              per_device_train_batch_size=4, replay_k_rep=2)
-    assert tr.args.steps_per_generation == 4
+    assert tr.args.steps_per_generation == 4 and tr.args.replay_train_scope == "update"
     gens = generations(tr)
     assert len(gens) == len(tr.selections) == 3
     assert [s["step"] for s in tr.selections] == [0, 2, 4] == tr.generation_steps
@@ -347,8 +348,44 @@ def test_generation_spanning_several_optimizer_steps_spreads_replay_over_them(mo
         per_micro = {}
         for r in gen:
             per_micro[r["micro"]] = per_micro.get(r["micro"], 0) + int(r["is_replay"].sum())
+        assert [per_micro[m] for m in sorted(per_micro)] == [4, 4, 0, 0]  # 8 replay rows in the first update
+        assert {r["global_step"] for r in gen if r["is_replay"].any()} == {sel["step"]}
+    old = run(model_dir, tmp_path / "old", max_steps=6, steps_per_generation=4, gradient_accumulation_steps=2,
+              per_device_train_batch_size=4, replay_k_rep=2, replay_train_scope="generation")
+    for gen, sel in zip(generations(old)[1:], old.selections[1:]):
+        per_micro = {}
+        for r in gen:
+            per_micro[r["micro"]] = per_micro.get(r["micro"], 0) + int(r["is_replay"].sum())
         assert sorted(per_micro.values()) == [2, 2, 2, 2]  # 8 replay rows over 4 micro-steps
         assert {r["global_step"] for r in gen if r["is_replay"].any()} == {sel["step"], sel["step"] + 1}
+
+
+@pytest.mark.parametrize("over", [dict(steps_per_generation=4, gradient_accumulation_steps=2),
+                                  dict(num_iterations=2, steps_per_generation=2, gradient_accumulation_steps=2),
+                                  dict(num_iterations=2, steps_per_generation=1, gradient_accumulation_steps=2)])
+def test_every_replayed_group_trains_within_tau_in_every_update(model_dir, tmp_path, over):
+    """The paper's guarantee when a generation outlives an update: each replayed group's Drift, measured on the
+    loss forward of every micro-step that trains its rows, is <= tau.  Two iterations inside one update
+    (num_iterations=2, spg=1, GA=2) train the rows twice, both times within that update."""
+    tau = 0.05
+    tr = run(model_dir, tmp_path / "out", max_steps=8, per_device_train_batch_size=4, replay_k_rep=2,
+             replay_tau=tau, learning_rate=1e-3, **over)
+    trained = {}  # (optimizer update, selection, group) -> [sum of squared log-ratios, tokens]
+    sel_of = {s["step"]: s for s in tr.selections}
+    for r in tr.records:
+        if not r["is_replay"].any():
+            continue
+        sel = max(k for k in sel_of if k <= r["global_step"])  # the selection whose rows these are
+        d = ((r["now"] - r["old"]) ** 2 * r["mask"])[r["is_replay"]]
+        for row, g in enumerate((-1 - r["hdr_row"][r["is_replay"]]).tolist()):
+            acc = trained.setdefault((r["global_step"], sel, g), [0.0, 0])
+            acc[0] += float(d[row].sum())
+            acc[1] += int(r["mask"][r["is_replay"]][row].sum())
+    assert trained and all(k[0] == k[1] for k in trained)  # trained only in the update that selected them
+    drift = {k: v[0] / v[1] for k, v in trained.items()}
+    assert max(drift.values()) <= tau * (1 + 1e-4), drift
+    if over.get("steps_per_generation") == 1:  # both iterations of the update trained the rows
+        assert len({r["micro"] for r in tr.records if r["is_replay"].any()}) > len(drift) // 2
 
 
 def test_calling_train_again_continues_the_replay_steps(model_dir, tmp_path):
@@ -376,3 +413,29 @@ def test_user_callbacks_see_the_step_committed_at_step_end(model_dir, tmp_path):
                         args=make_args(tmp_path / "o", max_steps=3), callbacks=[Probe()])
     tr.train()
     assert seen == [(1, 0), (2, 1), (3, 2)]  # the update's replay step (opened at global_step - 1) is committed
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_sliced_scan_through_the_trainers_scorer_makes_the_full_scans_decisions(model_dir, tmp_path, monkeypatch,
+                                                                                  shared):
+    """Exact early rejection through TRL's own re-scoring paths (full rows, and one prompt pass per slice): the same
+    scanned groups and gate decisions as whole groups, fewer rows forwarded, and the run itself rejected early."""
+    import dataclasses
+
+    import hdreplay.integrations.trl.rescore as rescore
+    from hdreplay import select_replay
+
+    tr = run(model_dir, tmp_path / "out", max_steps=6, replay_tau=0.02, learning_rate=1e-2, replay_k_rep=2)
+    if shared:
+        monkeypatch.setattr(rescore, "SHARE_BELOW_TOKEN_RATIO", 10.0)  # these short prompts would not be shared
+        tr._share_prompt = True
+    ctrl = tr.replay
+    cfg = ctrl.config
+    assert cfg.scan_passes == 4
+    whole = select_replay(ctrl.buffer, dataclasses.replace(cfg, scan_passes=1), tr._replay_scorer,
+                          step=ctrl.last_step + 1, tau=ctrl.tau)
+    sliced = select_replay(ctrl.buffer, cfg, tr._replay_scorer, step=ctrl.last_step + 1, tau=ctrl.tau)
+    assert len(whole.scanned) and (~whole.scanned_pass).any()
+    assert sliced.scanned.tolist() == whole.scanned.tolist()
+    assert sliced.scanned_pass.tolist() == whole.scanned_pass.tolist()
+    assert sliced.rescored_rows < whole.rescored_rows and (~sliced.scanned_exact).any()

@@ -252,3 +252,24 @@ def test_scorer_equals_teacher_forcing_with_the_current_weights(moving, worker_g
     assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(got, want))
     # and the weights did move: stored generation log-probs differ from the current ones
     assert max(float((lp - g.logprobs)[g.loss_mask].abs().max()) for g, lp in zip(groups, got)) > 1e-4
+
+
+def test_sliced_scan_through_the_workers_makes_the_full_scans_decisions(moving):
+    """Exact early rejection on this trainer's re-scoring path (response slices as DataProto / TransferQueue rows):
+    the same decisions as whole groups, fewer rows forwarded, and the run itself rejected groups early."""
+    import dataclasses
+
+    from hdreplay import select_replay
+
+    trainer, _ = moving
+    cfg = trainer.replay.config
+    assert cfg.scan_passes > 1 and any(s["selection"].scanned_exact.size and not s["selection"].scanned_exact.all()
+                                       for s in trainer.steps)
+    step = trainer.replay.last_step + 1
+    whole = select_replay(trainer.replay.buffer, dataclasses.replace(cfg, scan_passes=1), trainer._replay_scorer,
+                          step=step, tau=trainer.replay.tau)
+    sliced = select_replay(trainer.replay.buffer, cfg, trainer._replay_scorer, step=step, tau=trainer.replay.tau)
+    assert len(whole.scanned) and sliced.scanned.tolist() == whole.scanned.tolist()
+    assert sliced.scanned_pass.tolist() == whole.scanned_pass.tolist()
+    assert sliced.accepted.tolist() == whole.accepted.tolist()
+    assert sliced.rescored_rows < whole.rescored_rows

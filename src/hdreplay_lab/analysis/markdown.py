@@ -7,6 +7,7 @@ from typing import Any, Callable, Sequence
 import pandas as pd
 
 from .stats import INTERVALS
+from .waste import WASTE_ROWS
 
 
 def fmt(v: Any, kind: str = "num") -> str:
@@ -203,7 +204,8 @@ def render_report(report: dict) -> str:
             *[(f"accepted share from top {int(float(q) * 100)}% of buffer", f"prefix/share_at/{q}", "pct")
               for q in ("0.05", "0.1", "0.25", "0.5")],
             ("accepted share within the first k_rep ranks", "prefix/share_within_k_rep", "pct"),
-            ("replayed groups with a scan position", "prefix/n_accepted", "int")]) + _figure(r, "scan"),
+            ("replayed groups with a scan position", "prefix/n_accepted", "int")]) + _figure(r, "scan")
+        + "\n### Where the re-scoring goes\n\n" + run_table(r, "waste", WASTE_ROWS),
         "\n## 4. Replay age\n\n### Drift-gate outcome by age (scanned groups)\n\n" + run_table(ra, "age_gate", [
             ("mean age, accepted", "accepted/mean", "num"), ("mean age, rejected", "rejected/mean", "num"),
             ("median age, accepted", "accepted/median", "num"), ("median age, rejected", "rejected/median", "num"),

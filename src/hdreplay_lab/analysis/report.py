@@ -10,7 +10,7 @@ Output layout (default ``RUN_DIR/report`` for one run, ``./hdreplay-report`` for
                    entropy_timing, phases, ingress (a figure is omitted when no run has its data)
 
 An analysis (one run) has the keys: info, problems, training, final_metrics, ingress, entropy_timing, acceptance,
-replay_kl, scan, age_gate, staleness, mixing, headroom_deciles, multiplicity, counterfactual, phases.  A section
+replay_kl, scan, age_gate, staleness, mixing, headroom_deciles, multiplicity, counterfactual, phases, waste.  A section
 a run cannot provide is {"available": false, "reason": ...}.
 """
 
@@ -36,10 +36,11 @@ from .lifetime import counterfactual, headroom_deciles, multiplicity
 from .load import AnalysisInputError, RunData
 from .stats import check_settings, num, sanitize, unavailable
 from .training import EntropyThresholds, collapse_timing, final_metrics, log_series, training
+from .waste import gate_waste
 
 REPORT_FORMAT, REPORT_VERSION = "hdreplay.report", 1
 REPLAY_SECTIONS = ("acceptance", "replay_kl", "scan", "age_gate", "staleness", "mixing", "headroom_deciles",
-                   "multiplicity", "counterfactual", "phases")
+                   "multiplicity", "counterfactual", "phases", "waste")
 
 
 @dataclass(frozen=True)
@@ -156,7 +157,8 @@ def analyze_run(run: RunData, settings: ReportSettings = ReportSettings()) -> di
             "mixing": {"available": True, **mixing(steps)},
             "headroom_deciles": headroom_deciles(groups, n_bins=settings.deciles),
             "multiplicity": multiplicity(groups), "counterfactual": counterfactual(steps),
-            "phases": phase_mixture(steps, n_phases=settings.n_phases, bounds=settings.phase_bounds)}
+            "phases": phase_mixture(steps, n_phases=settings.n_phases, bounds=settings.phase_bounds),
+            "waste": gate_waste(steps)}
 
 
 def build_report(runs: Sequence[RunData], settings: ReportSettings = ReportSettings(), *,

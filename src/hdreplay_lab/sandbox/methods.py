@@ -27,6 +27,8 @@ exgrpo             ExGRPO: 1 stored correct row in b/2 groups  b         b/2 row
 exgrpo_grpo        ExGRPO's mixing under the GRPO loss         b         b/2 rows   grpo+shaped
 hdr_l1             Headroom-Drift with L1 Drift                b         r          grpo
 hdr_advantage      Headroom-Drift, |A|-weighted Headroom       b         r          grpo
+hdr_fullscan       Headroom-Drift, full scan (no slicing)      b         r          grpo
+hdr_skip           Headroom-Drift + futile-rescoring skip      b         r          grpo
 =================  ==========================================  ========  =========  ========
 
 ``hdr_l1`` and ``hdr_advantage`` are the paper's two design-choice ablations (mechanism signatures in
@@ -34,6 +36,11 @@ docs/results/fidelity): Drift as the mean absolute instead of squared log-prob c
 tau as in the paper's pairing (tau_1 = 0.005 against tau_2 = 0.001, Appendix "L1-style versus L2-style
 policy drift"; the two gates bound different regions, so no tau makes them the same gate), and
 Headroom weighted by |A_i| instead of the sign of the advantage.
+
+``hdr_fullscan`` and ``hdr_skip`` are the gate-cost variants (issue 27, docs/results/gate_cost): the paper's scan
+forwarding every scanned group whole (``scan_passes=1``, the scan before exact early rejection; its gate decisions
+are the default's, its cached-Headroom refresh differs for early-rejected groups), and the default scan plus
+``skip_rejected=4`` (a group rejected with Drift D sits out min(4, floor(log2(D / tau))) steps).
 
 The DAPO baseline is TRL's ``loss_type="dapo"`` (token-level normalisation) with clip-higher
 (epsilon_high = 0.28); ``dapo`` alone has no dynamic sampling, ``dapo_dynamic`` adds it
@@ -101,6 +108,10 @@ METHODS: dict[str, Method] = {
                replay=(("drift_norm", "l1"),), tau_scale=5.0),
         Method("hdr_advantage", "Headroom-Drift, |A|-weighted (b+r)", selector="headroom_drift", replay_mult=0.5,
                replay=(("headroom_weighting", "advantage"),)),
+        Method("hdr_fullscan", "Headroom-Drift, full scan (b+r)", selector="headroom_drift", replay_mult=0.5,
+               replay=(("scan_passes", 1),)),
+        Method("hdr_skip", "Headroom-Drift + futile skip (b+r)", selector="headroom_drift", replay_mult=0.5,
+               replay=(("skip_rejected", 4),)),
         # peers (docs/strategies.md): uniform FIFO replay of every group (arXiv 2604.08706)
         Method("uniform_fifo", "Uniform FIFO (b+r)", selector="uniform", replay_mult=0.5,
                replay=(("ingress", "all"),)),

@@ -207,7 +207,7 @@ def replay_rows(groups: Sequence[GroupRecord], sl: slice, *, pad_token_id: int,
         "advantages": adv,
         "old_per_token_logps": rows.logprobs,
         "tool_mask": rows.loss_mask,
-        "hdr_row": torch.full((n,), -1, dtype=torch.int64),
+        "hdr_row": -1 - pg.row_group[sl],  # replay rows: -1 - (the row's group in ``groups``); fresh rows >= 0
     }
     for extra, key in EXTRA_KEYS.items():
         if extra in rows.extras:

@@ -37,6 +37,13 @@ _TRL_OVERRIDES: dict[str, tuple[Any, Any, str]] = {
 _TRL_KNOBS = (
     Knob("score_batch_size", int, None, True,
          "rows per forward call when re-scoring replay candidates; unset = per_device_train_batch_size", None),
+    Knob("train_scope", str, "update", False,
+         "which optimizer updates train a replay row: update = only the update whose Drift gate admitted it (every "
+         "replayed token is trained within tau, the paper's guarantee; with steps_per_generation > "
+         "gradient_accumulation_steps its rows fill that update's micro-steps, with num_iterations > 1 a later "
+         "iteration trains them only if it falls in the same update); generation = spread over every micro-step of "
+         "the generation, also in the updates after the gate, without gating them again (the behaviour before 0.2: "
+         "measured Drift above tau in the next update, docs/trl.md)", ("update", "generation")),
     Knob("micro_step", str, "chunk", False,
          "how replay rows enter a micro-step: chunk = extra forward/backward passes of at most "
          "per_device_train_batch_size rows each (activation memory as without replay; the fresh rows form exactly "

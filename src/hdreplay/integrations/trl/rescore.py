@@ -22,9 +22,12 @@ import torch
 from ...padding import pad_groups
 from ...record import GroupRecord
 
-#: share the prompt pass only when it runs at most this fraction of the full forward's token positions: with short
-#: prompts the two forward calls it takes cost more than the prompt tokens they save
-SHARE_BELOW_TOKEN_RATIO = 0.75
+#: share the prompt pass only when it runs at most this fraction of the full forward's token positions.  A token of
+#: the shared path costs more than one of the full forward (two calls per batch, the KV cache copied per row):
+#: measured on CPU (benchmarks/trl_rescore.py) 1.2-2.3x, so it pays below a ratio of 0.43-0.86 depending on rows
+#: per call; on one H200 (docs/results/README.md, GPU check) 3-5x per row at a ratio of 0.71, where it did not pay.
+#: 0.3 keeps it where prompts dominate by far (a ratio 0.3 costs at most ~1.2x at 4x per token)
+SHARE_BELOW_TOKEN_RATIO = 0.3
 
 
 def can_share_prompt(model: torch.nn.Module) -> bool:
@@ -39,7 +42,9 @@ def can_share_prompt(model: torch.nn.Module) -> bool:
     return {"past_key_values", "position_ids", "use_cache"} <= set(params)
 
 
-def _batches(groups: Sequence[GroupRecord], max_rows: int) -> list[list[GroupRecord]]:
+def rescore_batches(groups: Sequence[GroupRecord], max_rows: int) -> list[list[GroupRecord]]:
+    """The forward calls :func:`shared_prompt_logps` makes: consecutive groups, at most ``max_rows`` rows each (a
+    group larger than that alone)."""
     out, cur, rows = [], [], 0
     for g in groups:
         if cur and rows + g.num_responses > max_rows:
@@ -54,7 +59,8 @@ def _batches(groups: Sequence[GroupRecord], max_rows: int) -> list[list[GroupRec
 
 @torch.no_grad()
 def shared_prompt_logps(model: torch.nn.Module, groups: Sequence[GroupRecord], *, pad_token_id: int, device,
-                        max_rows: int, autocast: Callable[[], AbstractContextManager]) -> torch.Tensor:
+                        max_rows: int, autocast: Callable[[], AbstractContextManager],
+                        min_batches: int = 0) -> torch.Tensor:
     """Current-policy log-probs of the groups' completions, one prompt pass per group.
 
     Args:
@@ -62,16 +68,21 @@ def shared_prompt_logps(model: torch.nn.Module, groups: Sequence[GroupRecord], *
         groups: G groups; their rows are laid out as :func:`hdreplay.pad_groups` does.
         max_rows: rows (responses) per forward call.
         autocast: the trainer's autocast context factory.
+        min_batches: run at least this many forward calls (the extra ones repeat the first batch, results
+            discarded), so that every rank of a sharded re-score makes the same calls.
     Returns:
         (R, C) log-probs, rows and columns as ``pad_groups(groups).completion_ids`` (0 on padding).
     """
     pg = pad_groups(groups, pad_token_id=pad_token_id)
     out = torch.zeros(pg.completion_ids.shape, dtype=torch.float32)
     r0 = 0
-    for batch in _batches(groups, max_rows):
+    batches = rescore_batches(groups, max_rows)
+    for batch in batches:
         part = _score_batch(model, batch, pad_token_id=pad_token_id, device=device, autocast=autocast)
         out[r0:r0 + part.shape[0], :part.shape[1]] = part.float().cpu()
         r0 += part.shape[0]
+    for _ in range(min_batches - len(batches)):
+        _score_batch(model, batches[0], pad_token_id=pad_token_id, device=device, autocast=autocast)
     return out
 
 

@@ -53,7 +53,7 @@ from .config import as_replay_config
 from .exgrpo import split_off
 from .positions import install_position_ids, padding_drift
 from .reference import refresh_reference
-from .rescore import can_share_prompt, share_pays, shared_prompt_logps
+from .rescore import can_share_prompt, rescore_batches, share_pays, shared_prompt_logps
 from .microstep import MicroStep, merged, replay_chunks
 from .step import ReplayStep
 from .strategies import build_strategy
@@ -93,6 +93,7 @@ class HDRGRPOTrainer(GRPOTrainer):
         self._seam = build_strategy(self)  # controller + hooks of the run's strategy (trl/strategies.py)
         self.replay, self.replay_active = self._seam.controller, self._seam.active
         self._replay_step: ReplayStep | None = None  # the open step (one optimizer update)
+        self._gated_update: int | None = None  # the optimizer update whose gate admitted the buffered replay rows
         self._step_offset: int | None = None  # replay step = global_step + offset (0 unless train() is called again)
         self.replay_padding_drift: float | None = None
         self._position_hook = None
@@ -204,34 +205,57 @@ class HDRGRPOTrainer(GRPOTrainer):
                 **mm.to_device(mm_inputs, input_ids.device))
         return logps
 
-    def _group_logps(self, groups, share: bool) -> torch.Tensor:
-        """(R, C) current log-probs of ``groups``' rows (``pad_groups`` layout): one prompt pass per group when
-        the model allows it and it saves token positions (long prompts), else TRL's full-row forward."""
-        dev, pad = self.accelerator.device, self._tokenizer.pad_token_id
-        if share:
-            with disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs):
-                return shared_prompt_logps(self.accelerator.unwrap_model(self.model), groups, pad_token_id=pad,
-                                           device=dev, max_rows=self._score_batch_size,
-                                           autocast=self.accelerator.autocast)
-        pg = pad_groups(groups, pad_token_id=pad)
-        ids = torch.cat([pg.prompt_ids, pg.completion_ids], 1).to(dev)
-        mask = torch.cat([pg.prompt_mask, pg.completion_mask], 1).to(dev)
-        C = pg.completion_ids.shape[1]
-        images = mm.batch_inputs([groups[int(g)].mm_inputs for g in pg.row_group.tolist()], pg.prompt_mask, C)
-        return self._logps(ids, mask, C, **images).float().cpu()
+    def _row_logps(self, groups, rows: list[int], pg=None) -> torch.Tensor:
+        """(len(rows), C) current log-probs of rows ``rows`` of ``pg = pad_groups(groups)`` through TRL's full-row
+        forward (columns no row of them needs are trimmed before the forward and zero-filled after it)."""
+        pg = pg if pg is not None else pad_groups(groups, pad_token_id=self._tokenizer.pad_token_id)
+        idx = torch.as_tensor(rows)
+        pm, cm = pg.prompt_mask[idx], pg.completion_mask[idx]
+        P, C = int(pm.sum(1).max()), int(cm.sum(1).max())
+        ids = torch.cat([pg.prompt_ids[idx][:, -P:], pg.completion_ids[idx][:, :C]], 1).to(self.accelerator.device)
+        mask = torch.cat([pm[:, -P:], cm[:, :C]], 1).to(self.accelerator.device)
+        images = mm.batch_inputs([groups[int(g)].mm_inputs for g in pg.row_group[idx].tolist()], pm[:, -P:], C)
+        out = torch.zeros(len(rows), pg.completion_ids.shape[1])
+        out[:, :C] = self._logps(ids, mask, C, **images).float().cpu()
+        return out
+
+    def _shared_logps(self, groups, min_batches: int) -> torch.Tensor:
+        """(R, C) current log-probs of ``groups``' rows (``pad_groups`` layout), one prompt pass per group, in at
+        least ``min_batches`` forward calls (filler calls repeat the first batch: every rank runs as many)."""
+        with disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs):
+            return shared_prompt_logps(self.accelerator.unwrap_model(self.model), groups,
+                                       pad_token_id=self._tokenizer.pad_token_id, device=self.accelerator.device,
+                                       max_rows=self._score_batch_size, autocast=self.accelerator.autocast,
+                                       min_batches=min_batches)
 
     def _replay_scorer(self, groups):
-        """Current-policy log-probs of ``groups``, the forwards sharded over ranks by group (same calls everywhere)."""
+        """Current-policy log-probs of ``groups`` (whole groups or response slices of them, :mod:`hdreplay.scan`).
+
+        The forwards are sharded over ranks and every rank runs the same number of forward calls whatever the
+        groups' sizes (ZeRO-3 / FSDP gather parameters inside each forward): the full-row path gives each rank
+        ceil(R / W) rows (the last rank repeats a filler row); the prompt-shared path gives each rank
+        ceil(G / W) groups and pads every rank to the largest number of forward calls."""
         acc = self.accelerator
         W, r, G = acc.num_processes, acc.process_index, len(groups)
-        per = -(-G // W)
-        mine = [groups[min(i, G - 1)] for i in range(r * per, (r + 1) * per)]  # the last rank repeats a filler group
-        share = self._share_prompt and share_pays(groups)  # decided on all groups: the same on every rank
-        logps = self._group_logps(mine, share).to(acc.device)
-        if W > 1:
-            logps = acc.gather(acc.pad_across_processes(logps, dim=1, pad_index=0))
         pg = pad_groups(groups, pad_token_id=self._tokenizer.pad_token_id)
-        return pg.split_by_group(logps[:pg.num_rows].cpu())
+        R = pg.num_rows
+        if self._share_prompt and share_pays(groups):  # decided on all groups: the same on every rank
+            per = -(-G // W)
+            shards = [[groups[min(i, G - 1)] for i in range(q * per, (q + 1) * per)] for q in range(W)]
+            calls = max(len(rescore_batches(s, self._score_batch_size)) for s in shards)
+            logps = self._shared_logps(shards[r], calls)
+            sizes = [sum(g.num_responses for g in s) for s in shards]
+            logps = torch.cat([logps, logps.new_zeros(max(sizes) - logps.shape[0], logps.shape[1])])
+            if W > 1:
+                logps = acc.gather(acc.pad_across_processes(logps.to(acc.device), dim=1, pad_index=0)).cpu()
+            blocks = logps.split(max(sizes))
+            logps = torch.cat([b[:n] for b, n in zip(blocks, sizes)])
+        else:
+            per = -(-R // W)
+            logps = self._row_logps(groups, [min(i, R - 1) for i in range(r * per, (r + 1) * per)], pg)
+            if W > 1:
+                logps = acc.gather(acc.pad_across_processes(logps.to(acc.device), dim=1, pad_index=0)).cpu()
+        return pg.split_by_group(logps[:R])
 
     def _mm_schema(self):
         """The buffer's multimodal schema (None for the text-only per-prompt stores of RePO, ExGRPO and BAPO)."""
@@ -276,8 +300,10 @@ class HDRGRPOTrainer(GRPOTrainer):
                 fresh, offs = zip(*(split_off(f) for f in fresh))
                 replay = [[o] if o is not None else [] for o in offs]
             if first:  # (never with ExGRPO: it selects no replay groups)
-                replay = replay_chunks(step.replay_part, spg=spg, max_rows=self.args.per_device_train_batch_size,
-                                       num_items=out["num_items_in_batch"])
+                steps = spg if self.args.replay_train_scope == "generation" else self._micro_steps_left(spg)
+                replay = replay_chunks(step.replay_part, spg=steps, max_rows=self.args.per_device_train_batch_size,
+                                       num_items=out["num_items_in_batch"]) + [[] for _ in range(spg - steps)]
+                self._gated_update = self.state.global_step
                 for chunk in (c for cs in replay for c in cs if "hdr_mm" in c):  # TRL's flat image layout per chunk
                     images = mm.batch_inputs(chunk.pop("hdr_mm"), chunk["prompt_mask"].cpu(),
                                              chunk["completion_ids"].shape[1])
@@ -285,7 +311,17 @@ class HDRGRPOTrainer(GRPOTrainer):
                 step.replay_part = None
             capture = gen if gen.needs_capture else None
             self._buffered_inputs = [MicroStep(f, r, capture) for f, r in zip(fresh, replay)]
-        return self._buffered_inputs[self._step % spg]
+        micro = self._buffered_inputs[self._step % spg]
+        if micro.replay and self._gated_update != self.state.global_step \
+                and self._seam.part_loss is None \
+                and self.args.replay_train_scope == "update":  # a later update: its gate no longer vouches for them
+            micro = MicroStep(micro.fresh, [], micro.generation)
+        return micro
+
+    def _micro_steps_left(self, spg: int) -> int:
+        """Micro-steps of the generation that run in the current optimizer update (replay_train_scope="update")."""
+        ga = self.args.gradient_accumulation_steps
+        return max(1, min(spg, ga - self._step % ga))
 
     # ------------------------------------------------------------------ 3. the loss
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
