@@ -11,6 +11,7 @@ Core API (framework-agnostic; importing it never imports TRL or verl):
     MixedOutcome, AnswerBased, make_ingress_rule      ingress rules
     pad_groups, PaddedGroups, group_scores            helpers for writing scorers
     balanced_partition, minibatch_layout, truncate_to_multiple   batch layout
+    AsyncReplay, StalenessConfig   asynchronous pipelines: stale groups diverted to the buffer (hdreplay.staleness)
 
 Reliability contract: every public call checks all of its arguments before it changes anything
 (errors: ReplayInputError / ReplayConfigError / ReplayProtocolError / CheckpointError, all
@@ -41,12 +42,13 @@ from .scores import (
     GroupScores, drift, group_scores, headroom, reference_headroom, replay_kl, replay_kl_per_group, token_headroom,
 )
 from .selection import SELECTORS, Scorer, Selection, select_replay
+from .staleness import AsyncReplay, StalenessConfig
 from .record import GroupRecord
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "AdaptiveTau", "TauState", "update_tau", "AnswerBased", "CheckpointError", "DiagnosticsWriter", "GroupRecord", "GroupScores", "METRIC_KEYS", "STEP_FIELDS", "StepRecord",
+    "AdaptiveTau", "AsyncReplay", "StalenessConfig", "TauState", "update_tau", "AnswerBased", "CheckpointError", "DiagnosticsWriter", "GroupRecord", "GroupScores", "METRIC_KEYS", "STEP_FIELDS", "StepRecord",
     "MixedOutcome", "PaddedGroups", "ReplayBuffer", "ReplayConfig", "ReplayConfigError", "ReplayController",
     "ReplayError", "ReplayInputError", "ReplayProtocolError", "ReplayResumeWarning", "ReplayStarvedWarning", "SELECTORS", "Scorer", "Selection",
     "balanced_partition", "drift", "group_scores", "headroom", "make_ingress_rule", "metrics_from_record",

@@ -48,7 +48,7 @@ from . import sampling
 from .errors import ReplayInputError
 from .record import GroupRecord
 from .scores import check_scorer_output, score_groups
-from .validate import check_real, check_step
+from .validate import check_real, check_reals, check_step
 
 if TYPE_CHECKING:  # pragma: no cover
     from .buffer import ReplayBuffer
@@ -57,6 +57,10 @@ if TYPE_CHECKING:  # pragma: no cover
 Scorer = Callable[[Sequence[GroupRecord]], Sequence[torch.Tensor]]
 """Takes G stored groups; returns G tensors ``(T_g,)``: current-policy log-probs of every
 completion token of the group (responses concatenated, as in ``GroupRecord.completion_ids``)."""
+
+DriftFloor = Callable[[Sequence[GroupRecord]], Sequence[float]]
+"""Takes G scanned groups; returns G floors >= 0 subtracted from their Drift before the gate (asynchronous
+pipelines whose stored log-probs are the sampler's, see :mod:`hdreplay.staleness`)."""
 
 #: the running acceptance rate never drives chunk sizes beyond remaining / MIN_RATE.
 MIN_ACCEPTANCE_RATE = 0.05
@@ -147,6 +151,9 @@ class Selection:
     #: last chunk, counterfactual): the selection's forward cost
     rescored_rows: int = 0
     rescored_tokens: int = 0
+    #: (s,) per scanned group, the Drift floor subtracted before the gate (``drift_floor``; None = no floor):
+    #: ``scanned_drift`` is then max(raw Drift - floor, 0), the value the gate compared with tau
+    scanned_floor: np.ndarray | None = None
 
 
 def empty_selection(step: int, name: str, size: int, tau: float) -> Selection:
@@ -218,6 +225,7 @@ def select_replay(
     acceptance_rate: float = 1.0,
     tau: float | None = None,
     rng: np.random.Generator | None = None,
+    drift_floor: DriftFloor | None = None,
 ) -> Selection:
     """Choose this step's replay groups from the pre-existing buffer (does not modify it).
 
@@ -230,6 +238,7 @@ def select_replay(
         tau: overrides ``config.tau`` (used by the adaptive-tau controller); finite, >= 0.
         rng: the generator of the random orders (uniform, freshper, adv_priority); required by them.  It is
             advanced; its state afterwards is returned in ``Selection.rng_state``.
+        drift_floor: per scanned group, a floor subtracted from its Drift before the gate (see :data:`DriftFloor`).
     Returns:
         a :class:`Selection` with read-only arrays; its ``groups`` are copies of the stored groups.
     """
@@ -242,6 +251,8 @@ def select_replay(
         raise ReplayInputError(f"config: must be a ReplayConfig, got {type(config).__name__}")
     if scorer is not None and not callable(scorer):
         raise ReplayInputError(f"scorer: must be a callable or None, got {type(scorer).__name__}")
+    if drift_floor is not None and not callable(drift_floor):
+        raise ReplayInputError(f"drift_floor: must be a callable or None, got {type(drift_floor).__name__}")
     step = check_step("step", step)
     acceptance_rate = check_real("acceptance_rate", acceptance_rate, lo=0.0, hi=1.0)
     tau = config.tau if tau is None else check_real("tau", tau, lo=0.0)
@@ -278,7 +289,7 @@ def select_replay(
         raise ReplayInputError(f"scorer: selector {spec.name!r} re-scores groups under the current policy; "
                                "pass a scorer")
     scanned: list[int] = []
-    cols: dict[str, list] = {k: [] for k in ("drift", "headroom", "kl", "pass", "tokens")}
+    cols: dict[str, list] = {k: [] for k in ("drift", "headroom", "kl", "pass", "tokens", "floor")}
     accepted: list[int] = []
     accepted_groups: list[GroupRecord] = []
     limit = min(eligible, max(K, config.scan_budget))  # an ungated order always takes its K groups
@@ -302,6 +313,8 @@ def select_replay(
         sc = score_groups(groups, lps, drift_norm=config.drift_norm, headroom_weighting=config.headroom_weighting)
         d, h, kl, ntok = (sc.drift.tolist(), sc.headroom.tolist(), sc.replay_kl.tolist(),
                           sc.num_loss_tokens.tolist())
+        floor = [0.0] * len(d) if drift_floor is None else _floors(drift_floor(groups), len(d))
+        d = [max(x - float(f), 0.0) for x, f in zip(d, floor)]
         for j, gid in enumerate(ids.tolist()):
             if len(accepted) == K:
                 unused += len(ids) - j
@@ -313,6 +326,7 @@ def select_replay(
             cols["kl"].append(kl[j])
             cols["pass"].append(ok)
             cols["tokens"].append(ntok[j])
+            cols["floor"].append(float(floor[j]))
             if ok:
                 accepted.append(gid)
                 accepted_groups.append(groups[j])
@@ -346,6 +360,7 @@ def select_replay(
         eligible=eligible,
         rescored_rows=cost[0],
         rescored_tokens=cost[1],
+        scanned_floor=None if drift_floor is None else np.asarray(cols["floor"]),
     )
     if config.counterfactual and len(kept) and spec.name != "recency":
         _counterfactual(sel, buffer, config, scorer, cols)
@@ -373,6 +388,13 @@ def _counterfactual(sel: Selection, buffer: "ReplayBuffer", config: "ReplayConfi
     sel.cf_ids = rec
     sel.cf_drift = np.asarray([val(g)[0] for g in rec.tolist()])
     sel.cf_headroom = np.asarray([val(g)[1] for g in rec.tolist()])
+
+
+def _floors(values, size: int) -> list[float]:
+    arr = check_reals("drift_floor", values, size)
+    if (arr < 0).any():
+        raise ReplayInputError(f"drift_floor: floors must be >= 0, got {arr.min():g}")
+    return arr.tolist()
 
 
 def _state(rng: np.random.Generator | None, spec: SelectorSpec) -> dict | None:
