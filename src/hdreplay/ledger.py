@@ -108,12 +108,12 @@ class StalenessLedger:
         out = {f"{prefix}{k}_{u}": float(rec[f"{k}_{u}"]) for k in KINDS for u in ("groups", "tokens")}
         tot = rec["totals"]
         if tot["generated_groups"]:
-            out[f"{prefix}useful_group_share_total"] = (tot["fresh_mixed_groups"] + tot["admitted_groups"]) / tot[
+            out[f"{prefix}useful_group_share_cum"] = (tot["fresh_mixed_groups"] + tot["admitted_groups"]) / tot[
                 "generated_groups"]
-            out[f"{prefix}discarded_group_share_total"] = (tot["dropped_groups"] + tot["evicted_unused_groups"]) / tot[
+            out[f"{prefix}discarded_group_share_cum"] = (tot["dropped_groups"] + tot["evicted_unused_groups"]) / tot[
                 "generated_groups"]
         if tot["generated_tokens"]:
-            out[f"{prefix}useful_token_share_total"] = (tot["fresh_mixed_tokens"] + tot["admitted_tokens"]) / tot[
+            out[f"{prefix}useful_token_share_cum"] = (tot["fresh_mixed_tokens"] + tot["admitted_tokens"]) / tot[
                 "generated_tokens"]
         for name in ("floor", "floor_step"):
             if rec.get(name) is not None:

@@ -253,6 +253,11 @@ class AsyncReplay:
             self.ledger.on_replay(g, age=step - g.birth_step)
         return sel
 
+    @property
+    def is_open(self) -> bool:
+        """An update has been opened (by :meth:`offer` or :meth:`select`) and not committed yet."""
+        return self._step is not None or self.controller._open_step is not None
+
     def observe_floor(self, drifts: Sequence[float], tokens: Sequence[int] | None = None) -> None:
         """Per-group Drift (trainer log-probs vs the stored sampler log-probs) of this step's staleness-0 groups."""
         self.floor.observe(drifts, tokens)

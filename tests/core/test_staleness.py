@@ -61,7 +61,7 @@ def test_diverted_groups_enter_the_buffer_stamped_with_their_generation_step_and
     m = ar.commit()
     assert m["async/admitted_groups"] == 1 and m["async/age_admitted_mean"] == 4
     assert m["async/drift_divert_mean"] == pytest.approx(0.0025) == m["async/drift_admit_mean"]
-    assert m["async/useful_group_share_total"] == pytest.approx(2 / 4)  # fresh mixed "a" + admitted "b"
+    assert m["async/useful_group_share_cum"] == pytest.approx(2 / 4)  # fresh mixed "a" + admitted "b"
 
 
 def test_the_gate_still_decides_a_drifted_diverted_group_waits_and_is_evicted_unused():
@@ -76,7 +76,7 @@ def test_the_gate_still_decides_a_drifted_diverted_group_waits_and_is_evicted_un
     assert m["async/evicted_unused_groups"] == 1 and m["async/evicted_unused_tokens"] == group("old", 0).num_tokens
     assert m["async/drift_divert_mean"] == pytest.approx(0.25)
     assert "old" not in ar.tracked and m["async/buffered_diverted"] == 4
-    assert m["async/discarded_group_share_total"] == pytest.approx(1 / 5)
+    assert m["async/discarded_group_share_cum"] == pytest.approx(1 / 5)
 
 
 def test_floor_is_subtracted_for_sampler_referenced_groups_only():
