@@ -2,6 +2,7 @@
 
     hdreplay demo                  reduced comparison on CPU (what `make demo` runs), < 10 minutes on 2 cores
     hdreplay compare               the paper's role-aligned comparison in the CPU sandbox
+    hdreplay compare-async         the policy-lag sandbox: stale groups under age-drop, wait, keep-all, Drift-gated
     hdreplay report RUN_DIR...     replay analytics (markdown + PNG + JSON) of run directories, TRL output dirs too
     hdreplay calibrate run         the tau sweep (decade-spaced taus + adaptive tau) and its recommendation
     hdreplay calibrate summarize RUN_DIR...   the same summary for finished runs
@@ -256,6 +257,9 @@ def app():
     add_command(root, "demo", DemoArgs, seeds=1, steps=120, methods=DEMO_METHODS, eval_every=20, curve_prompts=30,
                 signatures=False, out=Path("hdreplay_runs/demo"))
     add_command(root, "compare", CompareArgs)
+    from .sandbox.lag.compare import AsyncCompareArgs
+
+    add_command(root, "compare-async", AsyncCompareArgs)
     add_command(root, "report", ReportArgs)
     calibrate = typer.Typer(help="tau calibration: `run` a sweep in the sandbox, or `summarize` finished runs.",
                             no_args_is_help=True)

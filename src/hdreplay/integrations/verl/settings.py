@@ -158,7 +158,10 @@ def _common_problems(config: Any, *, v1: bool) -> list[str]:
     if _get(config, "critic.enable", None):
         problems.append("critic.enable=true: replayed groups carry no values/returns for a critic; disable the critic")
     rc = _get(config, "algorithm.rollout_correction")
-    if rc is not None and (_get(rc, "rollout_is") or _get(rc, "bypass_mode", False) or (not v1 and _get(rc, "rollout_rs"))):
+    v1_bypass = v1 and rc is not None and bool(_get(rc, "bypass_mode", False))  # supported: see async_settings.py
+    if v1_bypass:
+        pass
+    elif rc is not None and (_get(rc, "rollout_is") or _get(rc, "bypass_mode", False) or (not v1 and _get(rc, "rollout_rs"))):
         keys = "rollout_is / bypass_mode" if v1 else "rollout_is / rollout_rs / bypass_mode"
         problems.append(f"algorithm.rollout_correction ({keys}) is set: replayed rows have no rollout importance "
                         "weights (and with bypass_mode Drift would be measured against the inference engine's "
@@ -177,11 +180,13 @@ def _common_problems(config: Any, *, v1: bool) -> list[str]:
 
 
 def _v1_problems(config: Any) -> list[str]:
+    from .async_settings import async_problems
+
     mode = _get(config, "trainer.v1.trainer_mode", "sync")
     if mode not in V1_MODES:
         return [f"trainer.v1.trainer_mode={mode}: the recipe has trainers for {list(V1_MODES)}; pick one of them "
                 "or run with hdr.selector=none"]
-    return []
+    return async_problems(lambda key, default=None: _get(config, key, default))
 
 
 def _v0_problems(config: Any, settings: HDRSettings | None) -> list[str]:

@@ -39,14 +39,15 @@ class LagCompareConfig:
     task: str = arg("mix", f"sandbox task: one of {sorted(TASKS)} (single-turn text tasks)")
     methods: tuple[str, ...] = arg(tuple(ASYNC_METHODS), f"comma-separated methods from {list(ASYNC_METHODS)}")
     seeds: int = arg(8, "seeds per method (>= 2; paired: the same prompt stream and pipeline noise per seed)")
-    groups: int = arg(1600, "generated groups per run: the equal budget (>= prompts-per-step)")
-    prompts_per_step: int = arg(16, "b: groups per step from the arrival queue (even: K_rep = b/2)")
+    groups: int = arg(1280, "generated groups per run: the equal budget (>= prompts-per-step)")
+    prompts_per_step: int = arg(8, "b: groups per step from the arrival queue (even: K_rep = b/2)")
     generations: int = arg(8, "n: responses per group (>= 2)")
     lr: float = arg(1e-4, "learning rate (AdamW)")
     tau: float = arg(1e-2, "Drift threshold of the gated methods (the sandbox's tau)")
+    capacity_per_b: int = arg(8, "buffer capacity of the gated methods in units of b (>= 2)")
     eval_n: int = arg(4, "samples per held-out prompt (Mean@n)")
     model: str | None = arg(None, "local causal-LM checkpoint instead of the warm-started tiny model")
-    slots: int = arg(PipelineConfig.slots, "groups generating at once")
+    slots: int = arg(16, "groups generating at once (2 b: about two steps of groups in flight)")
     gen_fixed_ms: float = arg(PipelineConfig.gen_fixed_ms, "modelled generation time per group, fixed part (ms)")
     gen_ms_per_token: float = arg(PipelineConfig.gen_ms_per_token, "modelled generation time per token of a group's "
                                                                     "longest completion (ms)")
@@ -69,6 +70,7 @@ class LagCompareConfig:
         _int("generations", self.generations, 2)
         _int("eval_n", self.eval_n, 1)
         _int("groups", self.groups, self.prompts_per_step)
+        _int("capacity_per_b", self.capacity_per_b, 2)
         if self.prompts_per_step % 2:
             raise ValueError(f"--prompts-per-step must be even (K_rep = b/2), got {self.prompts_per_step}")
         for name in ("lr", "tau"):
@@ -84,7 +86,8 @@ class LagCompareConfig:
     def spec(self, method: str, seed: int) -> LagRunSpec:
         return LagRunSpec(task=self.task, method=method, seed=seed, groups=self.groups,
                           prompts_per_step=self.prompts_per_step, generations=self.generations, lr=self.lr,
-                          tau=self.tau, eval_n=self.eval_n, pipeline=asdict(self.pipeline_config()))
+                          tau=self.tau, capacity_per_b=self.capacity_per_b, eval_n=self.eval_n,
+                          pipeline=asdict(self.pipeline_config()))
 
 
 def _identity(cfg: LagCompareConfig) -> dict:
@@ -123,7 +126,8 @@ def model_dir_for(cfg: LagCompareConfig, log=print) -> Path:
     return warm_start(get_task(cfg.task), log=log)
 
 
-def run_compare_async(cfg: LagCompareConfig, out: Path, *, overwrite: bool = False, log=print) -> dict:
+def run_compare_async(cfg: LagCompareConfig, out: Path, *, overwrite: bool = False, log=print,
+                      command: str | None = None) -> dict:
     """Run every (method, seed) not finished yet, then write the summary; returns summary.json's content."""
     from .summary import write_summary
 
@@ -147,7 +151,32 @@ def run_compare_async(cfg: LagCompareConfig, out: Path, *, overwrite: bool = Fal
         el = time.perf_counter() - t0
         say(f"run {i + 1}/{len(todo)} {m} seed {s}: {time.perf_counter() - t:.0f} s, {res['steps']} steps, "
             f"Mean@n {res['macro_mean_at_n']:.3f}; eta {el / (i + 1) * (len(todo) - i - 1) / 60:.0f} min")
-    summary = write_summary(out, cfg)
+    summary = write_summary(out, cfg, command)
     say(f"summary: {out / 'summary.md'}")
     logf.close()
     return summary
+
+
+@dataclass
+class AsyncCompareArgs:
+    """The policy-lag sandbox: asynchronous GRPO with a modelled generation pipeline; age-drop (max_staleness 1, 2,
+    4), wait (AReaL-style throttle), keep-all with truncated IS, Drift-gated staleness (+ Headroom-Drift replay),
+    paired over seeds at an equal number of generated groups."""
+
+    config: LagCompareConfig
+    out: Path = arg(Path("hdreplay_runs/compare_async"), "output directory (a new one, or one this command wrote)")
+    overwrite: bool = arg(False, "replace an output directory holding a different comparison")
+
+    def check(self) -> None:
+        if self.out.exists() and not self.out.is_dir():
+            raise FileExistsError(f"--out {self.out} is a file; --out takes a directory")
+
+    def run(self) -> int:
+        import sys
+
+        summary = run_compare_async(self.config, self.out, overwrite=self.overwrite,
+                                    command=" ".join(["hdreplay", *sys.argv[1:]]))
+        print(f"\n{(self.out / 'summary.md').read_text()}\nsummary: {self.out / 'summary.md'}")
+        for p in summary["plots"]:
+            print(f"plot:    {self.out / p}")
+        return 0

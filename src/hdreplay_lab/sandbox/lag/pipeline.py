@@ -28,7 +28,7 @@ import numpy as np
 class PipelineConfig:
     """Modelled costs (milliseconds) and the pipeline's width."""
 
-    slots: int = 32
+    slots: int = 16
     gen_fixed_ms: float = 300.0
     gen_ms_per_token: float = 150.0
     jitter_sigma: float = 0.6

@@ -6,7 +6,7 @@ after its modelled duration, and is routed by the method when a step takes it (o
 step, arrivals before the step ends dispatch new groups with the pre-update weights.  The run ends when every
 generated group has arrived and been routed (the last step may be short).
 
-Run directory: ``run.json`` (settings), ``steps.jsonl`` (per step: version, modelled time, groups trained),
+Run directory: ``run.json`` (settings), ``pipeline.jsonl`` (per step: version, modelled time, groups trained),
 ``async.jsonl`` (the staleness ledger, :mod:`hdreplay.ledger`, for every method), ``replay/`` (the gated methods'
 replay diagnostics), ``metrics.json`` (held-out Mean@n per prompt, the ledger's totals, lags, lengths, modelled
 wall-clock; written last and atomically).
@@ -42,12 +42,12 @@ class LagRunSpec:
     task: str
     method: str
     seed: int
-    groups: int = 1600  # generated groups (the equal budget)
-    prompts_per_step: int = 16  # b
+    groups: int = 1280  # generated groups (the equal budget)
+    prompts_per_step: int = 8  # b
     generations: int = 8  # n
     lr: float = 1e-4
     tau: float = 1e-2
-    capacity_per_b: int = 4
+    capacity_per_b: int = 8
     pool: int = 8  # prompts sampled at once by the sampler
     eval_n: int = 4
     pipeline: dict = field(default_factory=dict)
@@ -67,7 +67,7 @@ def run_lag(spec: LagRunSpec, method: AsyncMethod, model_dir: Path, run_dir: Pat
     from ..model import load_model
 
     run_dir.mkdir(parents=True, exist_ok=True)
-    for name in ("steps.jsonl", LEDGER_FILE):
+    for name in ("pipeline.jsonl", LEDGER_FILE):
         (run_dir / name).unlink(missing_ok=True)
     atomic_write_text(run_dir / "run.json", json.dumps({**asdict(spec), "label": method.label,
                                                         "model": str(model_dir), "torch_threads": threads}, indent=2))
@@ -153,7 +153,7 @@ def run_lag(spec: LagRunSpec, method: AsyncMethod, model_dir: Path, run_dir: Pat
             areplay.commit(num_fresh_groups=len(fresh))
         else:
             _ledger_step(ledger, run_dir / LEDGER_FILE, version)
-        with open(run_dir / "steps.jsonl", "a") as f:
+        with open(run_dir / "pipeline.jsonl", "a") as f:
             f.write(json.dumps({"step": version, "t_ms": t_end, "fresh": len(fresh), "replay": len(replay),
                                 "rescored": rescored, "arrived_waiting": len(arrived)}) + "\n")
         version += 1

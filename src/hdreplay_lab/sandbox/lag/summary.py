@@ -32,6 +32,8 @@ QUANTITIES = {
     "trained_groups": ("generated groups trained", lambda m: _share(m, "fresh", "admitted")),
     "discarded_groups": ("generated groups discarded", lambda m: _share(m, "dropped", "evicted_unused")),
     "diverted_groups": ("generated groups diverted", lambda m: _share(m, "diverted")),
+    "buffered_end": ("diverted, still buffered at the end", lambda m: m["buffered_diverted_at_end"] / max(
+        m["totals"]["generated_groups"], 1)),
     "wall_clock_s": ("modelled wall-clock (s)", lambda m: m["wall_clock_ms"] / 1000.0),
     "steps": ("optimizer steps", lambda m: float(m["steps"])),
 }
@@ -109,13 +111,13 @@ def render(summary: dict, cfg: dict, command: str) -> str:
              f"{cfg['prompts_per_step']} groups per step, n = {cfg['generations']}), lr {cfg['lr']:g}, tau "
              f"{cfg['tau']:g}.  Mean over seeds (sd).  Shares are of generated groups / tokens.", "",
              "| method | held-out Mean@n | groups giving gradient | tokens giving gradient | trained | discarded "
-             "| diverted | modelled wall-clock (s) | steps | mean length trained / discarded |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "| diverted | buffered at end | modelled wall-clock (s) | steps | mean length trained / discarded |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for m in summary["methods"]:
         r = t[m]
         c = lambda q, spec=".3f": f"{r[q]['mean']:{spec}} ({r[q]['sd']:{spec}})"  # noqa: E731
         lines.append(f"| {r['label']} | {c('mean_at_n')} | {c('useful_groups')} | {c('useful_tokens')} | "
-                     f"{c('trained_groups')} | {c('discarded_groups')} | {c('diverted_groups')} | "
+                     f"{c('trained_groups')} | {c('discarded_groups')} | {c('diverted_groups')} | {c('buffered_end')} | "
                      f"{c('wall_clock_s', '.0f')} | {c('steps', '.0f')} | {_f(r['length_trained_mean'], '.2f')} / "
                      f"{_f(r['length_discarded_mean'], '.2f')} |")
     if summary["paired"]:
