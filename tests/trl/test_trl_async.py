@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -120,10 +121,24 @@ def test_worker_that_runs_dry_raises_instead_of_hanging(model_dir, tmp_path):
     from async_grpo_run import make_trainer
     from hdreplay.integrations.trl.async_queue import RolloutSupplyError
 
+    import threading
+
     tr, worker = make_trainer(tmp_path, model_dir, worker_kw={"hold_version": 2, "slow_per_version": 0},
                               replay_supply_timeout_s=3.0, replay_supply_warn_s=1.0)
-    with pytest.raises(RolloutSupplyError, match=r"the current step still needs \d+ of its 16 samples"):
-        tr.train()
+    raised = []
+
+    def train():
+        try:
+            tr.train()
+        except BaseException as e:  # noqa: BLE001
+            raised.append(e)
+
+    t = threading.Thread(target=train, daemon=True)  # a hang must fail the test, not stall the suite
+    t.start()
+    t.join(timeout=120)
+    assert not t.is_alive(), "train() hung on a worker that ran dry"
+    assert len(raised) == 1 and isinstance(raised[0], RolloutSupplyError), raised
+    assert re.search(r"the current step still needs \d+ of its 16 samples", str(raised[0]))
 
 
 def test_sampler_without_logprobs_is_refused(model_dir, tmp_path):

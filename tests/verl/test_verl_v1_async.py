@@ -27,7 +27,7 @@ ASYNC = ("trainer.v1.trainer_mode=colocate_async",
          "trainer.v1.sampler.custom_sampler.path=pkg://hdreplay.integrations.verl.v1_sampler",
          "trainer.v1.sampler.custom_sampler.name=HDRReplayBufferAsync",
          "trainer.v1.sampler.max_off_policy_threshold=1", "actor_rollout_ref.rollout.calculate_log_probs=true",
-         "hdr.k_rep=2", "hdr.tau=10.0")
+         "hdr.k_rep=8", "hdr.tau=10.0")  # k_rep >= the buffer: every diverted group is scanned and replayed
 BYPASS = "algorithm.rollout_correction.bypass_mode=true"
 
 
@@ -63,18 +63,20 @@ def _vanilla_loss(mb: dict, actor) -> float:
 
 
 def _replayed_diverted_rows(run):
-    """Per trained row of a replayed diverted group: (update, micro-batch, row index, group, response index)."""
+    """Per trained row of a replayed diverted group: (micro-batch record, row index, group, response indices whose
+    tokens the row carries) -- rows are balanced over ranks and micro-batches, so they are matched by tokens."""
     out = []
     for i, step in enumerate(run.trainer.steps):
         groups = {str(g.group_id): g for g in step["selection"].groups if str(g.group_id).startswith("stale")}
         for rank in run.records:
             for mb in rank["history"][i]:
                 for micro in mb.get("micro", []):
-                    seen: dict[str, int] = {}
                     for r, uid in enumerate(micro["uid"]):
                         if uid in groups:
-                            out.append((micro, r, groups[uid], seen.get(uid, 0)))
-                            seen[uid] = seen.get(uid, 0) + 1
+                            g = groups[uid]
+                            idx = [j for j, c in enumerate(g.responses()) if c.tolist() == micro["responses"][r]]
+                            assert idx, "a replayed row carries a response its group does not have"
+                            out.append((micro, r, g, idx))
     return out
 
 
@@ -103,14 +105,14 @@ def test_stale_groups_are_diverted_not_lost_and_train_later(mode, request):
 def test_replayed_rows_loss_equals_a_hand_recomputation(mode, request):
     run, sampler = request.getfixturevalue(mode)
     actor = run.trainer.config.actor_rollout_ref.actor
-    by_tokens = {tuple(r["responses"].tolist()): r for r in sampler.rows.values()}
+    by_tokens = {(tuple(r["prompts"].tolist()), tuple(r["responses"].tolist())): r for r in sampler.rows.values()}
     rows = _replayed_diverted_rows(run)
-    for micro, r, g, i in rows:
-        src = by_tokens[tuple(g.responses()[i].tolist())]  # the row the perturbed sampler produced
+    for micro, r, g, idx in rows:
+        src = by_tokens[(tuple(g.prompt_ids.tolist()), tuple(micro["responses"][r]))]  # what the sampler produced
         np.testing.assert_allclose(micro["old"][r], src["rollout_log_probs"].numpy(), rtol=0, atol=1e-6)
         rewards = g.rewards.double()
         adv = (rewards - rewards.mean()) / (rewards.std() + 1e-6)  # verl's GRPO advantage of the group alone
-        assert micro["adv"][r][0] == pytest.approx(float(adv[i]), abs=1e-5)
+        assert any(micro["adv"][r][0] == pytest.approx(float(adv[i]), abs=1e-5) for i in idx)
     micros = {id(m): m for m, *_ in rows}
     assert micros
     for mb in micros.values():
