@@ -9,7 +9,15 @@ drive an adaptive schedule (Appendix G.2).  This is that schedule, multiplicativ
             (relative) -> tau = max(tau / factor, tau_min)
 
 A change is followed by ``patience`` steps without another; nothing changes during ``warmup``.
-The update is a pure function of (state, step record), so it checkpoints as plain numbers.
+The update (:func:`advance_tau`) is a pure function of the state and three plain numbers of the
+committed step (gate pass rate, budget fill, replay KL), so it checkpoints as plain numbers and needs
+nothing from the diagnostics; :func:`update_tau` takes the same numbers from a step record.
+
+>>> cfg = AdaptiveTau(tau_min=1e-4, tau_max=1e-2, warmup=0, patience=0)
+>>> s = TauState(tau=1e-3)
+>>> s = advance_tau(s, cfg, accept_rate=0.0, budget_fill=0.0, replay_kl=None)  # nothing passed the gate
+>>> s.tau, s.last_action
+(0.002, 'loosen')
 """
 
 from __future__ import annotations
@@ -18,7 +26,6 @@ import math
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Mapping
 
-from .diagnostics import StepRecord
 from .errors import ReplayConfigError, ReplayInputError
 from .validate import MAX_STEP, check_real, is_int, is_real
 
@@ -98,37 +105,49 @@ def _ema(old: float | None, new: float, w: float) -> float:
     return new if old is None else (1 - w) * old + w * new
 
 
-def update_tau(state: TauState, record: "StepRecord | Mapping[str, Any]", cfg: AdaptiveTau) -> TauState:
-    """The next state after a committed step (``record``: its :class:`~hdreplay.diagnostics.StepRecord`,
-    or the same as a dict read back from ``steps.jsonl``)."""
+def update_tau(state: TauState, record: Any, cfg: AdaptiveTau) -> TauState:
+    """The next state after a committed step: :func:`advance_tau` with the ``accept_rate``, ``budget_fill`` and
+    ``replay_kl`` of ``record`` (its :class:`~hdreplay.diagnostics.StepRecord`, or the same as a dict read back
+    from ``steps.jsonl``; missing keys are None)."""
+    if not isinstance(record, Mapping):
+        if not hasattr(record, "__dict__") or isinstance(record, type):
+            raise ReplayInputError(f"record: must be a StepRecord or a mapping, got {type(record).__name__}")
+        record = vars(record)
+    return advance_tau(state, cfg, accept_rate=record.get("accept_rate"), budget_fill=record.get("budget_fill"),
+                       replay_kl=record.get("replay_kl"))
+
+
+def advance_tau(state: TauState, cfg: AdaptiveTau, *, accept_rate: float | None, budget_fill: float | None,
+                replay_kl: float | None) -> TauState:
+    """The next state after a committed step (a new object; ``state`` is not changed).
+
+    Args:
+        accept_rate: the step's gate pass rate among scanned groups in [0, 1] (None: nothing scanned).
+        budget_fill: replayed / K_rep, >= 0 (None: no budget).
+        replay_kl: token-weighted replay KL of the replayed groups, >= 0 (None: not scored).
+    """
     if not isinstance(state, TauState):
         raise ReplayInputError(f"state: must be a TauState, got {type(state).__name__}")
     if not isinstance(cfg, AdaptiveTau):
         raise ReplayInputError(f"cfg: must be an AdaptiveTau, got {type(cfg).__name__}")
-    if isinstance(record, StepRecord):
-        record = vars(record)
-    if not isinstance(record, Mapping):
-        raise ReplayInputError(f"record: must be a StepRecord or a mapping, got {type(record).__name__}")
+    record = {"accept_rate": accept_rate, "budget_fill": budget_fill, "replay_kl": replay_kl}
     for key, hi in (("accept_rate", 1.0), ("budget_fill", None), ("replay_kl", None)):
-        v = record.get(key)
+        v = record[key]
         if v is not None and not (is_real(v) and math.isfinite(v) and 0 <= v and (hi is None or v <= hi)):
             raise ReplayInputError(f"record[{key!r}]: must be None or a finite number >= 0"
                                    f"{' and <= 1' if hi else ''}, got {v!r}")
     s = TauState(**state.to_dict())
     s.steps += 1
     s.since_change += 1
-    rate = record.get("accept_rate")
-    if rate is not None:
-        s.accept_ema = _ema(s.accept_ema, float(rate), cfg.fast)
-    kl = record.get("replay_kl")
-    if kl is not None:
-        s.kl_fast = _ema(s.kl_fast, float(kl), cfg.fast)
-        s.kl_slow = _ema(s.kl_slow, float(kl), cfg.slow)
+    if accept_rate is not None:
+        s.accept_ema = _ema(s.accept_ema, float(accept_rate), cfg.fast)
+    if replay_kl is not None:
+        s.kl_fast = _ema(s.kl_fast, float(replay_kl), cfg.fast)
+        s.kl_slow = _ema(s.kl_slow, float(replay_kl), cfg.slow)
     s.last_action = "hold"
     if s.steps <= cfg.warmup or s.since_change <= cfg.patience:
         return s
-    fill = record.get("budget_fill")
-    starved = s.accept_ema is not None and s.accept_ema < cfg.accept_low and (fill is None or fill < 1)
+    starved = s.accept_ema is not None and s.accept_ema < cfg.accept_low and (budget_fill is None or budget_fill < 1)
     rising = (s.kl_fast is not None and s.kl_slow is not None and s.kl_slow > 0
               and s.kl_fast > (1 + cfg.kl_rise) * s.kl_slow)
     if starved and s.tau < cfg.tau_max:

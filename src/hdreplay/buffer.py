@@ -6,11 +6,12 @@ Storage.  Groups live in ragged blocks (:mod:`hdreplay.storage`); what the buffe
 (:meth:`ReplayBuffer.get`, :meth:`ReplayBuffer.state_dict`) are copies, so nothing a caller does to
 them changes the stored state.
 
-Per-group mutable state lives in slot arrays indexed by ``insertion_id % L``: cached Headroom,
-reference Headroom, last refresh step, birth step, lifetime replay count N_rep, exposure W and the
-loss-token count.  Insertion ids are consecutive, so the live ids ``[next_id - size, next_id)``
-(oldest first) map to distinct slots whenever ``L >= size``; ``L`` grows geometrically up to the
-capacity as the buffer fills, so a large capacity costs nothing until it is used.
+Per-group mutable state lives in slot arrays indexed by ``insertion_id % L``
+(:data:`hdreplay.storage.SLOT_FIELDS`): cached Headroom, reference Headroom, last refresh step, birth
+step, lifetime replay count N_rep, exposure W and the loss-token count.  Insertion ids are consecutive,
+so the live ids ``[next_id - size, next_id)`` (oldest first) map to distinct slots whenever
+``L >= size``; ``L`` grows geometrically up to the capacity as the buffer fills, so a large capacity
+costs nothing until it is used.
 
 Every public method checks all of its arguments before it changes anything: a refused call leaves
 the buffer exactly as it was.
@@ -30,7 +31,7 @@ from .checkpoint_schema import BufferState, parse_buffer_state
 from .errors import CheckpointError, ReplayConfigError, ReplayInputError
 from .multimodal import Schema, schema_difference, schema_of, schema_to_json
 from .record import GroupRecord
-from .storage import BLOCK_GROUPS, Block, copy_groups
+from .storage import BLOCK_GROUPS, SLOT_FIELDS, Block, copy_groups
 from .validate import (
     MAX_CAPACITY, MAX_COUNT, MAX_STEP, check_ids, check_int, check_real, check_reals, check_sequence, check_step,
     check_path, check_str,
@@ -50,13 +51,22 @@ class ReplayBuffer:
     Args:
         capacity:   C in [1, 2**24], the maximum number of groups held.
         group_size: if set, every appended group must have exactly this many responses.
+
+    >>> from hdreplay import GroupRecord
+    >>> def group(i):
+    ...     return GroupRecord.from_responses(group_id=f"g{i}", prompt_ids=[5, 6], completion_ids=[[1, 2], [3]],
+    ...                                       logprobs=[[-0.1, -0.2], [-0.3]], advantages=[1.0, -1.0],
+    ...                                       rewards=[1.0, 0.0], birth_step=i)
+    >>> buf = ReplayBuffer(capacity=2)
+    >>> buf.append([group(0), group(1)], ref_headroom=[0.2, 0.7], step=1)
+    []
+    >>> buf.group_ids(buf.order_by_cached_headroom(2))  # the highest cached Headroom first
+    ['g1', 'g0']
+    >>> [r["group_id"] for r in buf.append([group(2)], ref_headroom=[0.5], step=2)]  # FIFO: the oldest leaves
+    ['g0']
     """
 
-    _SLOT_FIELDS = {
-        "insertion_id": np.int64, "birth_step": np.int64, "cached_headroom": np.float64,
-        "ref_headroom": np.float64, "refresh_step": np.int64, "replay_count": np.int64,
-        "exposure": np.float64, "num_loss_tokens": np.int64,
-    }
+    _SLOT_FIELDS = SLOT_FIELDS  # (the name before the slot fields moved to :mod:`hdreplay.storage`)
 
     def __init__(self, capacity: int, *, group_size: int | None = None) -> None:
         self.capacity = check_int("capacity", capacity, lo=1, hi=MAX_CAPACITY, err=ReplayConfigError)

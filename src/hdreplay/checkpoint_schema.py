@@ -30,7 +30,7 @@ from .adaptive import TauState
 from .errors import CheckpointError, ReplayConfigError
 from .multimodal import Schema, schema_from_json
 from .sampling import rng_from_state
-from .storage import PAYLOAD_DTYPES, Block
+from .storage import PAYLOAD_DTYPES, SLOT_FIELDS, Block
 from .validate import MAX_COUNT, MAX_STEP, is_int, is_real
 
 #: configuration fields whose change at resume is refused / reported with a warning
@@ -173,7 +173,7 @@ def parse_controller_state(tensors: Any, meta: Any, *, config: Any, where: str =
         raise bad(f"starved_steps {starved!r} is not an int >= 0")
     buf = parse_buffer_state(tensors, meta["buffer"], capacity=config.unit_capacity,
                              group_size=1 if config.unit == "rollout" else config.group_size,
-                             slot_fields=_slot_fields(), where=f"{where} (buffer)")
+                             slot_fields=SLOT_FIELDS, where=f"{where} (buffer)")
     if buf.size and (last is None or max(buf.block.birth_steps) > last or buf.slots["refresh_step"].max() > last):
         raise bad(f"stored groups were born or refreshed after last_step {last!r}")
     tau_state = _tau_state(meta.get("tau_state"), config, bad)
@@ -201,9 +201,3 @@ def _tau_state(d: Any, config: Any, bad) -> TauState | None:
     lo, hi = config.adaptive_tau.tau_min, config.adaptive_tau.tau_max
     state.tau = min(max(state.tau, lo), hi)
     return state
-
-
-def _slot_fields() -> Mapping[str, type]:
-    from .buffer import ReplayBuffer
-
-    return ReplayBuffer._SLOT_FIELDS

@@ -6,10 +6,12 @@ settings from these declarations instead of restating them:
 * TRL: ``HDRGRPOConfig`` gets one ``replay_<name>`` field per knob (type, default and help generated
   from :func:`knobs`), and builds the core config with :meth:`ReplayConfig.from_flat`;
 * verl: the ``hdr`` section is an OmegaConf structured config generated from :func:`knobs`;
-* the lab CLI (``hdreplay compare ...``) takes ``--replay-<name>`` options generated the same way.
+* the lab CLI (``hdreplay compare ...``) takes ``--replay.<name>`` options generated the same way.
 
 Errors are :class:`~hdreplay.errors.ReplayConfigError` with ``.field`` set, so each front end
-re-labels the field with the name its users type (``replay_tau``, ``hdr.tau``, ``--replay-tau``).
+re-labels the field with the name its users type (``replay_tau``, ``hdr.tau``, ``--replay.tau``).
+A front end builds one ReplayConfig per run and hands it down (TRL: ``HDRGRPOConfig.replay_settings()``,
+verl: ``HDRSettings.replay_config``); nothing downstream re-validates it.
 """
 
 from __future__ import annotations
@@ -21,9 +23,9 @@ from typing import Any, Callable, Mapping, Union
 
 from .adaptive import AdaptiveTau
 from .errors import ReplayConfigError
-from .ingress import INGRESS_RULES, make_ingress_rule
+from .ingress import INGRESS_RULES
 from .scores import DRIFT_NORMS, HEADROOM_WEIGHTINGS
-from .selection import SELECTORS
+from .selectors import SELECTORS
 
 from .validate import MAX_CAPACITY, MAX_COUNT  # noqa: F401  (re-exported: the bounds every front end shows)
 
@@ -75,7 +77,17 @@ class ReplayConfig:
 
     Frozen: every value is validated once, at construction (use ``dataclasses.replace`` to derive
     a changed configuration).  Types are strict: no value of the wrong kind is coerced (``"0.9"`` is
-    not a number, ``1`` is not ``True``, ``2.0`` is not an int)."""
+    not a number, ``1`` is not ``True``, ``2.0`` is not an int).
+
+    >>> cfg = ReplayConfig(k_rep=4, tau=1e-3, capacity=64)
+    >>> cfg.scan_budget  # max_scan unset: min(capacity, 8 * k_rep) re-scores per step at most
+    32
+    >>> try:
+    ...     ReplayConfig(tau=-1.0)
+    ... except ReplayConfigError as e:
+    ...     print(e.field, "|", e.message.split(" (")[0])
+    tau | the Drift threshold must be a finite number >= 0
+    """
 
     selector: str = knob(
         "headroom_drift",
@@ -159,7 +171,6 @@ class ReplayConfig:
         if self.ingress == "answer" and self.answer_threshold is None:
             raise _err("answer_threshold", "ingress=answer needs it (a_i = 1[r_i >= threshold]; the paper uses 0.9 "
                                            "for rewards 0/0.1/0.9/1.0)")
-        make_ingress_rule(self.ingress, answer_threshold=self.answer_threshold)
         if not _is_int(self.truncate_multiple) or not 1 <= self.truncate_multiple <= MAX_COUNT:
             raise _err("truncate_multiple", f"u must be an int in [1, {MAX_COUNT}], got {self.truncate_multiple!r}")
         if self.scan_chunk is not None and (not _is_int(self.scan_chunk) or not 1 <= self.scan_chunk <= MAX_COUNT):

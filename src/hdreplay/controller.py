@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from . import sampling
-from .adaptive import TauState, update_tau
+from .adaptive import TauState, advance_tau
 from .buffer import ReplayBuffer
 from .checkpoint import read_checkpoint_dir, write_checkpoint_dir
 from .checkpoint_schema import ControllerState, parse_buffer_state, parse_controller_state
@@ -43,7 +43,8 @@ from .errors import (
 from .ingress import make_ingress_rule
 from .record import GroupRecord
 from .scores import reference_headroom
-from .selection import DriftFloor, Scorer, Selection, empty_selection, select_replay
+from .selection import DriftFloor, Scorer, select_replay
+from .selectors import Selection, empty_selection
 from .validate import MAX_COUNT, check_bool, check_int, check_path, check_sequence, check_step, is_int, is_real
 
 #: consecutive starved steps (budget unfilled, gate pass rate < STARVED_RATE) before a ReplayStarvedWarning
@@ -62,6 +63,19 @@ class ReplayController:
     Args:
         config:          the replay configuration.
         diagnostics_dir: if given, step and group-lifetime records are appended there as JSONL.
+
+    >>> from hdreplay import GroupRecord, ReplayConfig
+    >>> g = GroupRecord.from_responses(group_id="g0", prompt_ids=[5, 6], completion_ids=[[1, 2], [3]],
+    ...                                logprobs=[[-0.1, -0.2], [-0.3]], advantages=[1.0, -1.0],
+    ...                                rewards=[1.0, 0.0], birth_step=0)
+    >>> ctrl = ReplayController(ReplayConfig(k_rep=1, tau=1e-3, capacity=8))
+    >>> ctrl.select(step=0).groups, ctrl.stage([g], step=0)  # nothing buffered yet; g is mixed: admitted
+    ([], [True])
+    >>> _ = ctrl.commit()  # after the update: g enters the buffer
+    >>> unchanged = lambda groups: [x.logprobs for x in groups]  # the scorer: current log-probs (here: pi_gen)
+    >>> sel = ctrl.select(step=1, scorer=unchanged)
+    >>> [x.group_id for x in sel.groups], sel.scanned_drift.tolist()  # Drift 0 <= tau: replayed
+    (['g0'], [0.0])
     """
 
     def __init__(self, config: ReplayConfig, *, diagnostics_dir: str | os.PathLike | None = None) -> None:
@@ -109,8 +123,6 @@ class ReplayController:
         from its Drift before the gate.  Returns a :class:`Selection` whose arrays are read-only and whose
         ``groups`` are copies."""
         step = self._check_step(step, "select")
-        if scorer is not None and not callable(scorer):
-            raise ReplayInputError(f"select: scorer must be a callable or None, got {type(scorer).__name__}")
         if self._selection is not None:
             raise ReplayProtocolError(f"select(step={step}) called twice; one selection per step")
         sel = select_replay(self.buffer, self.config, scorer, step=step, acceptance_rate=self.acceptance_rate,
@@ -223,7 +235,8 @@ class ReplayController:
         for k, v in extra.items():
             setattr(rec, k, v)
         if self.tau_state is not None:
-            self.tau_state = update_tau(self.tau_state, rec, self.config.adaptive_tau)
+            self.tau_state = advance_tau(self.tau_state, self.config.adaptive_tau, accept_rate=rec.accept_rate,
+                                         budget_fill=rec.budget_fill, replay_kl=rec.replay_kl)
             rec.tau_next, rec.tau_action = self.tau_state.tau, self.tau_state.last_action
         starved = self._count_starved(rec)
         self.last_record = rec

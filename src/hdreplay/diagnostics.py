@@ -23,7 +23,7 @@ import numpy as np
 
 from .atomic import atomic_write_text
 from .errors import ReplayInputError
-from .selection import Selection
+from .selectors import Selection
 from .validate import check_step
 
 STEPS_FILE = "steps.jsonl"

@@ -13,6 +13,12 @@ class ReplayInputError(ReplayError, ValueError):
     """A tensor, record or scorer output handed to hdreplay is malformed (shape, dtype, NaN, size)."""
 
 
+class IngestError(ReplayInputError, RuntimeError):
+    """A trainer's batch cannot be turned into groups at all (rows that do not form whole groups, rows of one
+    group with different prompts, advantages that vary inside a response): the training step stops.  Also a
+    ``RuntimeError``, what the integrations raised for these before :mod:`hdreplay.ingest` existed."""
+
+
 class ReplayConfigError(ReplayError, ValueError):
     """A configuration value is out of range or unknown.
 

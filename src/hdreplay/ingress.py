@@ -1,13 +1,15 @@
 """Ingress rules: which fresh groups may enter the replay buffer.
 
-A rule is any callable ``(group: GroupRecord) -> bool``.  Two are built in:
+A rule is any callable ``(group: GroupRecord) -> bool``; :meth:`ReplayController.stage
+<hdreplay.controller.ReplayController.stage>` applies the configured one (``ReplayConfig.ingress``) to the
+groups :func:`hdreplay.ingest.groups_from_rows` built.  Three are built in, by name:
 
-* :class:`MixedOutcome` (paper default, binary rewards): admit iff the rewards are
+* ``"mixed"``, :class:`MixedOutcome` (paper default, binary rewards): admit iff the rewards are
   not all equal, so the group carries a non-zero GRPO advantage.
-* :class:`AnswerBased` (multi-reward, paper Appendix C): a_i = 1[r_i >= threshold];
+* ``"answer"``, :class:`AnswerBased` (multi-reward, paper Appendix C): a_i = 1[r_i >= threshold];
   admit iff 1 <= S(g) = sum_i a_i <= n - 1, so format-only reward variance
   (e.g. 0.0 vs 0.1) does not consume replay capacity.
-* :class:`Everything` ("all"): every group, zero-variance ones included.
+* ``"all"``, :class:`Everything`: every group, zero-variance ones included.
 """
 
 from __future__ import annotations
@@ -28,6 +30,9 @@ def _rewards(group: GroupRecord) -> torch.Tensor:
     if not isinstance(group, GroupRecord):
         raise ReplayInputError(f"group: must be a GroupRecord, got {type(group).__name__}")
     return group.rewards
+
+
+#: the built-in rules by name
 INGRESS_RULES = ("mixed", "answer", "all")
 
 
@@ -72,7 +77,7 @@ class AnswerBased:
 
 
 def make_ingress_rule(rule: Union[str, IngressRule], *, answer_threshold: float | None = None) -> IngressRule:
-    """Resolve a rule by name ("mixed", "answer") or pass a callable through."""
+    """Resolve a rule by name (:data:`INGRESS_RULES`: "mixed", "answer", "all") or pass a callable through."""
     if callable(rule):
         return rule
     if not isinstance(rule, str):

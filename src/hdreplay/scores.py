@@ -131,6 +131,12 @@ def headroom(
         weighting:  "sign" (paper default) or "advantage".
     Returns:
         (G,) float32 Headroom in [0, 1].
+
+    >>> import torch
+    >>> probs = torch.tensor([[0.9, 0.5], [0.2, 0.4]])  # pi(a|s) of two groups' tokens
+    >>> adv = torch.tensor([[1.0, 1.0], [-1.0, -1.0]])  # a winning and a losing response
+    >>> headroom(logprobs=probs.log(), advantages=adv, mask=torch.ones(2, 2))  # mean(1 - p), mean(p)
+    tensor([0.3000, 0.3000])
     """
     _choice("headroom weighting", weighting, HEADROOM_WEIGHTINGS)
     m, count = _mask_and_count(logprobs, mask)
@@ -171,6 +177,13 @@ def drift(
         norm:         "l2" (mean squared difference, paper default) or "l1" (mean absolute).
     Returns:
         (G,) float32 Drift >= 0.
+
+    >>> import torch
+    >>> gen = torch.tensor([[-1.0, -2.0, 0.0]])
+    >>> now = torch.tensor([[-1.5, -1.5, -9.0]])
+    >>> mask = torch.tensor([[1, 1, 0]])  # the third position is padding: not in T(g)
+    >>> drift(logprobs=now, ref_logprobs=gen, mask=mask), drift(logprobs=now, ref_logprobs=gen, mask=mask, norm="l1")
+    (tensor([0.2500]), tensor([0.5000]))
     """
     _choice("drift norm", norm, DRIFT_NORMS)
     m, count = _pair(logprobs, ref_logprobs, mask)

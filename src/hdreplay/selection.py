@@ -1,24 +1,12 @@
-"""Selectors: which buffered groups are replayed this step.
+"""The scan: which buffered groups are replayed this step.
 
-Selection is a function of (buffer, scorer, config, step) that returns a
-:class:`Selection` and never mutates the buffer; the controller applies the
+Selection is a function of (buffer view, scorer, config, step) that returns a
+:class:`~hdreplay.selectors.Selection` and never mutates the buffer; the controller applies the
 cache refresh and counters after the update.
 
-Every selector is an (order, gate) pair:
-
-=================  ======================================  =====  ====================================
-name               order                                   gate   meaning
-=================  ======================================  =====  ====================================
-headroom_drift     cached Headroom, desc                   yes    the paper's method
-headroom_only      cached Headroom, desc                   no     PER-style priority, no gate
-drift_only         newest first                            yes    recency order + Drift gate
-recency            newest first                            no     "GRPO + replay": latest K groups
-uniform            uniform random, without replacement     no     uniform sampling from a FIFO
-freshper           proportional to p^alpha, p = (mean|r| + no     FreshPER: PER priority x exp(-age /
-                   eps) x exp(-age / age_decay)                   age_decay), PER importance weights
-adv_priority       rollouts proportional to |A|^alpha      no     rollout-level |A|-prioritised replay
-none               -                                       -      on-policy, nothing replayed
-=================  ======================================  =====  ====================================
+Every selector is an (order, gate) pair, declared in :mod:`hdreplay.selectors` (the table of
+names lives there; ``SELECTORS``, ``SelectorSpec``, ``Selection`` and ``empty_selection`` are
+re-exported here).
 
 Ties in cached Headroom go to the older group (smaller insertion id).  The random orders draw from the
 controller's seeded generator (:mod:`hdreplay.sampling`), whose state is checkpointed with the buffer;
@@ -38,21 +26,22 @@ current (the PER analogue of updating priorities when sampled).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
 
 from . import sampling
+from .config import ReplayConfig
 from .errors import ReplayInputError
 from .record import GroupRecord
 from .scores import check_scorer_output, score_groups
+from .selectors import PRIORITY_EPS, SELECTORS, BufferView, Selection, SelectorSpec, empty_selection
+from .selectors import frozen as _frozen
 from .validate import check_real, check_reals, check_step
 
-if TYPE_CHECKING:  # pragma: no cover
-    from .buffer import ReplayBuffer
-    from .config import ReplayConfig
+__all__ = ["BufferView", "MIN_ACCEPTANCE_RATE", "PRIORITY_EPS", "SELECTORS", "Scorer", "Selection", "SelectorSpec",
+           "chunk_size", "empty_selection", "priorities", "select_replay"]
 
 Scorer = Callable[[Sequence[GroupRecord]], Sequence[torch.Tensor]]
 """Takes G stored groups; returns G tensors ``(T_g,)``: current-policy log-probs of every
@@ -66,113 +55,7 @@ pipelines whose stored log-probs are the sampler's, see :mod:`hdreplay.staleness
 MIN_ACCEPTANCE_RATE = 0.05
 
 
-@dataclass(frozen=True)
-class SelectorSpec:
-    name: str
-    order: str | None  # "headroom" | "recency" | "uniform" | "proportional" | None
-    gate: bool
-    refresh: bool  # re-score selected groups even without a gate
-    priority: str | None = None  # proportional orders: "reward" (mean |r| + eps) or "advantage" (mean |A|)
-    unit: str = "group"  # "group" | "rollout" (single responses, see the controller)
-
-    def needs_scoring(self, diagnose_ungated: bool) -> bool:
-        return self.order is not None and (self.gate or self.refresh or diagnose_ungated)
-
-    @property
-    def random(self) -> bool:
-        return self.order in ("uniform", "proportional")
-
-
-SELECTORS: dict[str, SelectorSpec] = {
-    s.name: s
-    for s in (
-        SelectorSpec("headroom_drift", "headroom", gate=True, refresh=True),
-        SelectorSpec("headroom_only", "headroom", gate=False, refresh=True),
-        SelectorSpec("drift_only", "recency", gate=True, refresh=True),
-        SelectorSpec("recency", "recency", gate=False, refresh=False),
-        SelectorSpec("uniform", "uniform", gate=False, refresh=False),
-        SelectorSpec("freshper", "proportional", gate=False, refresh=False, priority="reward"),
-        SelectorSpec("adv_priority", "proportional", gate=False, refresh=False, priority="advantage",
-                     unit="rollout"),
-        SelectorSpec("none", None, gate=False, refresh=False),
-    )
-}
-#: FreshPER's epsilon added to the |reward| priority (``priority_functions.reward_fresh_priority``)
-PRIORITY_EPS = 1e-6
-
-
-@dataclass
-class Selection:
-    """Outcome of one step's selection (insertion ids index the buffer).
-
-    accepted:      (m',) ids replayed this step, priority order (after truncation to u)
-    truncated:     ids accepted by the gate but cut by the multiple-of-u truncation
-    scanned:       (s,) ids re-scored and counted as scanned, in scan order
-    scanned_*:     (s,) per scanned group: drift, runtime headroom, replay kl, cached headroom
-                   before the step, age, accepted-by-gate flag, loss-token count
-    groups:        the accepted groups as GroupRecords, same order as ``accepted``
-    scored_unused: groups re-scored in the last chunk beyond the stopping index (discarded)
-    """
-
-    step: int
-    selector: str
-    accepted: np.ndarray
-    truncated: np.ndarray
-    scanned: np.ndarray
-    scanned_drift: np.ndarray
-    scanned_headroom: np.ndarray
-    scanned_kl: np.ndarray
-    scanned_cached: np.ndarray
-    scanned_age: np.ndarray
-    scanned_pass: np.ndarray
-    scanned_tokens: np.ndarray
-    groups: list[GroupRecord]
-    scored: bool
-    scored_unused: int = 0
-    scorer_calls: int = 0
-    chunk_sizes: list[int] = field(default_factory=list)
-    buffer_size: int = 0
-    tau: float = float("nan")
-    #: same-buffer counterfactual (``config.counterfactual``): the recency subset of the same size
-    cf_ids: np.ndarray | None = None
-    cf_drift: np.ndarray | None = None
-    cf_headroom: np.ndarray | None = None
-    #: (s,) group ids of the scanned groups (scan order), for logs that outlive the buffer's slots
-    scanned_group_ids: list = field(default_factory=list)
-    #: the scan stopped at the scan budget (``ReplayConfig.scan_budget``) with the replay budget unfilled
-    scan_capped: bool = False
-    #: (m',) per accepted unit, the loss weight its rows get (PER importance weights, ``is_beta`` > 0); None = 1
-    loss_weights: np.ndarray | None = None
-    #: the random orders' generator state after this selection (the controller keeps it at commit)
-    rng_state: dict | None = None
-    #: units the selection could draw from (all live units, or those within ``max_age``)
-    eligible: int = 0
-    #: rows and completion tokens of stored units forwarded under the current policy (scan, discarded tail of the
-    #: last chunk, counterfactual): the selection's forward cost
-    rescored_rows: int = 0
-    rescored_tokens: int = 0
-    #: (s,) per scanned group, the Drift floor subtracted before the gate (``drift_floor``; None = no floor):
-    #: ``scanned_drift`` is then max(raw Drift - floor, 0), the value the gate compared with tau
-    scanned_floor: np.ndarray | None = None
-
-
-def empty_selection(step: int, name: str, size: int, tau: float) -> Selection:
-    """A selection that replays nothing (selector "none", K_rep = 0 or an empty buffer)."""
-    z = np.zeros(0)
-    zi = np.zeros(0, dtype=np.int64)
-    return _frozen(Selection(step, name, zi, zi, zi, z, z, z, z, zi, np.zeros(0, bool), zi, [], False,
-                             buffer_size=size, tau=tau))
-
-
-def _frozen(sel: Selection) -> Selection:
-    """Make the selection's arrays read-only (they drive the commit: nobody may edit them in place)."""
-    for v in vars(sel).values():
-        if isinstance(v, np.ndarray):
-            v.flags.writeable = False
-    return sel
-
-
-def chunk_size(remaining: int, acceptance_rate: float, config: "ReplayConfig") -> int:
+def chunk_size(remaining: int, acceptance_rate: float, config: ReplayConfig) -> int:
     """Groups to re-score next: the configured ``scan_chunk`` or remaining / running acceptance rate."""
     if config.scan_chunk is not None:
         return config.scan_chunk
@@ -180,7 +63,7 @@ def chunk_size(remaining: int, acceptance_rate: float, config: "ReplayConfig") -
     return int(min(config.max_scan_chunk, max(1, math.ceil(remaining / rate))))
 
 
-def _eligible(buffer: "ReplayBuffer", config: "ReplayConfig", step: int) -> np.ndarray:
+def _eligible(buffer: BufferView, config: ReplayConfig, step: int) -> np.ndarray:
     """(size,) bool, oldest first: within ``max_age`` steps of ``step`` (all True when max_age is unset)."""
     ids = buffer.insertion_ids()
     if config.max_age is None:
@@ -188,7 +71,7 @@ def _eligible(buffer: "ReplayBuffer", config: "ReplayConfig", step: int) -> np.n
     return step - buffer.slot_values("birth_step", ids) <= config.max_age
 
 
-def priorities(buffer: "ReplayBuffer", config: "ReplayConfig", step: int) -> np.ndarray:
+def priorities(buffer: BufferView, config: ReplayConfig, step: int) -> np.ndarray:
     """(size,) oldest first: the base priority of every live unit ("reward": mean |r_i| + eps, "advantage":
     mean |A_i|) times exp(-age / age_decay) when ``age_decay`` is set (FreshPER's freshness factor)."""
     spec = SELECTORS[config.selector]
@@ -201,7 +84,7 @@ def priorities(buffer: "ReplayBuffer", config: "ReplayConfig", step: int) -> np.
     return base
 
 
-def _random_order(buffer: "ReplayBuffer", config: "ReplayConfig", rng: np.random.Generator, step: int, k: int,
+def _random_order(buffer: BufferView, config: ReplayConfig, rng: np.random.Generator, step: int, k: int,
                   ok: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
     """(ids drawn in order, their loss weights or None) of a random order over the eligible units ``ok``."""
     spec, ids = SELECTORS[config.selector], buffer.insertion_ids()
@@ -217,8 +100,8 @@ def _random_order(buffer: "ReplayBuffer", config: "ReplayConfig", rng: np.random
 
 
 def select_replay(
-    buffer: "ReplayBuffer",
-    config: "ReplayConfig",
+    buffer: BufferView,
+    config: ReplayConfig,
     scorer: Scorer | None,
     *,
     step: int,
@@ -242,11 +125,8 @@ def select_replay(
     Returns:
         a :class:`Selection` with read-only arrays; its ``groups`` are copies of the stored groups.
     """
-    from .buffer import ReplayBuffer
-    from .config import ReplayConfig
-
-    if not isinstance(buffer, ReplayBuffer):
-        raise ReplayInputError(f"buffer: must be a ReplayBuffer, got {type(buffer).__name__}")
+    if not isinstance(buffer, BufferView):
+        raise ReplayInputError(f"buffer: must be a ReplayBuffer (a BufferView), got {type(buffer).__name__}")
     if not isinstance(config, ReplayConfig):
         raise ReplayInputError(f"config: must be a ReplayConfig, got {type(config).__name__}")
     if scorer is not None and not callable(scorer):
@@ -367,7 +247,7 @@ def select_replay(
     return _frozen(sel)
 
 
-def _counterfactual(sel: Selection, buffer: "ReplayBuffer", config: "ReplayConfig", scorer: Scorer,
+def _counterfactual(sel: Selection, buffer: BufferView, config: ReplayConfig, scorer: Scorer,
                     cols: dict) -> None:
     """Score the subset recency replay would take from the same pre-step buffer (same size).
 

@@ -13,7 +13,8 @@ change what is stored.
 
 Checkpoint form (one flat tensor per field over all live groups, see :meth:`Block.to_tensors`) is
 validated field by field when read back (:meth:`Block.from_tensors`): dtypes, offsets, token-id
-range, mask values, finiteness, the sign of log-probs, one loss token per group at least.
+range, mask values, finiteness, the sign of log-probs, one loss token per group at least.  The
+buffer's per-group slot arrays (cached Headroom, counters) are named in :data:`SLOT_FIELDS`.
 """
 
 from __future__ import annotations
@@ -37,6 +38,13 @@ PAYLOAD_DTYPES = {
 #: groups per block at most: appends and loads are cut into blocks of this size, so evicting from the
 #: front copies at most one small block and the commit cost stays flat (after a load, too)
 BLOCK_GROUPS = 64
+#: per-group mutable state the buffer keeps beside the blocks, one array per name indexed by slot
+#: (``insertion_id % L``), and the checkpoint tensor ``slot.<name>`` of each
+SLOT_FIELDS: dict[str, type] = {
+    "insertion_id": np.int64, "birth_step": np.int64, "cached_headroom": np.float64,
+    "ref_headroom": np.float64, "refresh_step": np.int64, "replay_count": np.int64,
+    "exposure": np.float64, "num_loss_tokens": np.int64,
+}
 
 
 def _record(group_id, birth_step, prompt, tokens, resp_len, mask, logprobs, advantages, rewards,

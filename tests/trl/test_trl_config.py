@@ -67,3 +67,28 @@ def test_bad_values_are_refused_naming_the_trl_field(over, needle):
     with pytest.raises(ReplayConfigError, match=needle) as e:
         HDRGRPOConfig(**BASE, **over)
     assert e.value.field == needle
+
+
+def test_the_replay_settings_are_built_once_per_run_and_follow_a_changed_field(monkeypatch, tmp_path):
+    """One ReplayConfig and one plan per run: built with the HDRGRPOConfig, then handed to the trainer (and to
+    everything that asks the config again) instead of being rebuilt; a field changed afterwards is honoured."""
+    import hdreplay.integrations.trl.config as trl_config
+    from trl_fixtures import make_args, prompts, reward_digit, tiny_model
+
+    from hdreplay.integrations.trl import HDRGRPOTrainer
+
+    plans, builds = [], []
+    real_plan, real_init = trl_config.plan_replay, ReplayConfig.__post_init__
+    monkeypatch.setattr(trl_config, "plan_replay", lambda **kw: plans.append(kw) or real_plan(**kw))
+    monkeypatch.setattr(ReplayConfig, "__post_init__", lambda self: builds.append(self) or real_init(self))
+    args = make_args(tmp_path, replay_k_rep=None)  # the default K_rep: the plan sets it (F // 2 = 2)
+    assert len(plans) == 1 and builds[-1].k_rep == 2
+    done = len(builds)
+    model, tok = tiny_model(tmp_path)
+    tr = HDRGRPOTrainer(model=model, reward_funcs=reward_digit, args=args, train_dataset=prompts(),
+                        processing_class=tok)
+    assert len(plans) == 1 and len(builds) == done  # the trainer took the config's settings
+    assert tr.replay_config is args.to_replay_config() is tr.replay.config and tr.replay_plan is args.replay_plan()
+    assert tr.replay.tau == args.replay_tau
+    args.replay_tau = 0.5  # a field changed after construction is not served stale
+    assert args.to_replay_config().tau == 0.5 and len(plans) == 2

@@ -17,9 +17,8 @@ import torch
 from ..config import Knob
 from ..controller import ReplayController
 from ..errors import CheckpointError
-from ..multimodal import Schema, schema_difference, schema_of
+from ..ingest import split_by_schema  # noqa: F401  (re-exported: its home before hdreplay.ingest)
 from ..padding import PaddedGroups
-from ..record import GroupRecord
 
 #: name of the replay-state directory inside a framework checkpoint directory
 STATE_DIR = "hdreplay"
@@ -76,22 +75,6 @@ def restore(controller: ReplayController, checkpoint: str | os.PathLike, *, allo
         return False
     controller.load(decision.path)
     return True
-
-
-def split_by_schema(groups: list[GroupRecord], schema: Schema | None) -> tuple[list[GroupRecord], list[str]]:
-    """Groups whose multimodal inputs fit ``schema`` (the buffer's; None = the first group's), and one message
-    per group that does not (e.g. a text-only prompt in a vision-language run): those are skipped at ingress
-    instead of failing the step, since the buffer would refuse them."""
-    ok, problems = [], []
-    for g in groups:
-        have = schema_of(g.mm_inputs)
-        schema = have if schema is None else schema
-        why = schema_difference(have, schema)
-        if why is None:
-            ok.append(g)
-        else:
-            problems.append(f"group {g.group_id!r} not stored: its multimodal inputs differ from the buffer's ({why})")
-    return ok, problems
 
 
 @dataclass(frozen=True)

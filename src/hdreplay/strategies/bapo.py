@@ -31,7 +31,7 @@ import numpy as np
 from ..errors import CheckpointError, ReplayConfigError
 from ..record import GroupRecord
 from ..sampling import new_rng, rng_from_state, rng_state, uniform_order
-from ..selection import Selection, empty_selection
+from ..selectors import Selection, empty_selection
 from .store import load_state, pack, save_state, unpack
 
 #: BAPO's cap on the scores kept per uid (``max_scores_per_uid``)

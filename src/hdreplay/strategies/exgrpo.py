@@ -38,7 +38,7 @@ from ..controller import split_rollouts
 from ..errors import CheckpointError, ReplayConfigError
 from ..record import GroupRecord
 from ..sampling import bucket_counts, new_rng, normal_bucket_weights, rng_from_state, rng_state, uniform_order
-from ..selection import Selection, empty_selection
+from ..selectors import Selection, empty_selection
 from .repo import key_of
 from .store import keyed, load_state, pack, save_state, unpack
 

@@ -33,7 +33,7 @@ import torch
 from ..controller import split_rollouts
 from ..errors import CheckpointError, ReplayConfigError
 from ..record import GroupRecord
-from ..selection import Selection, empty_selection
+from ..selectors import Selection, empty_selection
 from .store import keyed, load_state, pack, save_state, unpack
 
 RETRIEVALS = ("recent", "highest", "max_variance")

@@ -29,6 +29,9 @@ import numpy as np
 import torch
 
 from ...errors import ReplayInputError
+from ...ingest import Ingest, Rows
+from ...ingest import groups_from_rows as ingest_groups
+from ...multimodal import Schema
 from ...padding import pad_groups
 from ...record import GroupRecord
 from ..common import trim_rows
@@ -132,10 +135,11 @@ def ingress_rows(out: dict, *, pad_token_id: int, masked_truncated: bool) -> dic
     return rows
 
 
-def groups_from_rows(rows: dict[str, torch.Tensor], rewards: torch.Tensor, *, num_generations: int, step: int,
-                     id_prefix: str, mm_rows: Sequence[dict] | None = None,
-                     mm_why: Sequence[str | None] | None = None) -> tuple[list[GroupRecord], int, list[str]]:
-    """Build the GroupRecords of a *global* (all-rank) batch whose groups are consecutive blocks of rows.
+def generation_groups(rows: dict[str, torch.Tensor], rewards: torch.Tensor, *, num_generations: int, step: int,
+                      id_prefix: str, mm_rows: Sequence[dict] | None = None,
+                      mm_why: Sequence[str | None] | None = None, schema: Schema | None = None) -> Ingest:
+    """The groups of a *global* (all-rank) generation batch, whose groups are consecutive blocks of rows
+    (:func:`hdreplay.ingest.groups_from_rows` builds and checks them; ids ``"<id_prefix><k>"``).
 
     Args:
         rows: global per-row tensors: prompt_ids/prompt_mask (N, P) left-padded, completion_ids/
@@ -143,46 +147,26 @@ def groups_from_rows(rows: dict[str, torch.Tensor], rewards: torch.Tensor, *, nu
         rewards: (N,) total reward per row.
         mm_rows, mm_why: per global row, its multimodal entries and why it cannot be stored (:func:`.mm.row_inputs`);
             None for a text model.
-    Returns:
-        (groups, empty, problems): valid records; the number of groups skipped because no response has a
-        loss token (T(g) empty, e.g. every response truncated under mask_truncated_completions); a message per
-        group refused for another reason.
+        schema: the buffer's multimodal schema (None = the first stored group's).
     """
-    N = rows["prompt_ids"].shape[0]
-    if N % num_generations or rewards.numel() != N:
-        raise RuntimeError(f"{N} rows / {rewards.numel()} rewards do not form groups of {num_generations}")
-    cpu = {k: v.detach().cpu() for k, v in rows.items()}
-    rewards = rewards.detach().float().cpu()
-    extras = [k for k in EXTRA_KEYS if k in cpu]
-    groups, empty, problems = [], 0, []
-    for k in range(N // num_generations):
-        sl = slice(k * num_generations, (k + 1) * num_generations)
-        pm = cpu["prompt_mask"][sl].bool()
-        prompt = cpu["prompt_ids"][sl][0][pm[0]]
-        for i in range(1, num_generations):
-            if not torch.equal(cpu["prompt_ids"][sl][i][pm[i]], prompt):
-                raise RuntimeError(
-                    f"rows {sl.start}..{sl.stop - 1} of the generation batch do not share one prompt; "
-                    "GRPO's sampler should yield each prompt num_generations times in a row"
-                )
-        lm = cpu["loss_mask"][sl].bool() & cpu["completion_mask"][sl].bool()
-        if not bool(lm.any()):
-            empty += 1
-            continue
-        inputs, why = mm.group_inputs(mm_rows, mm_why, sl) if mm_rows is not None else ({}, None)
-        if why is not None:
-            problems.append(f"group {id_prefix}{k}: {why}")
-            continue
-        try:
-            groups.append(GroupRecord.from_padded(
-                group_id=f"{id_prefix}{k}", prompt_ids=prompt, completion_ids=cpu["completion_ids"][sl],
-                completion_mask=cpu["completion_mask"][sl], logprobs=cpu["gen_logps"][sl], loss_mask=lm,
-                advantages=cpu["advantages"][sl], rewards=rewards[sl], birth_step=step,
-                extras={e: cpu[e][sl] for e in extras}, mm_inputs=inputs,
-            ))
-        except ReplayInputError as e:
-            problems.append(str(e))
-    return groups, empty, problems
+    hook = None
+    if mm_rows is not None:
+        hook = lambda idx: mm.group_inputs(mm_rows, mm_why, slice(idx[0], idx[-1] + 1))  # noqa: E731
+    batch = Rows(prompt_ids=rows["prompt_ids"], prompt_mask=rows["prompt_mask"], completion_ids=rows["completion_ids"],
+                 completion_mask=rows["completion_mask"], loss_mask=rows["loss_mask"], logprobs=rows["gen_logps"],
+                 advantages=rows["advantages"], rewards=rewards,
+                 extras={k: rows[k].float() for k in EXTRA_KEYS if k in rows})
+    return ingest_groups(batch, step=step, group_size=num_generations, group_id=lambda k: f"{id_prefix}{k}",
+                            mm_inputs=hook, schema=schema, size_name="num_generations")
+
+
+def groups_from_rows(rows: dict[str, torch.Tensor], rewards: torch.Tensor, *, num_generations: int, step: int,
+                     id_prefix: str, mm_rows: Sequence[dict] | None = None,
+                     mm_why: Sequence[str | None] | None = None) -> tuple[list[GroupRecord], int, list[str]]:
+    """Deprecated (use :func:`generation_groups`): ``(groups, number of empty groups, problems)``."""
+    got = generation_groups(rows, rewards, num_generations=num_generations, step=step, id_prefix=id_prefix,
+                            mm_rows=mm_rows, mm_why=mm_why)
+    return got.groups, len(got.empty), got.problems
 
 
 def replay_rows(groups: Sequence[GroupRecord], sl: slice, *, pad_token_id: int,

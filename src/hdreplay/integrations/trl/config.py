@@ -5,7 +5,9 @@ Every core knob (:func:`hdreplay.config.knobs`) and every integration knob
 and help, so the settings, their documentation and their validation live in one place.  TRL-specific
 choices (the default of ``replay_k_rep``, the re-scoring batch size, how replay rows enter a micro-step)
 are the only fields written here.  The replay arithmetic (fresh groups per step, truncation unit,
-refusals and warnings) is :func:`.plan.plan_replay`, checked when the config is built.
+refusals and warnings) is :func:`.plan.plan_replay`.  Both are worked out once, when the config is built
+(:meth:`HDRGRPOConfig.replay_settings`: one validated :class:`ReplayConfig` and its plan), and handed to the
+trainer, its strategy and the log callback.
 """
 
 from __future__ import annotations
@@ -88,6 +90,15 @@ _ReplayFields = make_dataclass("_ReplayFields", _replay_fields())
 REPLAY_FIELDS = tuple(f.name for f in fields(_ReplayFields))
 
 
+@dataclass(frozen=True)
+class ReplaySettings:
+    """What an :class:`HDRGRPOConfig`'s replay fields resolve to, once per run: the core ``config`` (K_rep and the
+    truncation unit from the ``plan``) and the ``plan`` (fresh groups per step, unit, K_rep, warnings)."""
+
+    config: ReplayConfig
+    plan: ReplayPlan
+
+
 @dataclass
 class HDRGRPOConfig(_ReplayFields, GRPOConfig):
     """``GRPOConfig`` with Headroom-Drift Replay: every ``GRPOConfig`` field, plus one ``replay_<name>`` field per
@@ -133,28 +144,36 @@ class HDRGRPOConfig(_ReplayFields, GRPOConfig):
                 f"HDRGRPOConfig: replay_dynamic_sampling=True with replay_selector={self.replay_selector!r}: dynamic "
                 "sampling is implemented for on-policy training only; set replay_selector='none' or "
                 "replay_dynamic_sampling=False", field="replay_dynamic_sampling")
-        self.to_replay_config()  # validates every core replay_* field, naming it as the user spells it
-        plan = self.replay_plan()
+        settings = self.replay_settings()  # built once: every core replay_* field validated, the plan worked out
         if emit:
-            plan.warn()
+            settings.plan.warn()
 
     def repo_options(self):
         """``replay_repo`` as :class:`~hdreplay.strategies.repo.RepoOptions` (None when unset)."""
-        from ...strategies.repo import RepoOptions
-
-        return _strategy_options(self.replay_repo, "replay_repo", RepoOptions)
+        return self._options()["replay_repo"]
 
     def exgrpo_options(self):
         """``replay_exgrpo`` as :class:`~hdreplay.strategies.exgrpo.ExgrpoOptions` (None when unset)."""
-        from ...strategies.exgrpo import ExgrpoOptions
-
-        return _strategy_options(self.replay_exgrpo, "replay_exgrpo", ExgrpoOptions)
+        return self._options()["replay_exgrpo"]
 
     def bapo_options(self):
         """``replay_bapo`` as :class:`~hdreplay.strategies.bapo.BapoOptions` (None when unset)."""
-        from ...strategies.bapo import BapoOptions
+        return self._options()["replay_bapo"]
 
-        return _strategy_options(self.replay_bapo, "replay_bapo", BapoOptions)
+    def _options(self) -> dict[str, Any]:
+        """The strategies' JSON knobs parsed once (again only after one of them changed)."""
+        from ...strategies.bapo import BapoOptions
+        from ...strategies.exgrpo import ExgrpoOptions
+        from ...strategies.repo import RepoOptions
+
+        key = repr((self.replay_repo, self.replay_exgrpo, self.replay_bapo))
+        cached = self.__dict__.get("_hdr_options")
+        if cached is None or cached[0] != key:
+            cached = (key, {name: _strategy_options(getattr(self, name), name, cls) for name, cls in
+                            (("replay_repo", RepoOptions), ("replay_exgrpo", ExgrpoOptions),
+                             ("replay_bapo", BapoOptions))})
+            self.__dict__["_hdr_options"] = cached
+        return cached[1]
 
     @property
     def world(self) -> int:
@@ -164,26 +183,47 @@ class HDRGRPOConfig(_ReplayFields, GRPOConfig):
         """The core knobs as set on this config (name without prefix -> value)."""
         return {k.name: getattr(self, PREFIX + k.name) for k in knobs()}
 
-    def replay_plan(self) -> ReplayPlan:
-        """Fresh groups per replay step, truncation unit and K_rep of this configuration (raises if replay could
-        never happen)."""
-        v = self.replay_values()
-        return plan_replay(world=self.world, per_device=self.per_device_train_batch_size,
-                           ga=self.gradient_accumulation_steps, spg=self.steps_per_generation,
-                           iterations=self.num_iterations, n=self.num_generations, k_rep=v["k_rep"],
-                           capacity=v["capacity"], max_scan=v["max_scan"], selector=v["selector"],
-                           user_unit=v["truncate_multiple"], tau=v["tau"])
+    def replay_settings(self) -> "ReplaySettings":
+        """The run's replay settings: one :class:`ReplayConfig` (every core ``replay_*`` field validated once, errors
+        naming the field as the user spells it) and its :class:`~.plan.ReplayPlan`.  Built when the config is
+        constructed and kept; rebuilt only if a field they depend on has changed since."""
+        key = self._settings_key()
+        cached = self.__dict__.get("_hdr_settings")
+        if cached is None or cached[0] != key:
+            cached = (key, self._build_settings())
+            self.__dict__["_hdr_settings"] = cached
+        return cached[1]
 
-    def to_replay_config(self) -> ReplayConfig:
-        """The core ReplayConfig these fields describe (K_rep and the truncation unit as the plan sets them)."""
+    def _settings_key(self) -> str:
+        trl = (self.world, self.per_device_train_batch_size, self.gradient_accumulation_steps,
+               self.steps_per_generation, self.num_iterations, self.num_generations)
+        return repr((trl, sorted(self.replay_values().items())))
+
+    def _build_settings(self) -> "ReplaySettings":
         values = self.replay_values()
         values["group_size"] = self.num_generations
         label = lambda n: PREFIX + n  # noqa: E731
-        # validate the fields as set (an unset K_rep checks as 0) before the plan does arithmetic with them
-        ReplayConfig.from_flat({**values, "k_rep": values["k_rep"] or 0}, label=label, where="HDRGRPOConfig")
-        plan = self.replay_plan()
-        return ReplayConfig.from_flat({**values, "k_rep": plan.k_rep, "truncate_multiple": plan.unit}, label=label,
-                                      where="HDRGRPOConfig")
+        # the one validation of the fields as set (an unset K_rep checks as 0); the plan then works with valid values
+        user = ReplayConfig.from_flat({**values, "k_rep": values["k_rep"] or 0}, label=label, where="HDRGRPOConfig")
+        plan = plan_replay(world=self.world, per_device=self.per_device_train_batch_size,
+                           ga=self.gradient_accumulation_steps, spg=self.steps_per_generation,
+                           iterations=self.num_iterations, n=self.num_generations, k_rep=values["k_rep"],
+                           capacity=user.capacity, max_scan=user.max_scan, selector=user.selector,
+                           user_unit=user.truncate_multiple, tau=user.tau)
+        config = user
+        if (plan.k_rep, plan.unit) != (user.k_rep, user.truncate_multiple):  # K_rep and u as the plan sets them
+            config = ReplayConfig.from_flat({**values, "k_rep": plan.k_rep, "truncate_multiple": plan.unit},
+                                            label=label, where="HDRGRPOConfig")
+        return ReplaySettings(config=config, plan=plan)
+
+    def replay_plan(self) -> ReplayPlan:
+        """Fresh groups per replay step, truncation unit and K_rep of this configuration (:meth:`replay_settings`)."""
+        return self.replay_settings().plan
+
+    def to_replay_config(self) -> ReplayConfig:
+        """The core ReplayConfig these fields describe, K_rep and the truncation unit as the plan sets them
+        (:meth:`replay_settings`)."""
+        return self.replay_settings().config
 
     @classmethod
     def from_grpo_config(cls, args: GRPOConfig) -> "HDRGRPOConfig":

@@ -29,7 +29,7 @@ import warnings
 from dataclasses import dataclass, field
 
 from ...errors import ReplayConfigError
-from ...selection import SELECTORS
+from ...selectors import SELECTORS
 
 #: replay:fresh ratio the paper uses (b + b/2)
 PAPER_RATIO = 0.5

@@ -42,9 +42,9 @@ from trl.trainer.utils import (
 from ...multimodal import schema_of
 from ...strategies.repo import RepoController
 from ...padding import pad_groups
-from ..common import STATE_DIR, restore, split_by_schema
+from ..common import STATE_DIR, restore
 from . import mm
-from .batch import check_keys, gather_objects, gather_rows, groups_from_rows, ingress_rows, replay_rows
+from .batch import check_keys, gather_objects, gather_rows, generation_groups, ingress_rows, replay_rows
 from .checks import check_padding_drift
 from .checkpoints import clear_pending, mark_pending, refuse_incomplete, resume_target, rotation_held
 from .config import as_replay_config
@@ -82,8 +82,8 @@ class HDRGRPOTrainer(GRPOTrainer):
         self._is_vlm = mm.check_setup(self.processing_class, self.train_dataset, replay=self.args.replay_selector,
                                       micro_step=self.args.replay_micro_step)
         a = self.args
-        self.replay_plan = a.replay_plan()
-        self.replay_config = a.to_replay_config()
+        settings = a.replay_settings()  # built and validated once, with the config (not again here)
+        self.replay_plan, self.replay_config = settings.plan, settings.config
         strategy = build_strategy(self)  # controller + generation wrapper (trl/strategies.py)
         self.replay, self.replay_active = strategy.controller, strategy.active
         self._mixer = strategy.mixer  # ExGRPO's mixed-policy groups (replay_exgrpo)
@@ -334,22 +334,19 @@ class HDRGRPOTrainer(GRPOTrainer):
         step, self._replay_step = self._replay_step, None
         if step is None:
             return
-        n = self.args.num_generations
         groups, empty, problems, fresh = [], 0, [], 0
         for gi, gen in enumerate(step.generations):
             rows = gather_rows(self.accelerator, gen.ingress_rows(), pad_token_id=self._tokenizer.pad_token_id)
             mm_rows, mm_why = gather_objects(self.accelerator, gen.mm_rows), gather_objects(self.accelerator, gen.mm_why)
-            g, e, p = groups_from_rows(rows, gen.rewards, num_generations=n, step=step.index,
-                                       id_prefix=f"s{step.index}.{gi}g", mm_rows=mm_rows, mm_why=mm_why)
             schema = self._mm_schema()
             if schema is None and groups:
                 schema = schema_of(groups[0].mm_inputs)
-            g, unfit = split_by_schema(g, schema)
-            p += unfit
-            groups += g
-            empty += e
-            problems += p
-            fresh += gen.rewards.numel() // n
+            got = generation_groups(rows, gen.rewards, num_generations=self.args.num_generations, step=step.index,
+                                    id_prefix=f"s{step.index}.{gi}g", mm_rows=mm_rows, mm_why=mm_why, schema=schema)
+            groups += got.groups
+            empty += len(got.empty)
+            problems += got.problems
+            fresh += got.num_groups
         if problems:
             warnings.warn(f"hdreplay: {len(problems)} group(s) of step {step.index} not eligible for the buffer, "
                           f"e.g. {problems[0]}", stacklevel=2)

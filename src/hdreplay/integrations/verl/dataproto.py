@@ -30,8 +30,10 @@ import torch
 from verl import DataProto
 from verl.utils.model import compute_position_id_with_mask
 
+from ...ingest import Rows, groups_from_rows
+from ...ingest import response_advantages as ingest_response_advantages
+from ...multimodal import Schema
 from ...padding import PaddedGroups, pad_groups
-from ...errors import ReplayInputError
 from ...record import GroupRecord
 from . import mm
 
@@ -92,33 +94,21 @@ def response_advantages(batch: DataProto, *, estimator: str = "?") -> torch.Tens
 
 
 def response_level(advantages: torch.Tensor, mask: torch.Tensor, *, estimator: str = "?") -> torch.Tensor:
-    """(B,) one advantage per row from right-padded ``advantages`` / ``mask`` (B, R), checked to be constant
-    over the row's mask tokens (0 for a row without any)."""
-    adv = advantages.float().cpu()
-    mask = mask.bool().cpu()
-    first = torch.where(mask.any(dim=1), mask.float().argmax(dim=1), torch.zeros(len(adv), dtype=torch.long))
-    value = adv.gather(1, first[:, None]).squeeze(1) * mask.any(dim=1)
-    dev = ((adv - value[:, None]).abs() * mask).amax(dim=1) if adv.numel() else adv.new_zeros(len(adv))
-    bad = dev > 1e-5 * (1 + value.abs())
-    if bool(bad.any()):
-        r = int(bad.nonzero()[0])
-        raise RuntimeError(
-            f"advantages vary within response row {r} (max deviation {float(dev[r]):.3g}) under "
-            f"algorithm.adv_estimator={estimator}: hdreplay stores one advantage per response (GRPO-style "
-            "outcome estimators such as grpo, rloo, grpo_passk, gpg, opo)"
-        )
-    return value
+    """(B,) one advantage per row (:func:`hdreplay.ingest.response_advantages` with verl's setting named)."""
+    return ingest_response_advantages(advantages, mask, hint=f"algorithm.adv_estimator={estimator}")
 
 
 def groups_from_batch(
-    batch: DataProto, *, step: int, group_size: int, estimator: str = "?"
+    batch: DataProto, *, step: int, group_size: int, estimator: str = "?", schema: Schema | None = None
 ) -> tuple[list[GroupRecord], list[str], int]:
-    """Build one GroupRecord per uid of a fresh verl batch.
+    """One GroupRecord per uid of a fresh verl batch (:func:`hdreplay.ingest.groups_from_rows` builds and checks
+    them; this function reads verl's layout and checks verl's conventions).
 
     Stores per group: the unpadded prompt (P,), the n responses concatenated (T,) (unpadded with
     the response part of ``attention_mask``), ``response_mask`` as the loss mask, ``old_log_probs``
     as generation-time log-probs, response-level advantages and rewards (n,), and
-    :data:`STORED_EXTRAS` present in the batch.  Group ids are ``"<step>:<uid>"``.
+    :data:`STORED_EXTRAS` present in the batch.  Group ids are ``"<step>:<uid>"``.  ``schema``: the buffer's
+    multimodal schema (None = the first group's).
 
     Returns:
         (groups, problems, num_uids): valid groups in first-appearance order of their uid, one message
@@ -133,37 +123,16 @@ def groups_from_batch(
         if not torch.equal(t["position_ids"].long()[attn], expect[attn]):
             raise RuntimeError("position_ids do not follow verl's clip(cumsum(attention_mask) - 1, 0) convention; "
                                "hdreplay rebuilds them that way for replayed rows and cannot replay this batch")
-    pmask, rmask = attn[:, :P], attn[:, P:]
-    rewards, adv = row_rewards(batch), response_advantages(batch, estimator=estimator)
-    uids = batch.non_tensor_batch["uid"]
+    rows = Rows(prompt_ids=t["prompts"], prompt_mask=attn[:, :P], completion_ids=t["responses"],
+                completion_mask=attn[:, P:], loss_mask=t["response_mask"], logprobs=t["old_log_probs"],
+                advantages=t["advantages"], rewards=row_rewards(batch),
+                extras={name: t[key] for key, name in STORED_EXTRAS.items() if key in t})
     mm_rows = batch.non_tensor_batch.get("multi_modal_inputs")
-    rows_of: dict = {}
-    for i, u in enumerate(uids.tolist()):
-        rows_of.setdefault(u, []).append(i)
-    groups, problems = [], []
-    for u, rows in rows_of.items():
-        if len(rows) != group_size:
-            problems.append(f"uid {u!r}: {len(rows)} rows, expected rollout.n={group_size}")
-            continue
-        idx = torch.tensor(rows)
-        prompt = t["prompts"][rows[0]][pmask[rows[0]]]
-        for r in rows[1:]:
-            if not torch.equal(t["prompts"][r][pmask[r]], prompt):
-                raise RuntimeError(f"rows {rows} share uid {u!r} but not one prompt; GRPO groups must share a prompt")
-        extras = {name: t[key][idx] for key, name in STORED_EXTRAS.items() if key in t}
-        inputs, why = mm.capture(rows, mm_rows, t.get("position_ids"), attn, P)
-        if why is not None:
-            problems.append(f"uid {u!r}: {why}")
-            continue
-        try:
-            groups.append(GroupRecord.from_padded(
-                group_id=f"{step}:{u}", prompt_ids=prompt, completion_ids=t["responses"][idx],
-                completion_mask=rmask[idx], logprobs=t["old_log_probs"][idx], loss_mask=t["response_mask"][idx],
-                advantages=adv[idx], rewards=rewards[idx], birth_step=step, extras=extras, mm_inputs=inputs,
-            ))
-        except ReplayInputError as e:
-            problems.append(str(e))
-    return groups, problems, len(rows_of)
+    got = groups_from_rows(rows, step=step, group_size=group_size, keys=batch.non_tensor_batch["uid"].tolist(),
+                           group_id=lambda u: f"{step}:{u}", schema=schema, key_name="uid", size_name="rollout.n",
+                           hint=f"algorithm.adv_estimator={estimator}",
+                           mm_inputs=lambda idx: mm.capture(idx, mm_rows, t.get("position_ids"), attn, P))
+    return got.groups, got.problems + got.empty, got.num_groups
 
 
 def _pad(x: torch.Tensor, width: int, side: str, value) -> torch.Tensor:

@@ -30,7 +30,6 @@ from verl.protocol import pad_dataproto_to_divisor, unpad_dataproto
 from verl.trainer.ppo.ray_trainer import RayPPOTrainer
 
 from ...controller import ReplayController
-from ..common import split_by_schema
 from .settings import validate_verl_config, verl_truncate_multiple
 from .actor_batch import build_actor_batch
 from .checkpoints import ReplayCheckpoints
@@ -102,9 +101,8 @@ class HDRRayPPOTrainer(ReplayCheckpoints, RayPPOTrainer):
             raise RuntimeError(f"fresh batch of {len(batch)} rows is not a multiple of the mini-batch ({m} rows)")
 
         groups, problems, num_uids = groups_from_batch(
-            batch, step=step, group_size=n, estimator=str(self.config.algorithm.adv_estimator))
-        groups, unfit = split_by_schema(groups, self.replay.buffer.mm_schema)
-        problems += unfit
+            batch, step=step, group_size=n, estimator=str(self.config.algorithm.adv_estimator),
+            schema=self.replay.buffer.mm_schema)
         sel = self.replay.select(step=step, scorer=self._replay_scorer)
         self.replay.stage(groups, step=step)
         actor_batch, info = build_actor_batch(sel.groups, batch, minibatch_rows=m, dp=dp,

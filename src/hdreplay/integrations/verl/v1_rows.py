@@ -39,10 +39,11 @@ from typing import Any, Sequence
 
 import torch
 
-from ...errors import ReplayInputError
+from ...ingest import Rows, groups_from_rows
+from ...multimodal import Schema
 from ...record import GroupRecord
 from . import mm
-from .dataproto import STORED_EXTRAS, response_level
+from .dataproto import STORED_EXTRAS
 
 #: fields the actor update reads, and how replay rows fill them
 REPLAY_FILL = {
@@ -133,53 +134,48 @@ class FreshGroups:
     position_rows: int | None = None
 
 
-def fresh_groups(data, tags: Sequence[dict], *, step: int, group_size: int, estimator: str = "?") -> FreshGroups:
-    """One GroupRecord per uid of the fresh rows (``data`` from ``tq.kv_batch_get``, ``tags`` of the meta).
+def _padded(nested: torch.Tensor, pad=0) -> tuple[torch.Tensor, torch.Tensor]:
+    """A jagged (B, j) nested tensor as ``(values, mask)``, both (B, W) right-padded (mask: 1 on real entries)."""
+    values = nested.to_padded_tensor(pad)
+    lengths = torch.tensor([r.numel() for r in nested.unbind(0)], dtype=torch.long)
+    return values, torch.arange(values.shape[1])[None, :] < lengths[:, None]
+
+
+def fresh_groups(data, tags: Sequence[dict], *, step: int, group_size: int, estimator: str = "?",
+                 schema: Schema | None = None) -> FreshGroups:
+    """One GroupRecord per uid of the fresh rows (``data`` from ``tq.kv_batch_get``, ``tags`` of the meta);
+    :func:`hdreplay.ingest.groups_from_rows` builds and checks them, this function reads verl's v1 layout and
+    checks its conventions.
 
     Stores per group: the prompt (P,), the n responses concatenated, ``response_mask`` as the loss mask,
     ``old_log_probs`` as generation-time log-probs, response-level advantages, rewards = ``rm_scores`` summed,
     and the :data:`~.dataproto.STORED_EXTRAS` present, and a vision-language prompt's inputs
-    (:func:`.mm.capture_rows`).  Group ids are ``"<step>:<uid>"``.
+    (:func:`.mm.capture_rows`).  Group ids are ``"<step>:<uid>"``.  ``schema``: the buffer's multimodal schema
+    (None = the first group's); a group that does not fit it is one of the ``problems``.
     """
     fields = update_fields(data)
     rows = [i for i, t in enumerate(tags) if not is_padding(t)]
     uids = [str(u) for u in _values(data, "uid")]
-    prompts, responses = _rows(data["prompts"]), _rows(data["responses"])
-    masks, lps, scores = _rows(data["response_mask"]), _rows(data["old_log_probs"]), _rows(data["rm_scores"])
     pos = _rows(data["position_ids"])
     K = data["position_ids"].shape[1] if data["position_ids"].dim() == 3 else None
-    mm_rows = _values(data, "multi_modal_inputs") if "multi_modal_inputs" in data.keys() else None
-    extras = {name: _rows(data[key]) for key, name in STORED_EXTRAS.items() if key in data.keys()}
-    adv = response_level(data["advantages"].to_padded_tensor(0.0), data["response_mask"].to_padded_tensor(0),
-                         estimator=estimator)
-    rows_of: dict[str, list[int]] = {}
     for i in rows:
         if K is None and not torch.equal(pos[i].long(), torch.arange(pos[i].numel())):
             raise RuntimeError(f"row {i} (uid {uids[i]!r}) has position_ids that are not arange(P + L); hdreplay "
                                "rebuilds them that way for replayed rows and cannot replay this batch")
-        rows_of.setdefault(uids[i], []).append(i)
-    groups, problems = [], []
-    for u, idx in rows_of.items():
-        if len(idx) != group_size:
-            problems.append(f"uid {u!r}: {len(idx)} rows, expected rollout.n={group_size}")
-            continue
-        if any(not torch.equal(prompts[i], prompts[idx[0]]) for i in idx[1:]):
-            raise RuntimeError(f"rows {idx} share uid {u!r} but not one prompt; GRPO groups must share a prompt")
-        inputs, why = mm.capture_rows(idx, mm_rows, pos, {i: prompts[i].numel() for i in idx})
-        if why is not None:
-            problems.append(f"uid {u!r}: {why}")
-            continue
-        try:
-            groups.append(GroupRecord.from_responses(
-                group_id=f"{step}:{u}", prompt_ids=prompts[idx[0]], completion_ids=[responses[i] for i in idx],
-                logprobs=[lps[i] for i in idx], loss_masks=[masks[i] for i in idx], advantages=adv[idx],
-                rewards=torch.stack([scores[i].float().sum() for i in idx]), birth_step=step,
-                extras={name: [v[i] for i in idx] for name, v in extras.items()}, mm_inputs=inputs,
-            ))
-        except ReplayInputError as e:
-            problems.append(str(e))
+    mm_rows = _values(data, "multi_modal_inputs") if "multi_modal_inputs" in data.keys() else None
+    (prompts, pmask), (responses, rmask) = _padded(data["prompts"]), _padded(data["responses"])
+    prompt_lens = pmask.sum(1).tolist()
+    batch = Rows(prompt_ids=prompts, prompt_mask=pmask, completion_ids=responses, completion_mask=rmask,
+                 loss_mask=_padded(data["response_mask"])[0], logprobs=_padded(data["old_log_probs"], 0.0)[0],
+                 advantages=_padded(data["advantages"], 0.0)[0],
+                 rewards=_padded(data["rm_scores"], 0.0)[0].float().sum(-1),
+                 extras={name: _padded(data[key], 0.0)[0] for key, name in STORED_EXTRAS.items() if key in data.keys()})
+    got = groups_from_rows(batch, step=step, group_size=group_size, keys=uids, only=rows,
+                           group_id=lambda u: f"{step}:{u}", schema=schema, key_name="uid", size_name="rollout.n",
+                           hint=f"algorithm.adv_estimator={estimator}",
+                           mm_inputs=lambda idx: mm.capture_rows(idx, mm_rows, pos, prompt_lens))
     dtypes = {k: data[k].dtype for k in fields if _is_tensor(data, k)}
-    return FreshGroups(groups, problems, len(rows_of), rows, fields, dtypes, K)
+    return FreshGroups(got.groups, got.problems + got.empty, got.num_groups, rows, fields, dtypes, K)
 
 
 def _sequence(prompt: torch.Tensor, response: torch.Tensor, mask: torch.Tensor,

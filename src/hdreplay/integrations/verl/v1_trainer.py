@@ -50,7 +50,6 @@ from ...record import GroupRecord
 from .checkpoints import ReplayCheckpoints
 from .minibatches import actor_order, layout_metrics, padding_needed
 from .settings import validate_verl_config
-from ..common import split_by_schema
 from .mm import POSITIONS
 from .v1_rows import fresh_groups, padding_rows, replay_rows, score_fields, scoring_rows
 
@@ -172,16 +171,15 @@ class HDRTrainerMixin(ReplayCheckpoints):
         n, dp = int(cfg.rollout.n), self._actor_dp()
         m = int(cfg.actor.ppo_mini_batch_size) * n
         data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id)
-        fresh = fresh_groups(data, batch.tags, step=step, group_size=n, estimator=str(self.config.algorithm.adv_estimator))
-        # vision-language runs: a text-only prompt (or another image layout) is skipped, not fatal
-        admitted, unfit = split_by_schema(fresh.groups, self.replay.buffer.mm_schema)
-        fresh.problems.extend(unfit)
+        # vision-language runs: a text-only prompt (or another image layout) is one of the problems, not fatal
+        fresh = fresh_groups(data, batch.tags, step=step, group_size=n,
+                             estimator=str(self.config.algorithm.adv_estimator), schema=self.replay.buffer.mm_schema)
         seam = self.async_seam
         sel = seam.select(step) if seam else self.replay.select(step=step, scorer=self._replay_scorer)
         if seam:
-            seam.stage(admitted, step=step, data=data, tags=batch.tags)
+            seam.stage(fresh.groups, step=step, data=data, tags=batch.tags)
         else:
-            self.replay.stage(admitted, step=step)
+            self.replay.stage(fresh.groups, step=step)
         actor, info = self._write_actor_batch(batch, fresh, sel.groups, step=step, minibatch_rows=m, dp=dp)
         try:
             super()._update_actor(actor, metrics)

@@ -1,0 +1,31 @@
+"""The ``>>>`` examples in the core's docstrings run (fast; the core only: no TRL / verl import)."""
+
+import doctest
+import importlib
+import pkgutil
+
+import pytest
+
+import hdreplay
+
+CORE = sorted(m.name for m in pkgutil.iter_modules(hdreplay.__path__, "hdreplay.") if not m.ispkg)
+#: the public API's modules that must carry a runnable example (config, ingest, buffer, selection, scores)
+REQUIRED = ("hdreplay.config", "hdreplay.ingest", "hdreplay.buffer", "hdreplay.controller", "hdreplay.scores",
+            "hdreplay.selectors", "hdreplay.adaptive")
+
+
+@pytest.mark.parametrize("name", CORE)
+def test_docstring_examples_run(name):
+    module = importlib.import_module(name)
+    runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
+    report: list[str] = []
+    for test in doctest.DocTestFinder(exclude_empty=True).find(module, name):
+        runner.run(test, out=report.append)
+    result = runner.summarize(verbose=False)
+    assert result.failed == 0, "".join(report)
+    if name in REQUIRED:
+        assert result.attempted > 0, f"{name} has no >>> example"
+
+
+def test_the_public_api_carries_at_least_five_examples():
+    assert set(REQUIRED) <= set(CORE)
