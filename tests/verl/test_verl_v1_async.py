@@ -157,6 +157,7 @@ def test_bypass_fresh_rows_train_on_rollout_logprobs(bypass):
     (("algorithm.adv_estimator=reinforce_plus_plus_baseline",), "supported: \\['grpo', 'rloo'\\]"),
     (("actor_rollout_ref.actor.use_kl_loss=true",), "use_kl_loss=true: diverted groups have no reference"),
     (("trainer.v1.sampler.max_off_policy_strategy=wait",), "with 'wait' verl never evicts"),
+    (("hdr.capacity=3",), r"hdr.capacity=3 cannot hold one step's groups \(data.train_batch_size=4\)"),
 ])
 def test_bad_async_settings_are_refused_with_the_key(tiny_model_dir, extra, match):
     cfg = compose_v1_config(*ASYNC, *extra, ckpt_dir="/tmp/unused", model_dir=tiny_model_dir)

@@ -62,6 +62,10 @@ def async_problems(get: Callable[[str, Any], Any]) -> list[str]:
             problems.append("trainer.v1.sampler.max_off_policy_strategy="
                             f"{get('trainer.v1.sampler.max_off_policy_strategy', None)}: with 'wait' verl never evicts "
                             f"a stale group, so {SAMPLER_NAME} has nothing to divert; use drop")
+        cap, tbs = get("hdr.capacity", None), get("data.train_batch_size", None)
+        if isinstance(cap, int) and isinstance(tbs, int) and cap < tbs:
+            problems.append(f"hdr.capacity={cap} cannot hold one step's groups (data.train_batch_size={tbs}): diverted "
+                            f"groups would be evicted before any scan sees them; raise hdr.capacity to at least {tbs}")
         if get("trainer.v1.sampler.max_off_policy_threshold", None) is None:
             problems.append("trainer.v1.sampler.max_off_policy_threshold=null: nothing is ever stale; set the fresh "
                             "bound (spans above it are diverted to hdreplay)")
