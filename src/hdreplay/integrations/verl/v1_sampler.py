@@ -60,7 +60,7 @@ def stale_group(uid: str, rows: list[dict], *, birth_step: int, estimator: str, 
         raise ReplayInputError(f"uid {uid!r}: rows share the uid but not the prompt")
     return GroupRecord.from_responses(
         group_id=f"stale{birth_step}:{uid}", prompt_ids=prompt, completion_ids=[r["responses"] for r in rows],
-        logprobs=[r["rollout_log_probs"].float() * 0.5 for r in rows], loss_masks=[r["response_mask"] for r in rows],
+        logprobs=[r["rollout_log_probs"].float() for r in rows], loss_masks=[r["response_mask"] for r in rows],
         advantages=response_level(adv, mask, estimator=estimator), rewards=scores.sum(-1), birth_step=birth_step,
         extras={"rollout_logprobs": [r["rollout_log_probs"].float() for r in rows]})
 
