@@ -34,7 +34,7 @@ BYPASS = "algorithm.rollout_correction.bypass_mode=true"
 def _run(worker_group, tokenizer, tiny_model_dir, tmp, *extra):
     sampler = PerturbedSampler(tiny_model_dir, noise=0.05)
     run = run_v1(HDRPPOTrainerColocateAsync, worker_group, tokenizer, tiny_model_dir, tmp, *ASYNC, *extra,
-                 lr=0.05, steps=4, flat=flat_every_4th, trajectory=sampler)
+                 lr=0.05, steps=3, flat=flat_every_4th, trajectory=sampler)
     return run, sampler
 
 
