@@ -150,11 +150,14 @@ def plot(out: Path, summary: dict) -> list[str]:
             ax.scatter([i] * len(v), v, s=8, color="k", zorder=3)
         ax.set_title(QUANTITIES[q][0])
         ax.tick_params(axis="x", rotation=45)
+        lo, hi = min(min(v) for v in vals), max(max(v) for v in vals)
+        ax.set_ylim(max(0.0, lo - 0.15 * (hi - lo + 1e-9)), hi + 0.15 * (hi - lo + 1e-9))  # the differences, not 0
     fig.tight_layout()
     paths.append(_save(fig, pdir / "methods.png"))
     fig, axes = plt.subplots(1, 2, figsize=(12, 4))
     for m in methods:
         lags = np.asarray(t[m]["lags"])
+        lags = lags[:int(np.flatnonzero(lags).max()) + 1] if lags.any() else lags
         axes[0].plot(np.arange(len(lags)), lags / max(lags.sum(), 1), marker="o", label=m)
     axes[0].set(title="staleness at arrival (versions behind)", xlabel="k", ylabel="share of generated groups")
     axes[0].legend(fontsize=7)
