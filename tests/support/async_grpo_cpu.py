@@ -169,7 +169,8 @@ class CPURolloutWorker:
         prompt = tok(self.prompts[p], add_special_tokens=False)["input_ids"]
         torch.manual_seed(self.seed * 100_003 + gid)
         with self.lock:
-            out = self.model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            ids = torch.tensor([prompt])
+            out = self.model.generate(ids, attention_mask=torch.ones_like(ids),
                                       do_sample=True, temperature=1.0, top_k=0, top_p=1.0, num_return_sequences=self.n,
                                       max_new_tokens=self.max_new_tokens, output_logits=True,
                                       return_dict_in_generate=True, pad_token_id=tok.pad_token_id,

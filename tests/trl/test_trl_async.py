@@ -72,7 +72,9 @@ def test_diverted_groups_train_later_with_their_sampler_logprobs(run):
     for smp in pulled:
         by_gid.setdefault(smp.group_id, []).append(smp)
     for g in (g for g, st in trained_later.items() if st):
-        key = lambda ids, m, lp, a: (tuple(ids), tuple(m), tuple(np.round(np.asarray(lp, dtype=np.float32), 6)), a)  # noqa: E731
+        def key(ids, m, lp, a):
+            return tuple(ids), tuple(m), tuple(np.round(np.asarray(lp, dtype=np.float32), 6)), a
+
         got = [key(smp.input_ids.tolist(), smp.completion_mask.tolist(), smp.old_log_probs, smp.advantage)
                for smp in by_gid[g]]
         want = sorted(key(*x) for x in s["worker_samples"][str(g)])

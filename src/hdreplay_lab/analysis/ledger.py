@@ -45,8 +45,10 @@ def async_ledger(run: RunData, *, on_bad_line: str = "skip") -> dict[str, Any]:
     path = _find(run)
     if path is None:
         return unavailable("no async.jsonl (not an asynchronous run, or its ledger was not written)")
-    df = read_jsonl(path, on_bad_line=on_bad_line, problems=run.problems,
-                    check=lambda r: None if isinstance(r.get("totals"), dict) and "step" in r else "not a ledger record")
+    def check(r: dict) -> str | None:
+        return None if isinstance(r.get("totals"), dict) and "step" in r else "not a ledger record"
+
+    df = read_jsonl(path, on_bad_line=on_bad_line, problems=run.problems, check=check)
     if not len(df):
         return unavailable(f"{path} holds no ledger record")
     tot = dict(df["totals"].iloc[-1])

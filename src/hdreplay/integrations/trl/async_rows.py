@@ -122,7 +122,8 @@ def tree_logprobs(model, groups: Sequence[GroupRecord], *, device) -> list[torch
     out = model(input_ids=s("input_ids")[None], position_ids=s("position_ids")[None],
                 shift_labels=s("shift_labels")[None], fused_lm_head=True, tree_kv_index=s("tree_kv_index"),
                 tree_cu_seqlens_q=s("tree_cu_seqlens_q"), tree_cu_seqlens_k=s("tree_cu_seqlens_k"),
-                tree_max_seqlen_q=int(packed["tree_max_seqlens"][0]), tree_max_seqlen_k=int(packed["tree_max_seqlens"][1]))
+                tree_max_seqlen_q=int(packed["tree_max_seqlens"][0]),
+                tree_max_seqlen_k=int(packed["tree_max_seqlens"][1]))
     lp = out.log_probs.flatten()[s("token_index")].float().cpu()
     seg = packed["segment_id"]
     per_sample = [lp[seg == i] for i in range(int(seg.max()) + 1)]

@@ -176,8 +176,9 @@ class HDRAsyncGRPOTrainer(AsyncGRPOTrainer):
         return [parts[i % world][i // world] for i in range(len(groups))]
 
     def _measurements(self, landed: dict) -> dict:
-        """Rank 0: per group trained in this update, token-weighted Drift against the sampler, by kind; the floor samples
-        are fresh groups trained at the version they were generated with (the trainer's weights are the sampler's)."""
+        """Rank 0: per group trained in this update, token-weighted Drift against the sampler, by kind; the floor
+        samples are fresh groups trained at the version they were generated with (the trainer's weights are the
+        sampler's)."""
         per = defaultdict(lambda: [0.0, 0.0])
         for gid, sq, cnt in self._drift_log:
             per[gid][0] += sq
@@ -230,6 +231,7 @@ class HDRAsyncGRPOTrainer(AsyncGRPOTrainer):
         for key, v in metrics.items():
             if v == v:
                 self._metrics["train"][key].append(float(v))
-        self.replay_log.append({"step": u, "routed": [(r.group.group_id, r.route, r.staleness) for r in payload["routed"]],
+        routed = [(r.group.group_id, r.route, r.staleness) for r in payload["routed"]]
+        self.replay_log.append({"step": u, "routed": routed,
                                 "selected": [g.group_id for g in sel.groups], "delays": payload["delays"],
                                 "metrics": metrics, "landed": payload["landed"]})

@@ -56,8 +56,8 @@ def async_problems(get: Callable[[str, Any], Any]) -> list[str]:
             problems.append(f"algorithm.adv_estimator={est}: a diverted group's advantages are computed from its own "
                             f"rewards before verl sees it; supported: {list(DIVERT_ESTIMATORS)}")
         if get(f"{ACTOR}.use_kl_loss", False):
-            problems.append(f"{ACTOR}.use_kl_loss=true: diverted groups have no reference log-probs (verl computes them "
-                            "only for the rows it samples); set it to false with the hdreplay sampler")
+            problems.append(f"{ACTOR}.use_kl_loss=true: diverted groups have no reference log-probs (verl computes "
+                            "them only for the rows it samples); set it to false with the hdreplay sampler")
         if get("trainer.v1.sampler.max_off_policy_strategy", "drop") != "drop":
             problems.append("trainer.v1.sampler.max_off_policy_strategy="
                             f"{get('trainer.v1.sampler.max_off_policy_strategy', None)}: with 'wait' verl never evicts "

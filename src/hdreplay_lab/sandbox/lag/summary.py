@@ -117,7 +117,8 @@ def render(summary: dict, cfg: dict, command: str) -> str:
         r = t[m]
         c = lambda q, spec=".3f": f"{r[q]['mean']:{spec}} ({r[q]['sd']:{spec}})"  # noqa: E731
         lines.append(f"| {r['label']} | {c('mean_at_n')} | {c('useful_groups')} | {c('useful_tokens')} | "
-                     f"{c('trained_groups')} | {c('discarded_groups')} | {c('diverted_groups')} | {c('buffered_end')} | "
+                     f"{c('trained_groups')} | {c('discarded_groups')} | {c('diverted_groups')} | "
+                     f"{c('buffered_end')} | "
                      f"{c('wall_clock_s', '.0f')} | {c('steps', '.0f')} | {_f(r['length_trained_mean'], '.2f')} / "
                      f"{_f(r['length_discarded_mean'], '.2f')} |")
     if summary["paired"]:
