@@ -36,7 +36,12 @@ Writes benchmarks/results/trl_step.json with
                               measured in the same run; target <= 1.25.  Each step's own sampling time is
                               subtracted before differencing: completion lengths, hence sampling time,
                               vary between the two runs independently of replay (``_raw`` keeps it).
-    bookkeeping_fraction      HDR replay bookkeeping / HDR step; target <= 0.02
+    bookkeeping_fraction      HDR replay bookkeeping / HDR step; target <= 0.02 (includes the selection digest of the
+                              rank-agreement check, computed in every step; its collective is a no-op on one process)
+    rank_agreement            ``--only rank_agreement`` (updates this entry of an existing --out file): the check's
+                              cost per update -- digest of a K_rep = 64 selection (us), one all-gather of one int64
+                              on 2 CPU processes over gloo (us) -- and its fraction of the measured HDR step;
+                              ``bookkeeping_fraction_with_check`` adds the collective to bookkeeping_fraction
 """
 
 from __future__ import annotations
@@ -178,6 +183,68 @@ def ideal_forward(tr, groups, repeats):
     return statistics.median(ts)
 
 
+def _gather_worker(rank: int, port: int, calls: int, out) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    x, got = torch.tensor([rank], dtype=torch.int64), [torch.zeros(1, dtype=torch.int64) for _ in range(2)]
+    for _ in range(100):
+        dist.all_gather(got, x)
+    times = []
+    for _ in range(calls):
+        t0 = time.perf_counter()
+        dist.all_gather(got, x)
+        times.append(time.perf_counter() - t0)
+    if rank == 0:
+        out.put(statistics.median(times))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def rank_agreement_cost(step_s: float, bookkeeping_fraction: float, calls: int = 2000) -> dict:
+    """The rank-agreement check per update: the digest (here) and the 2-process all-gather (gloo), vs the HDR step."""
+    import socket
+
+    import numpy as np
+    import torch.multiprocessing as mp
+
+    from hdreplay.integrations.trl.agreement import selection_digest
+    from hdreplay.selection import empty_selection
+    from hdreplay_lab.synthetic import TablePolicy, make_group
+
+    groups = [make_group(f"s9.0g{i}", policy=TablePolicy(), step=9, n=8, seed=i) for i in range(64)]
+    from dataclasses import replace
+    sel = replace(empty_selection(10, "headroom_drift", 512, 1e-3), groups=groups,
+                  accepted=np.arange(64, dtype=np.int64))
+
+    class Ctl:
+        class buffer:
+            next_insertion_id = 4096
+    times = []
+    for _ in range(calls):
+        t0 = time.perf_counter()
+        selection_digest(10, sel, Ctl)
+        times.append(time.perf_counter() - t0)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_gather_worker, args=(r, port, calls, q)) for r in range(2)]
+    for p in procs:
+        p.start()
+    gather_s = q.get(timeout=300)
+    for p in procs:
+        p.join(timeout=60)
+    digest_s = statistics.median(times)
+    frac = (digest_s + gather_s) / step_s
+    return {"digest_us": digest_s * 1e6, "all_gather_2proc_gloo_us": gather_s * 1e6, "hdr_step_s": step_s,
+            "fraction_of_hdr_step": frac, "bookkeeping_fraction": bookkeeping_fraction,
+            "bookkeeping_fraction_with_check": bookkeeping_fraction + gather_s / step_s,
+            "note": "digest of 64 replayed groups + one all_gather of one int64 per rank (torch.distributed, gloo, "
+                    "2 processes on this machine); step and bookkeeping fraction: this file's hdr_b_r"}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true")
@@ -190,7 +257,16 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=None)
     ap.add_argument("--steps-per-round", type=int, default=None)
     ap.add_argument("--out", default=str(RESULTS / "trl_step.json"))
+    ap.add_argument("--only", choices=("rank_agreement",), default=None,
+                    help="measure one section and update its entry in an existing --out file")
     args = ap.parse_args()
+    if args.only == "rank_agreement":
+        out = Path(args.out)
+        result = json.loads(out.read_text())
+        result["rank_agreement"] = rank_agreement_cost(result["step_s"]["hdr_b_r"], result["bookkeeping_fraction"])
+        out.write_text(json.dumps(result, indent=2) + "\n")
+        print(json.dumps(result["rank_agreement"], indent=2))
+        return
     rounds = args.rounds or (3 if args.quick else 6)
     per_round = args.steps_per_round or (3 if args.quick else 5)
     b, n = args.prompts, args.generations

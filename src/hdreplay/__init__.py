@@ -15,7 +15,7 @@ Core API (framework-agnostic; importing it never imports TRL or verl):
 
 Reliability contract: every public call checks all of its arguments before it changes anything
 (errors: ReplayInputError / ReplayConfigError / ReplayProtocolError / CheckpointError, all
-ReplayError); what the buffer hands out are copies; ``ReplayController.save`` is crash-safe and
+ReplayError; CheckpointLockedError when another writer holds a checkpoint directory); what the buffer hands out are copies; ``ReplayController.save`` is crash-safe and
 ``load`` is all-or-nothing (see ``hdreplay.checkpoint`` and ``hdreplay.checkpoint_schema``).
 
 Asynchronous pipelines (stale groups diverted to the buffer, the Drift floor, the ledger): ``hdreplay.staleness``,
@@ -31,6 +31,7 @@ from .controller import ReplayController
 from .diagnostics import METRIC_KEYS, STEP_FIELDS, DiagnosticsWriter, StepRecord, metrics_from_record
 from .errors import (
     CheckpointError,
+    CheckpointLockedError,
     IngestError,
     ReplayConfigError,
     ReplayError,
@@ -53,7 +54,8 @@ from .record import GroupRecord
 __version__ = "0.1.0"
 
 __all__ = [
-    "AdaptiveTau", "advance_tau", "AnswerBased", "balanced_partition", "CheckpointError", "DiagnosticsWriter",
+    "AdaptiveTau", "advance_tau", "AnswerBased", "balanced_partition", "CheckpointError", "CheckpointLockedError",
+    "DiagnosticsWriter",
     "drift", "group_scores", "GroupRecord", "groups_from_rows", "GroupScores", "headroom", "Ingest", "IngestError",
     "make_ingress_rule", "METRIC_KEYS", "metrics_from_record", "minibatch_layout", "MixedOutcome", "pad_groups",
     "PaddedGroups", "reference_headroom", "replay_kl", "replay_kl_per_group", "ReplayBuffer", "ReplayConfig",

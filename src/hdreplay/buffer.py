@@ -31,7 +31,8 @@ from .checkpoint_schema import BufferState, parse_buffer_state
 from .errors import CheckpointError, ReplayConfigError, ReplayInputError
 from .multimodal import Schema, schema_difference, schema_of, schema_to_json
 from .record import GroupRecord
-from .storage import BLOCK_GROUPS, SLOT_FIELDS, Block, copy_groups
+from .storage import BLOCK_GROUPS, SLOT_FIELDS, Block, checkpoint_tensors, copy_groups, materialize
+from .tensorfile import Streamed
 from .validate import (
     MAX_CAPACITY, MAX_COUNT, MAX_STEP, check_ids, check_int, check_real, check_reals, check_sequence, check_step,
     check_path, check_str,
@@ -358,22 +359,28 @@ class ReplayBuffer:
     # ------------------------------------------------------------------ checkpointing
     def state_dict(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         """(tensors, meta): new tensors (copies) plus a JSON-able dict; exact (cached values in float64)."""
+        tensors, meta = self.checkpoint_state()
+        return materialize(tensors), meta
+
+    def checkpoint_state(self) -> tuple[dict[str, "torch.Tensor | Streamed"], dict[str, Any]]:
+        """What :meth:`state_dict` returns, with the group payload as :class:`~hdreplay.tensorfile.Streamed` views of
+        the storage instead of copies (what :meth:`save` writes; valid until the buffer next changes)."""
         ids = self.insertion_ids()
         sl = self._slot(ids)
-        tensors = {f"slot.{k}": torch.from_numpy(a[sl].copy()) for k, a in self._slots.items()}
-        blk = Block.concat(self._blocks) if self._blocks else None
-        if blk is not None:
-            tensors.update(blk.to_tensors())
+        tensors: dict[str, Any] = {f"slot.{k}": torch.from_numpy(a[sl]) for k, a in self._slots.items()}  # (fancy
+        tensors.update(checkpoint_tensors(self._blocks))                     # indexing copies: small per-group arrays)
         meta = {
             "capacity": self.capacity,
             "group_size": self.group_size,
             "next_id": self._next_id,
             "size": self._size,
-            "group_ids": [] if blk is None else list(blk.group_ids),
-            "birth_steps": [] if blk is None else list(blk.birth_steps),
+            "group_ids": [g for b in self._blocks for g in b.group_ids],
+            "birth_steps": [s for b in self._blocks for s in b.birth_steps],
             "extras_keys": None if self._extras_keys is None else list(self._extras_keys),
         }
-        if self._mm_schema:  # written only for multimodal buffers: text checkpoints keep their exact form
+        # multimodal buffers always; a text buffer only while empty (its groups say it is text-only otherwise, and
+        # text checkpoints keep their exact form): an emptied text buffer stays text-only across a resume
+        if self._mm_schema or (self._mm_schema is not None and not self._size):
             meta["mm_schema"] = schema_to_json(self._mm_schema)
         return tensors, meta
 
@@ -400,7 +407,7 @@ class ReplayBuffer:
     def save(self, directory: str | os.PathLike) -> None:
         """Write the buffer to ``directory`` crash-safely (see :mod:`hdreplay.checkpoint`)."""
         check_path("save", directory)
-        tensors, meta = self.state_dict()
+        tensors, meta = self.checkpoint_state()
         write_checkpoint_dir(directory, format_name=BUFFER_FORMAT, version=BUFFER_VERSION,
                              tensors=tensors, meta=meta)
 

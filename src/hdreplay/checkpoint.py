@@ -12,21 +12,26 @@ a checkpoint, the manifest itself and ``state.json`` included, is covered by a c
 
 Save (:func:`write_checkpoint_dir`), a crash at any file-system call included:
 
-1. serialise everything in memory (a failure here writes nothing);
-2. write both files into a new hidden directory ``D/.tmp-v-...``, fsync each and the directory,
-   and rename it to ``D/v-...`` (not referenced by the manifest yet: invisible to :func:`read_checkpoint_dir`);
-3. write the new manifest to a hidden temporary file, fsync it and rename it over ``D/manifest.json``
-   -- the single commit point (``rename`` replaces atomically) -- then fsync ``D``;
-4. delete whatever the new manifest does not reference: the previous version, leftovers of
+1. serialise the JSON part in memory and lay out the tensor file's header (a failure here writes nothing);
+2. take the directory's lock ``D/.hdreplay.lock`` (:mod:`hdreplay.dirlock`: one writer per directory; a second
+   writer is refused with :class:`~hdreplay.errors.CheckpointLockedError` naming the first);
+3. write both files into a new hidden directory ``D/.tmp-v-...`` -- the tensors streamed block by block from
+   the caller's storage (:mod:`hdreplay.tensorfile`: no copy of the whole state is ever built) -- fsync each and
+   the directory, and rename it to ``D/v-...`` (not referenced by the manifest yet: invisible to
+   :func:`read_checkpoint_dir`);
+4. write the new manifest to a hidden temporary file, fsync it, check the lock is still this save's, and rename
+   the manifest over ``D/manifest.json`` -- the single commit point (``rename`` replaces atomically) -- then fsync
+   ``D``;
+5. delete whatever the new manifest does not reference: the previous version, leftovers of
    crashed saves (hidden temporaries, unreferenced versions), a converted legacy checkpoint, and
-   the ``.D.tmp-*`` / ``.D.old-*`` siblings that hdreplay 0.1 left when it crashed.
+   the ``.D.tmp-*`` / ``.D.old-*`` siblings that hdreplay 0.1 left when it crashed; release the lock.
 
-Before the commit point the manifest names the previous complete version, which steps 1-3 never
+Before the commit point the manifest names the previous complete version, which steps 1-4 never
 touch; after it, it names the new complete one.  So after a crash anywhere, a load yields exactly
-the previous state or exactly the new one, and the next save removes the leftovers.  A disk-full
-or permission error before the commit point raises :class:`~hdreplay.errors.CheckpointError`
-naming the path and leaves the previous checkpoint intact.  One writer per directory at a time; a
-load that runs while a save deletes the previous version may fail with ``CheckpointError`` (retry it).
+the previous state or exactly the new one, and the next save removes the leftovers (a crashed save's
+lock is stale: its process is gone).  A disk-full or permission error before the commit point raises
+:class:`~hdreplay.errors.CheckpointError` naming the path and leaves the previous checkpoint intact.  A load
+that runs while a save deletes the previous version may fail with ``CheckpointError`` (retry it).
 
 Load (:func:`read_checkpoint_dir`) follows the manifest only, verifies its own checksum, then reads
 each file's bytes once, checks size and sha256 of exactly those bytes and parses them: nothing
@@ -46,21 +51,23 @@ import os
 import re
 import uuid
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping
 
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load as load_tensors
-from safetensors.torch import save as save_tensors
 
-from .errors import CheckpointError
+from . import tensorfile
+from .dirlock import LOCK_FILE, DirLock
+from .errors import CheckpointError, CheckpointLockedError
 
 TENSORS_FILE = "tensors.safetensors"
 STATE_FILE = "state.json"
 MANIFEST_FILE = "manifest.json"
 LAYOUT = 2
 _VERSION_DIR = re.compile(r"v-[0-9a-f]{16}")
-_OURS = re.compile(r"v-[0-9a-f]{16}|\.tmp-v-[0-9a-f]{16}|\.manifest\.json\.tmp-[0-9a-f]{16}")
+_OURS = re.compile(r"v-[0-9a-f]{16}|\.tmp-v-[0-9a-f]{16}|\.manifest\.json\.tmp-[0-9a-f]{16}"
+                   r"|\.hdreplay\.lock\.(tmp|stale)-[0-9a-f]{16}")
 _MAX_MANIFEST_BYTES = 1 << 20
 
 
@@ -76,6 +83,7 @@ class _FS:
     close = staticmethod(os.close)
     rename = staticmethod(os.rename)
     replace = staticmethod(os.replace)
+    link = staticmethod(os.link)
     listdir = staticmethod(os.listdir)
     unlink = staticmethod(os.unlink)
     rmdir = staticmethod(os.rmdir)
@@ -99,15 +107,22 @@ def _manifest_digest(manifest: Mapping[str, Any]) -> str:
     return _sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode())
 
 
-def _write_file(path: Path, data: bytes) -> None:
+def _write_file(path: Path, chunks: Iterable[bytes | memoryview], beat=lambda: None) -> dict[str, Any]:
+    """Write ``chunks`` to a new file, fsync it; returns its manifest entry ``{"bytes", "sha256"}``."""
+    h, n = hashlib.sha256(), 0
     fd = FS.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     try:
-        view, done = memoryview(data), 0
-        while done < len(data):
-            done += FS.write(fd, view[done:])
+        for data in chunks:
+            view, done = memoryview(data), 0
+            h.update(view)
+            while done < len(view):
+                done += FS.write(fd, view[done:])
+            n += done
+            beat()
         FS.fsync(fd)
     finally:
         FS.close(fd)
+    return {"bytes": n, "sha256": h.hexdigest()}
 
 
 def _fsync_dir(path: Path) -> None:
@@ -145,47 +160,82 @@ def write_checkpoint_dir(
     *,
     format_name: str,
     version: int,
-    tensors: Mapping[str, torch.Tensor],
+    tensors: Mapping[str, "torch.Tensor | tensorfile.Streamed"],
     meta: Mapping[str, Any],
 ) -> Path:
-    """Write ``tensors`` and JSON-able ``meta`` as the new current version of ``directory`` (see module doc)."""
+    """Write ``tensors`` and JSON-able ``meta`` as the new current version of ``directory`` (see module doc).
+
+    ``tensors`` may hold :class:`~hdreplay.tensorfile.Streamed` entries, written piece by piece (no copy).
+    Raises CheckpointLockedError if another writer holds the directory, CheckpointError otherwise."""
     d = Path(directory)
     try:
-        tbytes = save_tensors({k: v.detach().cpu().contiguous() for k, v in tensors.items()})
+        specs = tensorfile.specs(tensors)
+        prefix, _ = tensorfile.header(specs)
         sbytes = json.dumps({"format": format_name, "version": version, "meta": meta}, allow_nan=False).encode()
-    except (TypeError, ValueError, SafetensorError) as e:
+    except (TypeError, ValueError) as e:
         raise CheckpointError(f"{d}: cannot serialise the state ({e}); nothing was written") from e
     name = f"v-{uuid.uuid4().hex[:16]}"
-    manifest: dict[str, Any] = {
-        "format": format_name, "layout": LAYOUT, "dir": name,
-        "files": {STATE_FILE: {"bytes": len(sbytes), "sha256": _sha256(sbytes)},
-                  TENSORS_FILE: {"bytes": len(tbytes), "sha256": _sha256(tbytes)}},
-    }
-    manifest["sha256"] = _manifest_digest(manifest)
     tmp, final = d / f".tmp-{name}", d / name
     mtmp = d / f".{MANIFEST_FILE}.tmp-{uuid.uuid4().hex[:16]}"
-    committed = False
+    committed, lock = False, None
     try:
         FS.makedirs(d)
+        lock = DirLock(d, FS)
+        lock.acquire()
         FS.mkdir(tmp)
-        _write_file(tmp / STATE_FILE, sbytes)
-        _write_file(tmp / TENSORS_FILE, tbytes)
+        files = {STATE_FILE: _write_file(tmp / STATE_FILE, [sbytes]),
+                 TENSORS_FILE: _write_file(tmp / TENSORS_FILE, tensorfile.chunks(specs, prefix), lock.heartbeat)}
         _fsync_dir(tmp)
         FS.rename(tmp, final)
         _fsync_dir(d)
-        _write_file(mtmp, json.dumps(manifest, sort_keys=True).encode())
+        manifest: dict[str, Any] = {"format": format_name, "layout": LAYOUT, "dir": name, "files": files}
+        manifest["sha256"] = _manifest_digest(manifest)
+        _write_file(mtmp, [json.dumps(manifest, sort_keys=True).encode()])
+        lock.verify()
         FS.replace(mtmp, d / MANIFEST_FILE)  # the commit point
         committed = True
         _fsync_dir(d)
+    except CheckpointLockedError:
+        _abandon(lock, tmp, final, mtmp)
+        raise
+    except (ValueError, TypeError) as e:  # a streamed tensor whose pieces do not match its declaration
+        _abandon(lock, tmp, final, mtmp)
+        raise CheckpointError(f"{d}: cannot serialise the state ({e}); the previous checkpoint at this path, if "
+                              "any, is intact") from e
     except OSError as e:
         if committed:
+            _release(lock)
             raise CheckpointError(f"{d}: the new checkpoint is in place but its directory could not be synced "
                                   f"({_describe(e)})") from e
-        _remove_quietly(tmp, final, mtmp)
+        _abandon(lock, tmp, final, mtmp)
         raise CheckpointError(f"{d}: cannot write the checkpoint ({_describe(e)}); the previous checkpoint at "
                               "this path, if any, is intact") from e
-    _clean(d, keep={MANIFEST_FILE, name})
+    except BaseException:  # interrupted (or a simulated crash): the lock is left to be found stale
+        if lock is not None:
+            lock._forget()
+        raise
+    try:
+        _clean(d, keep={MANIFEST_FILE, name})
+    finally:
+        lock._forget()  # (a crash during the cleanup leaves a lock the next save finds stale)
+    _release(lock)
     return d
+
+
+def _abandon(lock: DirLock | None, *paths: Path) -> None:
+    """Undo an uncommitted save: remove its files (only while holding the lock) and release the lock."""
+    if lock is not None and lock.held:
+        _remove_quietly(*paths)
+    _release(lock)
+
+
+def _release(lock: DirLock | None) -> None:
+    if lock is None:
+        return
+    try:
+        lock.release()
+    except OSError:
+        pass
 
 
 def _clean(d: Path, keep: set[str]) -> None:

@@ -45,6 +45,7 @@ from .record import GroupRecord
 from .scores import reference_headroom
 from .selection import DriftFloor, Scorer, select_replay
 from .selectors import Selection, empty_selection
+from .storage import materialize
 from .validate import MAX_COUNT, check_bool, check_int, check_path, check_sequence, check_step, is_int, is_real
 
 #: consecutive starved steps (budget unfilled, gate pass rate < STARVED_RATE) before a ReplayStarvedWarning
@@ -90,7 +91,11 @@ class ReplayController:
         self.acceptance_rate = 1.0
         self.tau_state = TauState(tau=float(config.tau)) if config.adaptive_tau is not None else None
         self.last_step: int | None = None
-        self.diagnostics = DiagnosticsWriter(diagnostics_dir) if diagnostics_dir is not None else None
+        try:
+            self.diagnostics = DiagnosticsWriter(diagnostics_dir) if diagnostics_dir is not None else None
+        except ReplayInputError as e:
+            raise ReplayConfigError(f"diagnostics_dir: {str(e).removeprefix('directory: ')}",
+                                    field="diagnostics_dir") from None
         self.last_record: StepRecord | None = None
         self._open_step: int | None = None
         self._selection: Selection | None = None
@@ -279,13 +284,19 @@ class ReplayController:
         never mutates it, staged groups are held aside), so ``allow_open_step=True`` snapshots that
         committed state; the open step's selection and staged groups are not included.
         """
+        tensors, meta = self.checkpoint_state(allow_open_step=allow_open_step)
+        return materialize(tensors), meta
+
+    def checkpoint_state(self, *, allow_open_step: bool = False) -> tuple[dict[str, Any], dict[str, Any]]:
+        """What :meth:`state_dict` returns with the buffer's payload as views of its storage (what :meth:`save`
+        streams to disk, see :meth:`ReplayBuffer.checkpoint_state`)."""
         allow_open_step = check_bool("allow_open_step", allow_open_step)
         if self._open_step is not None and not allow_open_step:
             raise ReplayProtocolError(
                 f"state_dict() while step {self._open_step} is open; checkpoint after commit() "
                 "(or pass allow_open_step=True to save the state as of the last commit)"
             )
-        tensors, bmeta = self.buffer.state_dict()
+        tensors, bmeta = self.buffer.checkpoint_state()
         meta = {
             "buffer": bmeta,
             "acceptance_rate": self.acceptance_rate,
@@ -328,7 +339,7 @@ class ReplayController:
     def save(self, directory: str | os.PathLike, *, allow_open_step: bool = False) -> None:
         """Write the controller (buffer included) to ``directory`` crash-safely (see :mod:`hdreplay.checkpoint`)."""
         check_path("save", directory)
-        tensors, meta = self.state_dict(allow_open_step=allow_open_step)
+        tensors, meta = self.checkpoint_state(allow_open_step=allow_open_step)
         write_checkpoint_dir(directory, format_name=CONTROLLER_FORMAT, version=CONTROLLER_VERSION,
                              tensors=tensors, meta=meta)
 

@@ -240,7 +240,14 @@ class DiagnosticsWriter:
         if not isinstance(directory, (str, os.PathLike)):
             raise ReplayInputError(f"directory: must be a path, got {type(directory).__name__}")
         self.directory = Path(directory)
-        self.directory.mkdir(parents=True, exist_ok=True)
+        if self.directory.exists() and not self.directory.is_dir():
+            raise ReplayInputError(f"directory: {self.directory} is a file, not a directory; give the directory the "
+                                   "step and group logs go to")
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ReplayInputError(f"directory: cannot create {self.directory} ({e.strerror or e}); give a writable "
+                                   "directory") from None
         self.steps_path = self.directory / STEPS_FILE
         self.groups_path = self.directory / GROUPS_FILE
 

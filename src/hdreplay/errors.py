@@ -41,6 +41,10 @@ class CheckpointError(ReplayError, ValueError):
     """A checkpoint directory is missing, truncated, corrupted or was written by something else."""
 
 
+class CheckpointLockedError(CheckpointError):
+    """Another writer holds the checkpoint directory's lock (the message names its host, pid and start time)."""
+
+
 class ReplayStarvedWarning(UserWarning):
     """The Drift gate has starved replay for several consecutive steps (see ``ReplayController``)."""
 

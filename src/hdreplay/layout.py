@@ -9,6 +9,7 @@ that every rank gets the same number of rows and nearly the same token load.
 from __future__ import annotations
 
 import heapq
+import warnings
 from typing import Sequence
 
 import numpy as np
@@ -33,7 +34,11 @@ def _lengths(name: str, value) -> list[int]:
 
 
 def truncate_to_multiple(items: Sequence, u: int) -> list:
-    """Keep the first ``u * floor(len / u)`` items (the highest-priority prefix) of a list/tuple/1-D array."""
+    """Deprecated (nothing in the library calls it; the replay list is cut by ``ReplayConfig(truncate_multiple=u)``
+    inside ``select_replay``): the first ``u * floor(len / u)`` items of a list/tuple/1-D array."""
+    warnings.warn("hdreplay.truncate_to_multiple is deprecated and will be removed in the release after next; "
+                  "ReplayConfig(truncate_multiple=u) cuts the replay list inside select_replay", DeprecationWarning,
+                  stacklevel=2)
     u = check_int("u", u, lo=1, hi=MAX_COUNT)
     if isinstance(items, np.ndarray) and items.ndim == 1:
         items = items.tolist()

@@ -136,16 +136,6 @@ class Ragged:
         return Ragged({k: t[int(self.off[k][start]):int(self.off[k][stop])].clone() for k, t in self.data.items()},
                       {k: o[start:stop + 1] - o[start] for k, o in self.off.items()})
 
-    @staticmethod
-    def concat(parts: Sequence["Ragged"]) -> "Ragged":
-        keys = list(parts[0].data) if parts else []
-        off = {}
-        for k in keys:
-            shifts = np.cumsum([0] + [p.data[k].shape[0] for p in parts[:-1]])
-            off[k] = np.concatenate([p.off[k][:-1] + s for p, s in zip(parts, shifts)]
-                                    + [np.asarray([sum(p.data[k].shape[0] for p in parts)])]).astype(np.int64)
-        return Ragged({k: torch.cat([p.data[k] for p in parts]) for k in keys}, off)
-
     def to_tensors(self) -> dict[str, torch.Tensor]:
         out = {f"mm.{k}": t for k, t in self.data.items()}
         out.update({f"mm_off.{k}": torch.from_numpy(o) for k, o in self.off.items()})

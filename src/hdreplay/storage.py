@@ -12,8 +12,9 @@ a replayed group in place (normalising advantages, a scorer that writes into its
 change what is stored.
 
 Checkpoint form (one flat tensor per field over all live groups, see :meth:`Block.to_tensors`) is
-validated field by field when read back (:meth:`Block.from_tensors`): dtypes, offsets, token-id
-range, mask values, finiteness, the sign of log-probs, one loss token per group at least.  The
+written straight from the blocks (:func:`checkpoint_tensors`: pieces streamed to disk, no copy of the state)
+and validated field by field when read back (:meth:`Block.from_tensors`): dtypes, lengths, offsets,
+token-id range, mask values, finiteness, the sign of log-probs, one loss token per group at least.  The
 buffer's per-group slot arrays (cached Headroom, counters) are named in :data:`SLOT_FIELDS`.
 """
 
@@ -28,6 +29,7 @@ import torch
 from .errors import CheckpointError
 from .multimodal import Ragged, Schema
 from .record import LOGPROB_POSITIVE_TOLERANCE, GroupRecord
+from .tensorfile import Streamed
 
 #: checkpoint tensors of the group payload and their dtypes (``extra.<name>``: float32 each)
 PAYLOAD_DTYPES = {
@@ -193,33 +195,6 @@ class Block:
         return [self.slice(s, min(s + size, self.count)) for s in range(0, self.count, size)]
 
     # ------------------------------------------------------------------ checkpoint form
-    @staticmethod
-    def concat(blocks: Sequence["Block"]) -> "Block":
-        """One block holding the groups of consecutive ``blocks`` (copies unless there is one block)."""
-        if len(blocks) == 1:
-            return blocks[0]
-
-        def offsets(name: str, data: str) -> np.ndarray:
-            shifts = np.cumsum([0] + [getattr(b, data).numel() for b in blocks[:-1]])
-            parts = [getattr(b, name)[:-1] + s for b, s in zip(blocks, shifts)]
-            return np.concatenate(parts + [np.asarray([sum(getattr(b, data).numel() for b in blocks)])])
-
-        has_mask = any(b.loss_mask is not None for b in blocks)
-        masks = [torch.ones(b.tokens.numel(), dtype=torch.bool) if b.loss_mask is None else b.loss_mask
-                 for b in blocks]
-        cat = lambda name: torch.cat([getattr(b, name) for b in blocks])  # noqa: E731
-        return Block(
-            first_id=blocks[0].first_id, group_ids=[g for b in blocks for g in b.group_ids],
-            birth_steps=[s for b in blocks for s in b.birth_steps], prompt=cat("prompt"),
-            prompt_off=offsets("prompt_off", "prompt").astype(np.int64), tokens=cat("tokens"),
-            logprobs=cat("logprobs"), loss_mask=torch.cat(masks) if has_mask else None,
-            tok_off=offsets("tok_off", "tokens").astype(np.int64), resp_len=cat("resp_len"),
-            advantages=cat("advantages"), rewards=cat("rewards"),
-            resp_off=offsets("resp_off", "resp_len").astype(np.int64),
-            extras={k: torch.cat([b.extras[k] for b in blocks]) for k in blocks[0].extras},
-            mm=Ragged.concat([b.mm for b in blocks]),
-        )
-
     def to_tensors(self) -> dict[str, torch.Tensor]:
         """The checkpoint tensors (see :data:`PAYLOAD_DTYPES`)."""
         mask = torch.ones(self.tokens.numel(), dtype=torch.bool) if self.loss_mask is None else self.loss_mask
@@ -275,11 +250,14 @@ class Block:
         for name in ("prompt", "tokens"):
             if t[name].numel() and int(t[name].min()) < 0:
                 raise bad(f"{name!r} holds a negative token id")
-        m = t["loss_mask"]
+        m, lp = t["loss_mask"], t["logprobs"]
+        for name in ("logprobs", "loss_mask", *(f"extra.{e}" for e in extras_keys)):
+            if t[name].numel() != t["tokens"].numel():
+                raise bad(f"{name!r} has {t[name].numel()} entries for {t['tokens'].numel()} completion tokens "
+                          "(log-probs / loss mask must match the completion tokens)")
         if m.numel() and int(m.max()) > 1:
             raise bad("'loss_mask' holds values other than 0/1")
         mask = m.bool()
-        lp = t["logprobs"]
         on = lp[mask]
         if not bool(torch.isfinite(on).all()) or (on.numel() and float(on.max()) > LOGPROB_POSITIVE_TOLERANCE):
             raise bad("'logprobs' holds a non-finite or positive value at a loss-mask position")
@@ -287,10 +265,8 @@ class Block:
             raise bad("'logprobs' is not 0 off the loss mask")
         for e in extras_keys:
             x = t[f"extra.{e}"]
-            if x.numel() != lp.numel() or not bool(torch.isfinite(x[mask]).all()) or bool((x[~mask] != 0).any()):
-                raise bad(f"extra {e!r} does not match the completion tokens or holds non-finite values")
-        if lp.numel() != t["tokens"].numel() or m.numel() != t["tokens"].numel():
-            raise bad("log-probs / loss mask do not match the completion tokens")
+            if not bool(torch.isfinite(x[mask]).all()) or bool((x[~mask] != 0).any()):
+                raise bad(f"extra {e!r} holds non-finite values, or values off the loss mask")
         for name in ("advantages", "rewards"):
             if t[name].numel() != t["resp_len"].numel() or not bool(torch.isfinite(t[name]).all()):
                 raise bad(f"{name!r} has the wrong length or non-finite values")
@@ -305,3 +281,47 @@ class Block:
         if (blk.loss_tokens() < 1).any():
             raise bad("a group has no loss-mask token")
         return blk
+
+
+def checkpoint_tensors(blocks: Sequence[Block]) -> dict[str, Streamed]:
+    """The checkpoint tensors of consecutive ``blocks`` -- what :meth:`Block.to_tensors` gives for one block holding
+    all their groups -- as :class:`~hdreplay.tensorfile.Streamed` pieces: views of the blocks' own tensors, plus small
+    per-block pieces (shifted offsets, an all-ones mask where a block stores none).  Nothing the size of the state is
+    allocated, so a save streams it to disk (:func:`materialize` builds the tensors, for ``state_dict``)."""
+    if not blocks:
+        return {}
+
+    def cat(get) -> Streamed:
+        ts = [get(b) for b in blocks]
+        return Streamed(ts[0].dtype, (sum(t.shape[0] for t in ts), *ts[0].shape[1:]), lambda: ts)
+
+    def offsets(get_off, get_len) -> Streamed:
+        def parts():
+            shift = 0
+            for b in blocks:
+                yield torch.from_numpy(get_off(b)[:-1] + shift)
+                shift += get_len(b)
+            yield torch.tensor([shift], dtype=torch.int64)
+        return Streamed(torch.int64, (sum(len(get_off(b)) - 1 for b in blocks) + 1,), parts)
+
+    def mask_parts():
+        for b in blocks:  # bool and uint8 share their bytes: a view, no copy
+            yield torch.ones(b.tokens.numel(), dtype=torch.uint8) if b.loss_mask is None else b.loss_mask.view(torch.uint8)
+
+    out = {name: cat(lambda b, n=name: getattr(b, n))
+           for name in ("prompt", "tokens", "logprobs", "resp_len", "advantages", "rewards")}
+    for name, data in (("prompt_off", "prompt"), ("tok_off", "tokens"), ("resp_off", "resp_len")):
+        out[name] = offsets(lambda b, n=name: getattr(b, n), lambda b, d=data: getattr(b, d).numel())
+    out["loss_mask"] = Streamed(torch.uint8, (sum(b.tokens.numel() for b in blocks),), mask_parts)
+    for k in blocks[0].extras:
+        out[f"extra.{k}"] = cat(lambda b, k=k: b.extras[k])
+    for k in blocks[0].mm.data:
+        out[f"mm.{k}"] = cat(lambda b, k=k: b.mm.data[k])
+        out[f"mm_off.{k}"] = offsets(lambda b, k=k: b.mm.off[k], lambda b, k=k: b.mm.data[k].shape[0])
+    return out
+
+
+def materialize(tensors: Mapping[str, "torch.Tensor | Streamed"]) -> dict[str, torch.Tensor]:
+    """Whole tensors (new memory) of a mapping that may hold :class:`~hdreplay.tensorfile.Streamed` entries."""
+    return {k: v if isinstance(v, torch.Tensor) else torch.cat([p.reshape(-1, *v.shape[1:]) for p in v.parts()])
+            for k, v in tensors.items()}

@@ -1,4 +1,5 @@
-"""The ``hdreplay`` command: one dataclass per subcommand (its fields are the options, see ``options.py``).
+"""The ``hdreplay`` command: one dataclass per subcommand; tyro makes its fields the options and their docstrings
+the help (the CleanRL pattern, ``tyro.cli``).
 
     hdreplay demo                  reduced comparison on CPU (what `make demo` runs), < 10 minutes on 2 cores
     hdreplay compare               the paper's role-aligned comparison in the CPU sandbox
@@ -9,7 +10,9 @@
     hdreplay explain               the replay primitive on synthetic groups, every decision printed (no model)
 
 Every replay knob of :class:`hdreplay.ReplayConfig` is an option ``--replay.<name>`` of ``demo``, ``compare`` and
-``calibrate run``.  Bad input is one line on stderr and exit status 2, before anything is written or trained.
+``calibrate run`` (flags.py).  Bad input is one line on stderr and exit status 2, before anything is written or trained.
+A help longer than a line is written as adjacent string literals under its field (one string to tyro's docstring
+reader; a triple-quoted docstring's line breaks would show in ``--help``).
 """
 
 from __future__ import annotations
@@ -20,14 +23,18 @@ import sys
 import warnings
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal, Union
+
+import tyro
+from tyro.conf import Positional, Suppress, UseAppendAction, arg, subcommand
 
 from hdreplay.selection import SELECTORS
 
 from .analysis.calibration import CalibrationCriteria
 from .analysis.report import ReportSettings
-from .options import add_command, arg
-from .sandbox.compare import CompareConfig
+from .flags import CommaFloat, replay_options
+from .sandbox.compare import CompareConfig, Methods
+from .sandbox.lag.compare import AsyncCompareArgs
 from .sandbox.methods import DEMO_METHODS
 
 #: input errors: one line and exit status 2 when raised while parsing or checking a command
@@ -39,11 +46,14 @@ class CompareArgs:
     """The paper's role-aligned comparison in the CPU sandbox: every method x seed, held-out Best@n / Mean@n,
     training curves and step times."""
 
-    config: CompareConfig
-    out: Path = arg(Path("hdreplay_runs/compare"), "output directory (a new one, or one this command wrote)")
-    overwrite: bool = arg(False, "replace an output directory holding a different comparison")
-    progress: bool = arg(True, "show a progress bar")
-    model_dir: Path | None = field(default=None, init=False, repr=False)  # set by check()
+    config: Annotated[CompareConfig, arg(name="")]
+    out: Path = Path("hdreplay_runs/compare")
+    """output directory (a new one, or one this command wrote)"""
+    overwrite: bool = False
+    """replace an output directory holding a different comparison"""
+    progress: bool = True
+    """show progress (a bar on a terminal, else a line every 5 % of the steps)"""
+    model_dir: Suppress[Path | None] = field(default=None, init=False, repr=False)  # set by check()
 
     def check(self) -> None:
         from .sandbox.compare import check_compare
@@ -65,8 +75,20 @@ class CompareArgs:
 
 
 @dataclass
+class DemoConfig(CompareConfig):
+    """The comparison's settings with the demo's defaults: the three demo methods, one seed, no signature runs."""
+
+    methods: Methods = DEMO_METHODS
+    seeds: int = 1
+    signatures: bool = False
+
+
+@dataclass
 class DemoArgs(CompareArgs):
     """Reduced comparison on CPU (what `make demo` runs): on-policy, recency replay and Headroom-Drift, one seed."""
+
+    config: Annotated[DemoConfig, arg(name="")]
+    out: Path = Path("hdreplay_runs/demo")
 
     def run(self) -> int:
         rc = super().run()
@@ -79,16 +101,22 @@ class DemoArgs(CompareArgs):
 class RunsArgs:
     """What the analysis commands share: run directories, their labels and the output."""
 
-    runs: list[Path] = arg(help="run directories", positional=True)
-    label: list[str] = arg(default_factory=list, help="label of each run, in order (repeat; unset: directory names)")
-    on_bad_line: Literal["skip", "stop"] = arg("skip", "a malformed JSONL line: skip it with a warning naming "
-                                                       "file:line, or stop")
-    figures: bool = arg(True, "write the PNG figures")
-    progress: bool = arg(True, "show progress bars")
+    runs: Annotated[Positional[list[Path]], arg(metavar="RUN_DIR", help_behavior_hint="(one or more)")]
+    """run directories"""
+    label: UseAppendAction[list[str]] = field(default_factory=list)
+    """label of each run, in order (repeat; unset: directory names)"""
+    on_bad_line: Literal["skip", "stop"] = "skip"
+    """a malformed JSONL line: skip it with a warning naming file:line, or stop"""
+    figures: bool = True
+    """write the PNG figures"""
+    progress: bool = True
+    """show progress bars (on a terminal only)"""
 
     def __post_init__(self) -> None:
         from .analysis.load import unique_labels
 
+        if not self.runs:
+            raise ValueError("give one or more run directories")
         if self.label and len(self.label) != len(self.runs):
             raise ValueError(f"{len(self.label)} --label values for {len(self.runs)} run directories; give one label "
                              "per run or none")
@@ -105,8 +133,9 @@ class ReportArgs(RunsArgs):
     the sandbox or HDRLogCallback writes, a plain TRL output directory (trainer_state.json / TensorBoard events),
     or a bare replay diagnostics directory."""
 
-    out: Path | None = arg(None, "output directory (unset: RUN_DIR/report for one run, ./hdreplay-report for several)")
-    settings: ReportSettings = field(default_factory=ReportSettings)
+    out: Path | None = None
+    """output directory (unset: RUN_DIR/report for one run, ./hdreplay-report for several)"""
+    settings: Annotated[ReportSettings, arg(name="")] = field(default_factory=ReportSettings)
 
     def run(self) -> int:
         from .analysis import build_report, load_run, write_report
@@ -132,10 +161,13 @@ class SummarizeArgs(RunsArgs):
     and adaptive tau against it (calibration.md / .json / .png).  'tau=1e-3' labels give the tau of runs that do not
     log it."""
 
-    out: Path = arg(Path("hdreplay-calibration"), "output directory")
-    score_key: str = arg("reward", "trainer-log key of the training score")
-    entropy_key: str = arg("entropy", "trainer-log key of the policy entropy")
-    criteria: CalibrationCriteria = field(default_factory=CalibrationCriteria)
+    out: Path = Path("hdreplay-calibration")
+    """output directory"""
+    score_key: str = "reward"
+    """trainer-log key of the training score"""
+    entropy_key: str = "entropy"
+    """trainer-log key of the policy entropy"""
+    criteria: Annotated[CalibrationCriteria, arg(name="")] = field(default_factory=CalibrationCriteria)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -154,18 +186,43 @@ class SummarizeArgs(RunsArgs):
 
 
 @dataclass
+class CalibrateConfig(CompareConfig):
+    """The comparison's settings a tau sweep uses: one seed of one gated method, shorter runs, no held-out curve."""
+
+    methods: Suppress[Methods] = None
+    seeds: Suppress[int] = 1
+    steps: int = 100
+    eval_n: int = 4
+    latency_ms: Suppress[float | None] = None
+    modelled_ms_per_token: Suppress[float | None] = None
+    eval_every: int = 0
+    curve_prompts: Suppress[int] = 30
+    curve_n: Suppress[int] = 4
+    target: Suppress[float | None] = None
+    workers: Suppress[int | None] = None
+    signatures: Suppress[bool] = False
+    replay: replay_options(exclude=("selector", "tau")) = field(default_factory=dict)  # type: ignore[valid-type]
+    """replay settings of every sweep run (tau is swept by --taus, the selector is --replay.selector)"""
+
+
+@dataclass
 class CalibrateArgs:
     """The paper's tau calibration in the sandbox: one short run per tau (everything else fixed) plus one run with
     adaptive tau between the smallest and largest, then the summary (see `hdreplay calibrate summarize`)."""
 
-    config: CompareConfig
-    taus: tuple[float, ...] = arg((1e-3, 1e-2, 1e-1), "Drift thresholds, one run each (distinct, positive, finite)")
-    adaptive: bool = arg(True, "also one run with adaptive tau between the smallest and largest tau")
-    selector: Literal["headroom_drift", "drift_only"] = arg("headroom_drift", "the gated method whose tau is "
-                                                                              "calibrated", flag="--replay.selector")
-    out: Path = arg(Path("hdreplay_runs/calibrate"), "output directory (runs/ and the summary)")
-    progress: bool = arg(True, "show a progress bar")
-    model_dir: Path | None = field(default=None, init=False, repr=False)  # set by check()
+    config: Annotated[CalibrateConfig, arg(name="")]
+    taus: CommaFloat = (1e-3, 1e-2, 1e-1)
+    """Drift thresholds, one run each (distinct, positive, finite)"""
+    adaptive: bool = True
+    """also one run with adaptive tau between the smallest and largest tau"""
+    selector: Annotated[Literal["headroom_drift", "drift_only"], arg(name="replay.selector", prefix_name=False)] = (
+        "headroom_drift")
+    """the gated method whose tau is calibrated"""
+    out: Path = Path("hdreplay_runs/calibrate")
+    """output directory (runs/ and the summary)"""
+    progress: bool = True
+    """show progress (a bar on a terminal, else a line per run)"""
+    model_dir: Suppress[Path | None] = field(default=None, init=False, repr=False)  # set by check()
 
     def __post_init__(self) -> None:
         if not self.taus or not all(math.isfinite(t) and t > 0 for t in self.taus) or len(set(self.taus)) != len(self.taus):
@@ -217,8 +274,10 @@ class CalibrateArgs:
 class ExplainArgs:
     """The replay primitive on synthetic groups (no model): every scan, gate decision, replay and ingress printed."""
 
-    steps: int = arg(6, "steps to walk through (>= 1)")
-    selector: Literal[tuple(SELECTORS)] = arg("headroom_drift", "replay rule")  # type: ignore[valid-type]
+    steps: int = 6
+    """steps to walk through (>= 1)"""
+    selector: Literal[tuple(SELECTORS)] = "headroom_drift"  # type: ignore[valid-type]
+    """replay rule"""
 
     def __post_init__(self) -> None:
         if self.steps < 1:
@@ -248,56 +307,90 @@ def _print_summary(summary) -> None:
     print(f"recommendation: {r.status}" + (f" tau={r.tau:g}" if r.tau is not None else "") + f" -- {r.reason}")
 
 
-def app():
-    """The Typer application (commands return their dataclass; :func:`main` runs it)."""
-    import typer
+@dataclass
+class Calibrate:
+    """tau calibration: `run` a sweep in the sandbox, or `summarize` finished runs."""
 
-    root = typer.Typer(name="hdreplay", help="Headroom-Drift Replay for GRPO: sandbox, analytics, calibration.",
-                       add_completion=False, no_args_is_help=True)
-    add_command(root, "demo", DemoArgs, seeds=1, steps=120, methods=DEMO_METHODS, eval_every=20, curve_prompts=30,
-                signatures=False, out=Path("hdreplay_runs/demo"))
-    add_command(root, "compare", CompareArgs)
-    from .sandbox.lag.compare import AsyncCompareArgs
+    command: Annotated[Union[Annotated[CalibrateArgs, subcommand("run")],
+                             Annotated[SummarizeArgs, subcommand("summarize")]], arg(name="")]
 
-    add_command(root, "compare-async", AsyncCompareArgs)
-    add_command(root, "report", ReportArgs)
-    calibrate = typer.Typer(help="tau calibration: `run` a sweep in the sandbox, or `summarize` finished runs.",
-                            no_args_is_help=True)
-    add_command(calibrate, "run", CalibrateArgs, steps=100, eval_n=4, eval_every=0,
-                hide=("methods", "seeds", "latency_ms", "replay.selector", "replay.tau", "workers", "signatures",
-                      "target", "modelled_ms_per_token", "curve_prompts", "curve_n"))
-    add_command(calibrate, "summarize", SummarizeArgs)
-    root.add_typer(calibrate, name="calibrate")
-    add_command(root, "explain", ExplainArgs)
-    return root
+
+#: the ``hdreplay`` command line: one subcommand per dataclass
+Command = Union[Annotated[DemoArgs, subcommand("demo")], Annotated[CompareArgs, subcommand("compare")],
+                Annotated[AsyncCompareArgs, subcommand("compare-async")],
+                Annotated[ReportArgs, subcommand("report")], Annotated[Calibrate, subcommand("calibrate")],
+                Annotated[ExplainArgs, subcommand("explain")]]
+
+
+COMMANDS = ("demo", "compare", "compare-async", "report", "calibrate", "explain")
+
+
+class UsageError(ValueError):
+    """A flag or value tyro could not parse, as one line (``prog`` names the (sub)command)."""
+
+    def __init__(self, prog: str, message: str) -> None:
+        super().__init__(message)
+        self.prog = prog
+
+
+def _usage_error(event) -> None:
+    """tyro's parse-error hook: raise the error as one line instead of tyro's multi-line box."""
+    from tyro import _errors as te
+
+    arg_ = getattr(event, "argument", None)
+    flag = arg_.display_name() if arg_ is not None else None
+    if isinstance(event, te.UnrecognizedArgs):
+        msg = f"unrecognized argument(s): {' '.join(event.tokens)}"
+    elif isinstance(event, te.InvalidChoice):
+        msg = f"{flag}: invalid choice {event.value!r}; valid: {list(event.choices)}"
+    elif isinstance(event, te.InstantiationFailure):  # after parsing: its prog is the root's, main() names the command
+        first = event.message.strip().splitlines()[0]  # (an Optional field's message adds a "Got errors:" list)
+        raise ValueError(f"{flag}: {first}" if flag else first)
+    elif isinstance(event, te.MissingArgs):
+        msg = f"missing {', '.join(a.arg.display_name() for a in event.missing_arguments)}"
+    elif isinstance(event, te.MissingSubcommand):
+        names = list(event.subcommand_spec.parser_from_name)
+        msg = (f"unknown command {event.found_token!r}; " if event.found_token else "") + f"choose one of {names}"
+    else:
+        msg = te._render(event)[0] + (f" ({flag})" if flag else "")
+    raise UsageError(event.prog, msg)
 
 
 def parse(argv: list[str]):
     """The command dataclass ``argv`` describes (validated), or an exit status when --help was printed.  Raises
-    typer's usage errors and the dataclasses' ValueErrors."""
-    import typer
+    UsageError for what tyro cannot parse and the dataclasses' ValueErrors."""
+    from tyro import _errors  # private, hence the exact pin of tyro: the hook that makes an error one line
 
-    return typer.main.get_command(app()).main(list(argv), prog_name="hdreplay", standalone_mode=False)
+    try:
+        with _errors.on_parse_error(_usage_error):
+            cmd = tyro.cli(Command, args=list(argv), prog="hdreplay", config=(tyro.conf.OmitSubcommandPrefixes,),
+                           description="Headroom-Drift Replay for GRPO: sandbox, analytics, calibration.")
+    except SystemExit as e:  # --help
+        return e.code or 0
+    return cmd.command if isinstance(cmd, Calibrate) else cmd
 
 
 def main(argv: list[str] | None = None) -> int:
-    from typer.exceptions import TyperException
+    from hdreplay.errors import ReplayError
 
     from .analysis import AnalysisInputError
     from .env import offline_env
 
     offline_env()
     argv = list(sys.argv[1:] if argv is None else argv)
-    name = " ".join(["hdreplay", *argv[:2 if argv[:1] == ["calibrate"] else 1]])
+    sub = argv[:1] == ["calibrate"] and argv[1:2] in (["run"], ["summarize"])
+    name = " ".join(["hdreplay", *argv[:2 if sub else 1]])
+    if argv in ([], ["calibrate"]):  # no command: the help, as a usage error
+        parse([*argv, "--help"])
+        return 2
     try:
         cmd = parse(argv)
-        if isinstance(cmd, int) or cmd is None:
-            return cmd or 0
+        if isinstance(cmd, int):
+            return cmd
         cmd.check()
-    except TyperException as e:  # a usage error: the message alone, no usage block (help was printed for no args)
-        ctx, msg = getattr(e, "ctx", None), e.format_message().replace("Value error, ", "")
-        if msg:
-            print(f"{ctx.command_path if ctx else 'hdreplay'}: error: {msg} (see --help)", file=sys.stderr)
+    except UsageError as e:  # tyro names the root for errors found after the subcommand's own parse
+        prog = name if e.prog == "hdreplay" and argv[:1] and argv[0] in COMMANDS else e.prog
+        print(f"{prog}: error: {e} (see --help)", file=sys.stderr)
         return 2
     except INPUT_ERRORS as e:
         print(f"{name}: error: {e}", file=sys.stderr)
@@ -306,7 +399,8 @@ def main(argv: list[str] | None = None) -> int:
     warnings.filterwarnings("ignore", message=r".*is_gradient_checkpointing.*", category=FutureWarning)
     try:
         return cmd.run()
-    except (AnalysisInputError, OSError) as e:  # the analyses' bad input (bad lines with --on-bad-line stop, ...)
+    except (AnalysisInputError, ReplayError, OSError) as e:  # the analyses' bad input (bad lines with --on-bad-line
+        # stop, malformed records, ...) and any replay setting refused once the command runs: one line, exit 2
         print(f"{name}: error: {e}", file=sys.stderr)
         return 2
 

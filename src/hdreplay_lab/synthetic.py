@@ -130,11 +130,12 @@ def walkthrough(steps: int = 6, *, k_rep: int = 3, tau: float = 5e-3, capacity: 
     from hdreplay.config import ReplayConfig
     from hdreplay.controller import ReplayController
 
-    ctrl = ReplayController(ReplayConfig(selector=selector, k_rep=k_rep, tau=tau, capacity=capacity))
+    n = 4  # responses per synthetic group (make_group's default); a rollout-unit selector needs the group size
+    ctrl = ReplayController(ReplayConfig(selector=selector, k_rep=k_rep, tau=tau, capacity=capacity, group_size=n))
     out(f"Headroom-Drift Replay on synthetic groups: selector={selector}, K_rep={k_rep}, tau={tau}, C={capacity}")
 
     def fresh(t, policy):
-        return [make_group(f"{t}-{i}", policy=policy, step=t, seed=31 * t + i,
+        return [make_group(f"{t}-{i}", policy=policy, step=t, seed=31 * t + i, n=n,
                            rewards=[1.0, 1.0, 1.0, 1.0] if i == 0 else None) for i in range(per_step)]
 
     done = []

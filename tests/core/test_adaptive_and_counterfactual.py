@@ -2,6 +2,10 @@ import numpy as np
 import pytest
 
 from hdreplay import AdaptiveTau, ReplayConfig, ReplayConfigError, ReplayController, TauState, group_scores, update_tau
+from functools import partial
+
+from hdreplay_lab.synthetic import TablePolicy, fresh_groups
+from hdreplay_lab.synthetic import drive as drive_steps
 from protocol import fresh, policy_at, run_steps
 
 CFG = AdaptiveTau(tau_min=1e-4, tau_max=1e-1, factor=2.0, accept_low=0.2, kl_rise=0.25, patience=2, warmup=2)
@@ -57,6 +61,44 @@ def test_controller_loosens_a_starved_gate_and_checkpoints_the_schedule(tmp_path
     recs = [json.loads(x) for x in open(tmp_path / "d" / "steps.jsonl")]
     assert [r["tau_next"] for r in recs[:-1]] == [r["tau"] for r in recs[1:]]
     assert any(r["tau_action"] == "loosen" for r in recs)
+
+
+def accelerating(t: int) -> TablePolicy:
+    """A policy that moves further each step (step size 0.01 x 1.35^s): older stored groups drift away ever faster."""
+    pol = TablePolicy(seed=1)
+    for s in range(1, t + 1):
+        pol = pol.perturbed(0.01 * 1.35 ** s, seed=1000 + s)
+    return pol
+
+
+def test_controller_tightens_when_replay_kl_rises(tmp_path):
+    """The tighten branch through the real controller: a loose gate admits most scanned groups while the policy
+    moves faster each step, so the replay KL of what it replays rises.  The controller halves tau (not below
+    tau_min), the next select gates with the tightened tau, steps.jsonl logs each decision, and replaying
+    update_tau over the logged records gives the same schedule."""
+    import json
+
+    ad = AdaptiveTau(tau_min=1e-3, tau_max=1.0, accept_low=0.0, warmup=2, patience=1)
+    cfg = ReplayConfig(k_rep=3, tau=0.5, capacity=30, adaptive_tau=ad)
+    ctrl = ReplayController(cfg, diagnostics_dir=tmp_path / "d")
+    steps = list(drive_steps(ctrl, range(14), policy_at=accelerating, fresh=partial(fresh_groups, per_step=5)))
+    recs = [json.loads(x) for x in open(tmp_path / "d" / "steps.jsonl")]
+    actions = [r["tau_action"] for r in recs]
+    assert "tighten" in actions and "loosen" not in actions, actions
+    first = actions.index("tighten")
+    kls = [r["replay_kl"] for r in recs if r["replay_kl"] is not None]
+    assert recs[first]["replay_kl"] > 1.25 * kls[0]  # the KL did rise before the first tightening
+    assert recs[first]["tau_next"] == pytest.approx(recs[first]["tau"] / 2)
+    assert [r["tau_next"] for r in recs[:-1]] == [r["tau"] for r in recs[1:]]  # each step gates with the last decision
+    assert 1e-3 <= ctrl.tau < 0.5
+    for st, r in zip(steps, recs):  # what the gate accepted passes the tau of its step
+        sel = st.selection
+        assert sel.tau == r["tau"] and (sel.scanned_drift[sel.scanned_pass] <= r["tau"]).all()
+    state = TauState(tau=0.5)
+    for r in recs:
+        state = update_tau(state, r, ad)
+        assert (state.tau, state.last_action) == (r["tau_next"], r["tau_action"])
+    assert ctrl.tau_state == state
 
 
 def test_counterfactual_scores_the_recency_subset_without_touching_the_buffer():

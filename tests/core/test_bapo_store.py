@@ -7,7 +7,7 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from hdreplay import CheckpointError, ReplayConfigError
+from hdreplay import CheckpointError, ReplayConfigError, ReplayResumeWarning
 from hdreplay.strategies.bapo import (
     BapoController, BapoOptions, Entry, Fresh, evict, is_difficult, is_target, promoted, should_ingress,
 )
@@ -89,7 +89,8 @@ def test_uniform_picks_are_uniform_and_the_checkpoint_restores_the_generator(tmp
     assert len(ctl.store) == 12
     ctl.save(tmp_path / "s")
     twin = BapoController(BapoOptions(seed=99, max_reeval=2))
-    twin.load(tmp_path / "s")
+    with pytest.warns(ReplayResumeWarning, match="seed: 5 -> 99"):  # the saved generator state wins
+        twin.load(tmp_path / "s")
     assert [(u, e.alpha, e.last_step, e.record is None) for u, e in twin.store.items()] == \
         [(u, e.alpha, e.last_step, e.record is None) for u, e in ctl.store.items()]
     got = [ctl.reeval_candidates(2 * i + 1) for i in range(300)]

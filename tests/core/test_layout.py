@@ -1,4 +1,3 @@
-import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -43,15 +42,10 @@ def test_minibatch_layout_keeps_replay_first():
         balanced_partition([1, 2, 3], 2)
 
 
-def test_truncate_keeps_the_highest_priority_prefix():
-    assert truncate_to_multiple([5, 4, 3, 2, 1], 2) == [5, 4, 3, 2]
-    assert truncate_to_multiple((5,), 2) == []
-    assert truncate_to_multiple(np.arange(7), 3) == [0, 1, 2, 3, 4, 5]
-    for bad_u in (0, -1, 2.0, True, "2"):
-        with pytest.raises(ReplayInputError, match="u: must be an int"):
-            truncate_to_multiple([1], bad_u)
-    with pytest.raises(ReplayInputError, match="items"):
-        truncate_to_multiple("abc", 1)  # a string is not a list of items
+def test_truncate_to_multiple_is_deprecated_and_still_works():
+    """Nothing in the library calls it (select_replay cuts the replay list; test_selection checks that cut)."""
+    with pytest.warns(DeprecationWarning, match="truncate_multiple"):
+        assert truncate_to_multiple([5, 4, 3, 2, 1], 2) == [5, 4, 3, 2]
 
 
 def test_empty_and_oversized_partitions_are_defined_or_refused():

@@ -79,13 +79,29 @@ def test_output_path_that_is_a_file_is_refused_before_anything_is_written(real_r
 def test_replay_dir_without_usable_records(tmp_path, capsys):
     run = tmp_path / "run"
     (run / "replay").mkdir(parents=True)
-    (run / "replay" / "steps.jsonl").write_text('{"step": "seven"}\n{"step": 1, "scan_age": 3}\n')
+    (run / "replay" / "steps.jsonl").write_text('[1, 2]\n{"step": 0, "selec')  # no object, a crash mid-write
     rc, out = run_report([run, "--out", tmp_path / "o"], capsys)
-    assert rc == 0
-    assert "'step' must be an int >= 0" in out.err and "'scan_age' must be a list" in out.err
+    assert rc == 0 and "expected a JSON object" in out.err and "not valid JSON" in out.err
     rep = json.loads((tmp_path / "o" / "report.json").read_text())
     assert "has no usable step records" in rep["runs"]["run"]["acceptance"]["reason"]
     assert rep["runs"]["run"]["entropy_timing"] == {"available": False, "reason": "no trainer log"}
+
+
+def test_records_with_wrong_typed_fields_exit_2_with_one_line_each_and_nothing_written(real_run, tmp_path, capsys):
+    steps = real_run / "replay" / "steps.jsonl"
+    lines = [json.loads(x) for x in steps.read_text().splitlines()]
+    edits = {2: ("step", "seven"), 5: ("accepted", "three"), 7: ("tau", [1]), 9: ("buffer_size", None),
+             11: ("scan_drift", ["x"]), 13: ("scan_capped", 1), 15: ("selector", 3)}
+    for i, (k, v) in edits.items():
+        lines[i][k] = v
+    steps.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    rc, out = run_report([real_run, "--out", tmp_path / "o"], capsys)
+    err = [x for x in out.err.splitlines() if x.strip()]
+    assert rc == 2 and not (tmp_path / "o").exists()
+    assert err[0].startswith("hdreplay report: error:") and "7 malformed record(s)" in err[0]
+    assert [x.split(": ", 1)[0] for x in err[1:]] == [f"{steps}:{i + 1}" for i in edits]
+    for x, (k, _) in zip(err[1:], edits.values()):
+        assert f"'{k}' must be" in x, x
 
 
 def test_bad_settings_and_labels_exit_2(real_run, capsys):

@@ -266,7 +266,7 @@ def test_calibrate_summarize_command(tmp_path, capsys):
     rec = json.loads((out / "calibration.json").read_text())["recommendation"]
     assert (rec["label"], rec["ruled_out"]) == ("tau=0.01", {"tau=0.001": "starved"})
     (tmp_path / "file").write_text("x")
-    for args, needle in (([], "Missing argument"), ([str(tmp_path / "missing")], "no such directory"),
+    for args, needle in (([], "give one or more run directories"), ([str(tmp_path / "missing")], "no such directory"),
                          ([str(a), str(b), "--label", "x", "--label", "x"], "labels must be unique"),
                          ([str(a), "--label", "x", "--label", "y"], "2 --label values"),
                          ([str(a), "--fill-tolerance", "5"], "fraction in [0, 1]"),

@@ -27,7 +27,7 @@ def refused(argv, capsys, needle):
     (["--methods", ","], "--methods names no method"), (["--methods", "onpolicy_matched,per"], "valid"),
     (["--task", "search", "--latency-ms", "inf"], "--latency-ms"), (["--latency-ms", "-5"], "--latency-ms"),
     (["--seeds", "0"], "--seeds"), (["--steps", "-3"], "--steps"), (["--generations", "1"], "--generations"),
-    (["--prompts-per-step", "5"], "even"), (["--task", "algebra"], "valid tasks"),
+    (["--prompts-per-step", "5"], "even"), (["--task", "algebra"], "valid: ['mix'"),
     (["--replay.capacity", "0"], "--replay.capacity"), (["--replay.k_rep", "-1"], "--replay.k_rep"),
     (["--replay.acceptance_ema", "0"], "--replay.acceptance_ema"), (["--replay.drift_norm", "l3"], "l1"),
     (["--replay.adaptive_tau", "{oops"], "--replay.adaptive_tau"),
@@ -58,7 +58,8 @@ def test_output_paths_and_models_are_checked_before_writing(tmp_path, capsys):
 @pytest.mark.parametrize("args, needle", [
     (["--taus", "1e-2,abc"], "--taus"), (["--taus", "-1e-2"], "distinct positive finite"),
     (["--taus", "1e-2,1e-2"], "distinct positive finite"), (["--taus", "nan"], "distinct positive finite"),
-    (["--taus", ","], "distinct positive finite"), (["--tau", "0.1"], "No such option"),  # tau is swept by --taus
+    (["--taus", ","], "distinct positive finite"),
+    (["--tau", "0.1"], "unrecognized argument(s): --tau"),  # tau is swept by --taus
     (["--replay.selector", "recency"], "headroom_drift"), (["--lr", "inf"], "--lr"),
 ])
 def test_calibrate_run_refuses_bad_flags_before_training(tmp_path, capsys, args, needle):

@@ -56,3 +56,14 @@ def test_explain_bad_input(args, needle, capsys):
     out = capsys.readouterr()
     err = [x for x in out.err.splitlines() if x.strip()]
     assert len(err) == 1 and err[0].startswith("hdreplay explain: error:") and needle in err[0] and not out.out
+
+
+@pytest.mark.parametrize("selector", sorted(__import__("hdreplay").SELECTORS))
+def test_every_listed_selector_walks_through(selector, capsys):
+    """Every --selector choice runs (adv_priority, which stores single rollouts, needs the group size: it ended in a
+    traceback with exit 1)."""
+    assert main(["explain", "--selector", selector, "--steps", "3"]) == 0
+    out = capsys.readouterr()
+    assert "Traceback" not in out.err and f"selector={selector}" in out.out
+    assert [line.split(":")[0] for line in out.out.splitlines() if line.startswith("step ")] == \
+        ["step 0", "step 1", "step 2"]

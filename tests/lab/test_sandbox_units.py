@@ -94,7 +94,7 @@ def test_warm_start_is_cached_and_loads_through_from_pretrained(tmp_path):
     import torch
 
     from hdreplay_lab.sandbox.model import build_tiny_model, load_model
-    from hdreplay_lab.sandbox.warmstart import WarmStartConfig, _batch, _quick_eval, warm_start
+    from hdreplay_lab.sandbox.warmstart import WarmStartConfig, _batch, warm_start
 
     task = get_task("add")
     cfg = WarmStartConfig(hidden=32, layers=1, max_steps=20, eval_every=10, eval_prompts=4, eval_n=2, target=1.1)
@@ -113,29 +113,48 @@ def test_warm_start_is_cached_and_loads_through_from_pretrained(tmp_path):
     batch = _batch(tok, task, task.benchmark_problems(task.benchmarks[0])[:64], random.Random(1))
     with torch.no_grad():
         losses = [m(**batch).loss.item() for m in (model, untrained)]
+    # the checkpoint holds the trained weights (a save of the initial weights, or a reload that re-initialises, fails
+    # here); comparing its recorded Mean@n with a re-evaluation could not show that: 20 steps of a tiny model score
+    # 0.0 whatever was saved
     assert losses[0] < 0.9 * losses[1], losses  # measured: 2.46 vs 2.92
-    # the recorded held-out Mean@n is what the reloaded model scores (the save / reload is faithful)
-    assert _quick_eval(model, tok, task, cfg) == meta["mean_at_n"] == meta["history"][-1]["mean_at_n"]
 
 
 @pytest.mark.trl
-def test_warm_start_can_stop_at_a_zero_variance_share(tmp_path):
-    """The regime is calibrated directly: stop at the first check whose share of zero-variance groups is low enough."""
-    from hdreplay_lab.sandbox.warmstart import WarmStartConfig, warm_start
+def test_warm_start_can_stop_at_a_zero_variance_share(tmp_path, monkeypatch):
+    """The regime is calibrated directly: stop at the first check whose share of zero-variance groups is <= the
+    target.  The share recorded at each check is a share of the 6 probe prompts and what the saved model scores.
+    The stop rule is then driven with shares the probe reports (the tiny model barely trained for a test gives 1.0 at
+    every check, which cannot tell <= from < or a target from the share): it stops exactly at the first check at or
+    below the target."""
+    from hdreplay_lab.sandbox import warmstart
+    from hdreplay_lab.sandbox.model import load_model
+    from hdreplay_lab.sandbox.warmstart import WarmStartConfig, warm_start, zero_variance_share
 
-    small = dict(hidden=32, layers=1, max_steps=20, eval_every=10, eval_prompts=4, eval_n=2, zero_variance_prompts=6,
+    small = dict(hidden=32, layers=1, max_steps=30, eval_every=10, eval_prompts=4, eval_n=2, zero_variance_prompts=6,
                  zero_variance_n=3)
-    stop = warm_start(get_task("mix"), tmp_path / "a", WarmStartConfig(zero_variance_target=1.0, **small),
-                      log=lambda *_: None)
-    meta = json.loads((stop / "warmstart.json").read_text())
-    assert meta["steps"] == 10 and len(meta["history"]) == 1  # any share is <= 1.0: stops at the first check
-    assert 0 <= meta["zero_variance_share"] <= 1 and "mean_at_n" in meta["history"][0]
-    never = warm_start(get_task("mix"), tmp_path / "b", WarmStartConfig(zero_variance_target=-1.0, **small),
-                       log=lambda *_: None)
-    meta = json.loads((never / "warmstart.json").read_text())
-    assert meta["steps"] == 20 and [("mean_at_n" in h) for h in meta["history"]] == [False, True]
-    assert all(1 / 6 * k == pytest.approx(h["zero_variance_share"]) for h in meta["history"]
-               for k in [round(h["zero_variance_share"] * 6)])  # a share of 6 probe prompts
+    task = get_task("mix")
+    cfg = WarmStartConfig(zero_variance_target=-1.0, **small)
+    meta = json.loads((warm_start(task, tmp_path / "never", cfg, log=lambda *_: None) / "warmstart.json").read_text())
+    assert meta["steps"] == 30 and [("mean_at_n" in h) for h in meta["history"]] == [False, False, True]
+    shares = [h["zero_variance_share"] for h in meta["history"]]
+    assert all(round(s * 6) == pytest.approx(s * 6) for s in shares), shares  # a share of 6 probe prompts
+    model, tok = load_model(tmp_path / "never" / cfg.key(task))
+    assert zero_variance_share(model, tok, task, cfg) == shares[-1] == meta["zero_variance_share"]
+
+    def stops_at(probe: list[float], target: float) -> int:
+        reported = iter(probe)
+        monkeypatch.setattr(warmstart, "zero_variance_share", lambda *a: next(reported))
+        out = warm_start(task, tmp_path / f"t{target}-{probe}", WarmStartConfig(zero_variance_target=target, **small),
+                         log=lambda *_: None)
+        meta = json.loads((out / "warmstart.json").read_text())
+        assert [h["zero_variance_share"] for h in meta["history"]] == probe[:len(meta["history"])]
+        assert "mean_at_n" in meta["history"][-1] and meta["zero_variance_share"] == meta["history"][-1][
+            "zero_variance_share"]
+        return meta["steps"]
+
+    assert stops_at([4 / 6, 2 / 6, 1 / 6], target=2 / 6) == 20  # <=: the share equal to the target stops
+    assert stops_at([4 / 6, 3 / 6, 3 / 6], target=2 / 6) == 30  # never at or below: max_steps
+    assert stops_at([1 / 6, 0.0, 0.0], target=2 / 6) == 10
 
 
 def test_a_comparison_written_before_a_setting_existed_is_reused_with_that_setting_at_its_default(tmp_path):

@@ -34,6 +34,22 @@ def reward_digit_chat(completions, **kw):
     return reward_digit([c[0]["content"] if isinstance(c, list) else c for c in completions])
 
 
+def diverge(tr) -> None:
+    """The injected fault: this rank drops the last group of its first non-empty replay selection (as a
+    nondeterministic path would), so its rows differ from the other rank's."""
+    from dataclasses import replace
+
+    select, done = tr.replay.select, []
+
+    def diverging(**kw):
+        sel = select(**kw)
+        if sel.groups and not done:
+            done.append(kw["step"])
+            return replace(sel, groups=sel.groups[:-1], accepted=sel.accepted[:-1])
+        return sel
+    tr.replay.select = diverging
+
+
 def main() -> None:
     out, model_dir = sys.argv[1], sys.argv[2]
     max_steps = int(sys.argv[3]) if len(sys.argv) > 3 else 4
@@ -57,8 +73,17 @@ def main() -> None:
                                     save_strategy="steps", save_steps=2, replay_scan_chunk=3), **over})
     tr = CountingTrainer(model=model, reward_funcs=reward, args=args, train_dataset=data,
                          processing_class=tok)
-    tr.train(resume_from_checkpoint=resume)
     r = tr.accelerator.process_index
+    if os.environ.get("HDR_DIVERGE_RANK1") and r == 1:
+        diverge(tr)
+    try:
+        tr.train(resume_from_checkpoint=resume)
+    except Exception as e:  # the rank-agreement check (or anything else): each rank says what it saw
+        with open(os.path.join(out, f"rank{r}_error.txt"), "w") as f:
+            f.write(f"{type(e).__name__}: {e}")
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(3)
     rec = {
         "world": tr.accelerator.num_processes,
         "buffer_hashes": tr.buffer_hashes,

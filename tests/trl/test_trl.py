@@ -250,22 +250,28 @@ def test_plain_grpo_config_is_converted_with_the_replay_settings_named(model_dir
 
 
 def test_args_none_builds_a_default_config_like_grpo_trainer(model_dir, monkeypatch, tmp_path):
-    """GRPOTrainer(model, reward_funcs, train_dataset=...) builds GRPOConfig(f"{name}-GRPO"); HDRGRPOTrainer builds
-    HDRGRPOConfig the same way. (On this CPU-only machine both then stop at the same TrainingArguments check: the
-    default bf16=True needs a GPU.)"""
-    model, tok = tiny_model(model_dir)
+    """Without ``args`` GRPOTrainer builds GRPOConfig(f"{name}-GRPO") with TRL's defaults (one process, batch 8, 8
+    generations: one fresh group per update, bf16).  HDRGRPOTrainer builds HDRGRPOConfig from the same defaults; with
+    one fresh group per update the default budget (half the fresh groups) is 0 and it refuses, naming replay_k_rep,
+    the TRL defaults it derived it from, and the fix.  TRL's default bf16=True needs a GPU: the capability query is
+    the one call substituted, so both constructions get past TrainingArguments' check on this CPU machine."""
+    import transformers.training_args
+
+    from hdreplay.errors import ReplayConfigError
+
+    monkeypatch.setattr(transformers.training_args, "is_torch_bf16_gpu_available", lambda: True)
     monkeypatch.chdir(tmp_path)
-    outcome = []
-    for cls in (GRPOTrainer, HDRGRPOTrainer):
-        try:
-            tr = cls(model=model, reward_funcs=reward_digit, train_dataset=prompts(), processing_class=tok)
-            outcome.append((type(tr.args).__name__, tr.args.output_dir))
-        except ValueError as e:  # not a TypeError about args
-            outcome.append(("ValueError", str(e)))
-    if outcome[0][0] == "ValueError":
-        assert outcome[1] == outcome[0]
-    else:
-        assert outcome == [("GRPOConfig", "tiny-qwen2-GRPO"), ("HDRGRPOConfig", "tiny-qwen2-GRPO")]
+    model, tok = tiny_model(model_dir)
+    plain = GRPOTrainer(model=model, reward_funcs=reward_digit, train_dataset=prompts(), processing_class=tok)
+    assert type(plain.args) is GRPOConfig and plain.args.output_dir == "tiny-qwen2-GRPO"
+    assert (plain.args.per_device_train_batch_size, plain.args.num_generations, plain.args.bf16) == (8, 8, True)
+    model, tok = tiny_model(model_dir)
+    with pytest.raises(ReplayConfigError) as err:
+        HDRGRPOTrainer(model=model, reward_funcs=reward_digit, train_dataset=prompts(), processing_class=tok)
+    msg = str(err.value)
+    assert msg.startswith("replay_k_rep:") and "is 0, so nothing would ever be replayed" in msg, msg
+    assert "n=8 responses per group, W=1 processes, per_device_train_batch_size=8" in msg, msg
+    assert "Set replay_k_rep to a multiple of 1, or replay_selector='none'" in msg, msg
 
 
 def test_output_key_contract(model_dir, tmp_path):

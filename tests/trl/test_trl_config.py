@@ -1,6 +1,7 @@
 """HDRGRPOConfig's replay fields are generated from ReplayConfig: every knob settable, parsed, validated once."""
 
 import dataclasses
+import json
 
 import pytest
 
@@ -45,15 +46,25 @@ def test_every_replay_knob_reaches_the_core_config():
 
 
 def test_trl_parser_parses_every_knob_from_the_command_line():
+    """``--replay_<knob>=value`` through TrlParser (what `trl grpo` and scripts use) for every knob ReplayConfig
+    declares: each parsed value is the HDRGRPOConfig field and the core config's (a knob missing from VALUES is a
+    KeyError here, so a new knob cannot go untested)."""
     from trl import TrlParser
+
+    from hdreplay.config import adaptive_tau_from
 
     argv = ["--output_dir=/tmp/hdr_cfg", "--use_cpu", "--bf16=false", "--num_generations=4",
             "--per_device_train_batch_size=8"]
-    for k, v in VALUES.items():
-        argv.append(f"--replay_{k}={str(v).lower() if isinstance(v, bool) else v}")
+    argv += [f"--replay_{k.name}={str(VALUES[k.name]).lower() if isinstance(VALUES[k.name], bool) else VALUES[k.name]}"
+             for k in knobs()]
     (args,) = TrlParser((HDRGRPOConfig,)).parse_args_and_config(argv)
     rc = args.to_replay_config()
-    assert rc.adaptive_tau.patience == 2 and rc.counterfactual is True and rc.tau == 0.02 and rc.scan_chunk == 5
+    for k in knobs():
+        want, field, core = VALUES[k.name], getattr(args, f"replay_{k.name}"), getattr(rc, k.name)
+        if k.name == "adaptive_tau":
+            want, field = adaptive_tau_from(json.loads(want)), adaptive_tau_from(field)
+        assert field == want and core == want and type(core) is type(want), (k.name, field, core, want)
+    assert rc.group_size == 4
 
 
 @pytest.mark.parametrize("over,needle", [

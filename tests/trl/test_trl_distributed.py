@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -24,22 +25,30 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def torchrun(*args, timeout=300):
-    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_HUB_DISABLE_TELEMETRY="1", OMP_NUM_THREADS="1")
+def torchrun(*args, timeout=300, env_extra=None, ok=True):
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_HUB_DISABLE_TELEMETRY="1", OMP_NUM_THREADS="1", **(env_extra or {}))
     # an explicit free port per launch: concurrent launches never share a rendezvous store
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", "2",
            "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
            str(HERE / "dist_trl_run.py"), *map(str, args)]
     p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-6000:]
+    if ok:
+        assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-6000:]
+    return p
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def dist_root(tmp_path_factory):
     from hdreplay_lab.sandbox.model import build_tiny_model
 
     root = tmp_path_factory.mktemp("dist")
     build_tiny_model(root / "model")
+    return root
+
+
+@pytest.fixture(scope="module")
+def runs(dist_root):
+    root = dist_root
     torchrun(root / "full", root / "model", 6)
     # resume a copy of the run from its step-2 checkpoint
     shutil.copytree(root / "full", root / "resumed", ignore=shutil.ignore_patterns("rank*.json"))
@@ -114,3 +123,18 @@ def test_a_vlm_on_two_processes_holds_the_same_image_groups_on_every_rank(tmp_pa
     assert r0["forward_calls"] == r1["forward_calls"]
     replayed = [m for r in (r0, r1) for m in r["micro"] if any(m["is_replay"])]
     assert replayed and all(m["images"] == [1] * len(m["is_replay"]) for m in replayed)
+
+
+def test_ranks_that_select_differently_stop_with_the_step_and_both_digests_instead_of_hanging(runs, dist_root,
+                                                                                               tmp_path):
+    """Rank 1 drops a group from its first non-empty selection (an injected divergence): both ranks stop at that
+    step with RankMismatchError naming it and both digests, well within the timeout (a hang would hit it)."""
+    p = torchrun(tmp_path / "out", dist_root / "model", 6, env_extra={"HDR_DIVERGE_RANK1": "1"}, timeout=240, ok=False)
+    assert p.returncode != 0
+    errors = [(tmp_path / "out" / f"rank{r}_error.txt").read_text() for r in (0, 1)]
+    assert errors[0] == errors[1], errors  # the same verdict on every rank
+    m = re.match(r"RankMismatchError: .* at step (\d+) \(rank 0: ([0-9a-f]{16}), rank 1: ([0-9a-f]{16})\)", errors[0])
+    assert m and m.group(2) != m.group(3), errors[0]
+    (r0, _), _ = runs
+    first = next(s["step"] for s in r0["selections"] if s["groups"])
+    assert int(m.group(1)) == first  # the first step whose selection rank 1 changed

@@ -16,7 +16,7 @@ import pytest
 pytest.importorskip("trl")
 pytestmark = pytest.mark.trl
 
-from trl_grid import GEN_MODES, check_cell, run_cell  # noqa: E402
+from trl_grid import GEN_MODES, cell_args, check_cell, run_cell  # noqa: E402
 
 LAYOUTS = sorted({(ga, spg, mu) for ga in (1, 2, 4) for spg in (1, ga, 2 * ga) for mu in (1, 2)})
 LOSSES = ("dapo", "grpo", "cispo")
@@ -34,17 +34,31 @@ def model_dir(tmp_path_factory):
     return tmp_path_factory.mktemp("grid_models")
 
 
-def test_the_covering_subset_spans_every_layout():
-    assert len(LAYOUTS) == 16 and {c[:3] for c in COVER} == set(LAYOUTS)
-    assert {c[3] for c in COVER} == set(LOSSES) and {c[4] for c in COVER} == {False, True}
-    assert {c[5] for c in COVER} == set(GEN_MODES) and len(FULL) == 288
+def cell_of(args) -> tuple:
+    """The grid cell a trainer config is, read back from the config TRL validated (and may have normalised)."""
+    return (args.gradient_accumulation_steps, args.steps_per_generation, args.num_iterations, args.loss_type,
+            args.mask_truncated_completions, args.vllm_mode if args.use_vllm else "hf")
+
+
+def test_the_covering_subset_spans_every_layout(tmp_path):
+    """The configs the covered cells train with (cell_args, through HDRGRPOConfig / GRPOConfig validation) are those
+    cells, and they span every layout, loss type, masking choice and backend: a knob cell_args drops or TRL
+    normalises away leaves part of the grid untested while every cell still passes."""
+    built = [cell_of(cell_args(tmp_path / _id(c), ga=c[0], spg=c[1], mu=c[2], loss=c[3], trunc=c[4], gen=c[5]))
+             for c in COVER]
+    assert built == COVER
+    assert len(LAYOUTS) == 16 and {c[:3] for c in built} == set(LAYOUTS) and len(FULL) == 288
+    assert {c[3] for c in built} == set(LOSSES) and {c[4] for c in built} == {False, True}
+    assert {c[5] for c in built} == set(GEN_MODES)
 
 
 @pytest.mark.parametrize("cell", COVER, ids=_id)
 def test_grid_cell(model_dir, tmp_path, monkeypatch, cell):
     ga, spg, mu, loss, trunc, gen = cell
-    check_cell(run_cell(model_dir, tmp_path / "out", ga=ga, spg=spg, mu=mu, loss=loss, trunc=trunc, gen=gen,
-                        monkeypatch=monkeypatch))
+    tr = run_cell(model_dir, tmp_path / "out", ga=ga, spg=spg, mu=mu, loss=loss, trunc=trunc, gen=gen,
+                  monkeypatch=monkeypatch)
+    assert cell_of(tr.args) == cell  # the trainer ran the cell it was given
+    check_cell(tr)
 
 
 @pytest.mark.slow

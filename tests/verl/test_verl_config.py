@@ -127,13 +127,51 @@ def test_v1_recipe_keeps_verls_own_sampling_staleness_and_rejection_settings():
     assert "filter_groups" in str(e.value) and "rollout_correction" in str(e.value) and "hdr.k_rep=1" in str(e.value)
 
 
-@pytest.mark.parametrize("override,needle", [("hdr.typo_key=1", "typo_key"), ("hdr.counterfactual=maybe", "maybe"),
-                                             ("hdr.k_rep=many", "many"), ("hdr.adaptive_tau.taumin=1", "taumin")])
+@pytest.mark.parametrize("override,needle", [("hdr.typo_key=1", "typo_key"), ("hdr.k_rep=many", "many"),
+                                             ("hdr.adaptive_tau.taumin=1", "taumin")])
 def test_unknown_keys_and_wrong_types_are_refused_by_the_schema_at_compose_time(override, needle):
     from hydra.errors import ConfigCompositionException
 
     with pytest.raises(ConfigCompositionException, match=needle):  # Hydra itself, before anything runs
         compose_config(override)
+
+
+@pytest.mark.parametrize("override", ["hdr.counterfactual=maybe", "hdr.diagnose_ungated=2", "hdr.counterfactual=0",
+                                      "hdr.resume_without_state=yes", "hdr.adaptive_tau.enabled=1"])
+def test_a_boolean_knob_takes_true_or_false_only(override):
+    """OmegaConf reads 2 (and 0, 'yes', ...) as a bool; the recipe refuses them naming the key."""
+    key, value = override.split("=")
+    with pytest.raises(ReplayConfigError, match=rf"{key}: must be true or false, got '?{value}'?"):
+        validate_verl_config(compose_config(override))
+    assert validate_verl_config(compose_config(f"{key}=true")) is not None
+
+
+def _hand_built(**edits):
+    from omegaconf import OmegaConf
+
+    raw = OmegaConf.to_container(compose_config(), resolve=False)
+    for dotted, v in edits.items():
+        *path, last = dotted.split("__")
+        cur = raw
+        for p in path:
+            cur = cur[p]
+        cur[last] = v
+    return OmegaConf.create(raw)
+
+
+@pytest.mark.parametrize("edit,needle", [
+    ({"hdr": [1, 2]}, "hdr: must be a mapping"), ({"hdr": "headroom_drift"}, "hdr: must be a mapping"),
+    ({"actor_rollout_ref__rollout__n": "abc"}, "actor_rollout_ref.rollout.n: must be an int >= 1, got 'abc'"),
+    ({"actor_rollout_ref__rollout__n": 4.5}, "actor_rollout_ref.rollout.n"),
+    ({"actor_rollout_ref__actor__ppo_mini_batch_size": True}, "ppo_mini_batch_size: must be an int"),
+    ({"trainer__use_v1": "maybe"}, "trainer.use_v1: must be true or false"),
+    ({"actor_rollout_ref__actor__shuffle": 1}, "actor.shuffle: must be true or false"),
+    ({"hdr__counterfactual": 2}, "hdr.counterfactual: must be true or false, got 2"),
+    ({"hdr__k_rep": True}, "hdr.k_rep: must be an int"), ({"hdr__adaptive_tau": [1]}, "hdr.adaptive_tau: must be"),
+])
+def test_wrong_types_in_a_hand_built_config_are_config_errors_naming_the_key(edit, needle):
+    with pytest.raises(ReplayConfigError, match=needle.replace(".", r"\.").replace("(", r"\(")):
+        validate_verl_config(_hand_built(**edit))
 
 
 def test_unknown_hdr_key_in_a_hand_built_config_is_refused():

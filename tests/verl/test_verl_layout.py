@@ -112,16 +112,28 @@ def test_actor_batch_through_verls_update_conversion_and_iterator():
     assert info["metrics"]["replay/actor_minibatches"] == 5.0
 
 
+def verl_rows(order, *, dp: int, minibatch_rows: int) -> list[list[list[int]]]:
+    """[k][r]: the rows (as ids in ``order``) that verl's own dispatch + iterator give rank r as its k-th
+    mini-batch."""
+    td = TensorDict({"row": torch.as_tensor(np.asarray(order), dtype=torch.long)}, batch_size=[len(order)])
+    return [[x["row"].tolist() for x in mb] for mb in verl_minibatches(td, dp=dp, minibatch_rows=minibatch_rows)]
+
+
 def test_stock_order_would_scatter_replay_across_minibatches():
-    """Why the permutation is needed: plain [replay ; fresh] order under verl's contiguous dispatch puts
-    replay on rank 0 only and fresh rows into the first mini-batch of rank 1."""
+    """Why the permutation is needed, on verl's own chunking and iterator: plain [replay ; fresh] order puts the 4
+    replay rows on rank 0 only, over two of its mini-batches, and fresh rows into rank 1's first mini-batch;
+    actor_order's permutation puts them all in the first global mini-batch, and the dispatch model the layout is
+    planned with (rank_minibatches) is what verl does with either order."""
     dp, m = 2, 4
     lengths = list(range(1, 13))
-    plain = rank_minibatches(np.arange(12), minibatch_rows=m, dp=dp)
-    assert plain[0][1] == [6, 7]  # with 4 replay rows, rank 1's first mini-batch is fresh
+    stock = verl_rows(np.arange(12), dp=dp, minibatch_rows=m)
+    assert stock[0] == [[0, 1], [6, 7]] and stock[1] == [[2, 3], [8, 9]]
+    assert stock == rank_minibatches(np.arange(12), minibatch_rows=m, dp=dp)
     order, _ = actor_order(lengths[:4], lengths[4:], minibatch_rows=m, dp=dp)
-    planned = rank_minibatches(order, minibatch_rows=m, dp=dp)
+    planned = verl_rows(order, dp=dp, minibatch_rows=m)
     assert sorted(planned[0][0] + planned[0][1]) == [0, 1, 2, 3]
+    assert not {0, 1, 2, 3} & {r for mb in planned[1:] for rows in mb for r in rows}
+    assert planned == rank_minibatches(order, minibatch_rows=m, dp=dp)
 
 
 def test_rows_that_do_not_fill_whole_minibatches_are_rejected():

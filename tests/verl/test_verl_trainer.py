@@ -177,6 +177,26 @@ def test_buffer_is_saved_in_the_step_folder_before_the_latest_marker(frozen):
     assert not os.path.exists(os.path.join(ckpt, "global_step_2", STATE_DIR))  # pruned: max_actor_ckpt_to_keep=1
 
 
+def test_a_step_folder_whose_replay_state_another_process_writes_is_refused_before_verl_saves(frozen):
+    """The verl checkpoint path inherits the checkpoint lock: refused naming the other writer, and verl's latest
+    marker is not moved (the replay state is written first)."""
+    from foreign_lock import held_by_another_process
+    from hdreplay.errors import CheckpointLockedError
+    from hdreplay.integrations.verl.checkpoints import step_dir
+
+    trainer, _, ckpt = frozen
+    marker = os.path.join(ckpt, "latest_checkpointed_iteration.txt")
+    before = open(marker).read()
+    folder = step_dir(trainer.config.trainer, trainer.global_steps)
+    try:
+        with held_by_another_process(os.path.join(folder, STATE_DIR)) as pid:
+            with pytest.raises(CheckpointLockedError, match=rf"pid {pid}, started"):
+                trainer._save_checkpoint()
+        assert open(marker).read() == before
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
 def test_resume_restores_the_buffer_and_continues(frozen, worker_group):
     trainer, _, ckpt = frozen
     saved_tensors, saved_meta = trainer.replay.state_dict()

@@ -23,17 +23,25 @@ generation log-probs -- it is re-evaluated, but never replayed (an all-wrong gro
 
 from __future__ import annotations
 
+import re
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Mapping, Sequence
 
 import numpy as np
+import torch
 
-from ..errors import CheckpointError, ReplayConfigError
+from ..errors import CheckpointError, ReplayConfigError, ReplayInputError, ReplayProtocolError
 from ..record import GroupRecord
 from ..sampling import new_rng, rng_from_state, rng_state, uniform_order
 from ..selectors import Selection, empty_selection
-from .store import load_state, pack, save_state, unpack
+from ..validate import check_int, check_reals, check_sequence, check_step, is_int, is_real
+from .store import (
+    check_commit, check_groups, check_options, checked_meta, load_state, only_tensors, options_changes, pack, real_list,
+    refuse_option, save_state, step_or_none, unpack, warn_changes,
+)
 
+FORMAT = "hdreplay.bapo"
+_POSITION = re.compile(r".*g\d+")
 #: BAPO's cap on the scores kept per uid (``max_scores_per_uid``)
 MAX_SCORES = 32
 _EPS = 1e-9
@@ -178,7 +186,7 @@ class BapoController:
     """
 
     def __init__(self, options: BapoOptions) -> None:
-        self.options = options
+        self.options = check_options("bapo", options, BapoOptions)
         self.store: dict[str, Entry] = {}
         self.rng = new_rng(options.seed)
         self.last_step: int | None = None
@@ -194,13 +202,20 @@ class BapoController:
         """(uid, input row) of the difficult uids to regenerate at 0-based ``step`` (none unless verl's 1-based step
         number, step + 1, is divisible by reeval_every)."""
         o = self.options
-        if (step + 1) % o.reeval_every:
+        if (check_step("reeval_candidates: step", step) + 1) % o.reeval_every:
             return []
         cands = [u for u, e in self.store.items() if is_difficult(e, o)]
         return [(u, self.store[u].row) for u in uniform_pick(cands, o.max_reeval, self.rng)]
 
     def record_reeval(self, uid: str, rewards: Sequence[float]) -> bool:
         """Add a re-evaluation's (n,) rewards to ``uid``'s current scores; True iff the new group is promoted."""
+        if not isinstance(uid, str) or uid not in self.store:
+            raise ReplayInputError(f"record_reeval: {uid!r} is not a stored uid (reeval_candidates() names them)")
+        size = len(rewards) if isinstance(rewards, (list, tuple, np.ndarray, torch.Tensor)) and \
+            getattr(rewards, "ndim", 1) == 1 else -1
+        rewards = check_reals("record_reeval: rewards", rewards, size).tolist()
+        if not rewards:
+            raise ReplayInputError("record_reeval: rewards must hold one reward per regenerated response, got none")
         e = self.store[uid]
         up = promoted(rewards, e)
         e.current = (e.current + [float(r) for r in rewards])[-MAX_SCORES:]
@@ -208,17 +223,22 @@ class BapoController:
 
     def pick(self, items: Sequence, k: int) -> list:
         """A seeded uniform subset (the promoted groups that fit the batch)."""
-        return uniform_pick(items, k, self.rng)
+        return uniform_pick(check_sequence("pick: items", items), check_int("pick: k", k), self.rng)
 
     def plan(self, fresh: Sequence[Fresh], *, budget: int, counters: Mapping[str, float]) -> None:
-        if budget < 0:
-            raise ValueError(f"bapo: negative replay budget {budget}")
-        self._fresh, self._budget, self._counters = list(fresh), int(budget), dict(counters)
+        fresh = check_sequence("plan: fresh", fresh)
+        if not all(isinstance(f, Fresh) for f in fresh):
+            raise ReplayInputError("plan: fresh must be a list of Fresh (uid, row, rewards, position)")
+        budget = check_int("plan: budget", budget)
+        if not isinstance(counters, Mapping) or not all(isinstance(k, str) and is_real(v) for k, v in counters.items()):
+            raise ReplayInputError(f"plan: counters must map names to numbers, got {counters!r:.60}")
+        self._fresh, self._budget, self._counters = fresh, budget, dict(counters)
 
     # ---------------------------------------------------------------- the trainer protocol
     def select(self, *, step: int, scorer=None) -> Selection:
         """Up to the planned budget of target groups (with log-probs), uniformly without replacement."""
         o = self.options
+        check_step("select: step", step)
         elig = [e.record for e in self.store.values() if e.record is not None and is_target(e, o)]
         groups = uniform_pick(elig, self._budget, self.rng)
         sel = empty_selection(step, "bapo", len(self.store), float("nan"))
@@ -227,11 +247,20 @@ class BapoController:
         return sel
 
     def stage(self, groups: Sequence[GroupRecord], *, step: int) -> None:
+        step = check_step("stage: step", step)
+        groups = check_groups("bapo stage", groups)
+        bad = [g.group_id for g in groups if not _POSITION.fullmatch(str(g.group_id))]
+        if bad:
+            raise ReplayInputError(f"bapo stage: group id {bad[0]!r} does not end in g<position in the batch> (the "
+                                   "TRL integration's ids, e.g. 's3.0g5')")
+        if self.last_step is not None and step < self.last_step:
+            raise ReplayProtocolError(f"stage(step={step}) after step {self.last_step}; steps must not go back")
         self._staged.extend(groups)
         self.last_step = step
 
     def commit(self, *, num_fresh_groups: int | None = None, counters: Mapping[str, Any] | None = None
                ) -> dict[str, float]:
+        check_commit(num_fresh_groups, counters)
         o, step = self.options, self.last_step
         by_pos = {int(str(g.group_id).rsplit("g", 1)[1]): g for g in self._staged}
         stored = 0
@@ -240,7 +269,8 @@ class BapoController:
                 continue
             self.store.pop(f.uid, None)  # re-adding moves a uid to the end of the LRU order
             rec = by_pos.get(f.position) if f.position is not None else None
-            self.store[f.uid] = Entry(alpha=list(f.rewards)[-MAX_SCORES:], row=f.row, last_step=step, record=rec)
+            self.store[f.uid] = Entry(alpha=[float(r) for r in f.rewards][-MAX_SCORES:], row=f.row, last_step=step,
+                                     record=rec)
             stored += 1
         evicted = evict(self.store, o, step) if step is not None else []
         sel = self._selection
@@ -255,33 +285,76 @@ class BapoController:
         return out
 
     # ---------------------------------------------------------------- checkpoints
-    def save(self, directory, *, allow_open_step: bool = False) -> None:
-        uids = list(self.store)
-        with_rec = [u for u in uids if self.store[u].record is not None]
-        tensors, records = pack([self.store[u].record for u in with_rec], "records")
+    def state_dict(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        with_rec = [e.record for e in self.store.values() if e.record is not None]
+        tensors, records = pack(with_rec, "records")  # images included (the multimodal schema is saved)
         entries = [{"uid": u, "alpha": e.alpha, "current": e.current, "last_step": e.last_step, "row": e.row,
                     "record": e.record is not None} for u, e in self.store.items()]
-        save_state(directory, "hdreplay.bapo", tensors, {"options": asdict(self.options), "entries": entries,
-                                                          "records": records, "last_step": self.last_step,
-                                                          "rng": rng_state(self.rng)})
+        return tensors, {"options": asdict(self.options), "entries": entries, "records": records,
+                         "last_step": self.last_step, "rng": rng_state(self.rng)}
+
+    def load_state_dict(self, tensors: Mapping[str, Any], meta: Mapping[str, Any]) -> None:
+        """Restore a :meth:`state_dict`, every field checked first (a refused load changes nothing).  Refused option
+        change: ``max_uids`` below the number of stored uids; the others are warned about."""
+        where = "bapo state"
+        meta = checked_meta(meta, ("options", "entries", "records", "last_step", "rng"), where)
+        tensors = only_tensors(tensors, "records", where)
+        saved, changes = options_changes(BapoOptions, meta["options"], self.options, where)
+        last = step_or_none(meta["last_step"], "last_step", where)
+        records = unpack(tensors, meta["records"], "records", where, last_step=last)
+        store = _parse_entries(meta["entries"], records, last, saved, where)
+        rng = rng_from_state(meta["rng"], where=where)
+        if len(store) > self.options.max_uids:
+            raise refuse_option(where, "max_uids", saved.max_uids, self.options.max_uids,
+                                f"{len(store)} uids are stored")
+        self.store, self.rng, self.last_step = store, rng, last
+        self._reset()
+        warn_changes("bapo", changes)
+
+    def save(self, directory, *, allow_open_step: bool = False) -> None:
+        save_state(directory, FORMAT, *self.state_dict())
 
     def load(self, directory) -> None:
-        tensors, meta = load_state(directory, "hdreplay.bapo")
-        records = unpack(tensors, meta.get("records"), "records", "bapo state")
-        entries, rng = meta.get("entries"), rng_from_state(meta.get("rng"), where="bapo state")
-        if not isinstance(entries, list) or sum(bool(x.get("record")) for x in entries) != len(records):
-            raise CheckpointError("bapo state: the entries do not match the stored groups")
-        it, store = iter(records), {}
+        """Restore from :meth:`save`'s directory (CheckpointError naming the field if malformed; nothing changes)."""
+        tensors, meta = load_state(directory, FORMAT)
         try:
-            for x in entries:
-                store[x["uid"]] = Entry(alpha=[float(v) for v in x["alpha"]], row=x["row"],
-                                        last_step=int(x["last_step"]), current=[float(v) for v in x["current"]],
-                                        record=next(it) if x["record"] else None)
-        except (KeyError, TypeError, ValueError) as e:
-            raise CheckpointError(f"bapo state: malformed entry ({e!r})") from None
-        self.store, self.rng, self.last_step = store, rng, meta.get("last_step")
-        self._reset()
+            self.load_state_dict(tensors, meta)
+        except CheckpointError as e:
+            raise CheckpointError(f"{directory}: {e}") from None
 
     def close(self) -> None:
         pass
 
+
+_ENTRY_KEYS = {"uid", "alpha", "current", "last_step", "row", "record"}
+
+
+def _parse_entries(entries: Any, records: list[GroupRecord], last: int | None, saved: BapoOptions, where: str
+                   ) -> dict[str, Entry]:
+    """The uid store of a BAPO state (LRU order kept), every entry checked against ``records`` and ``last``."""
+    if not isinstance(entries, list) or not all(isinstance(x, dict) and set(x) == _ENTRY_KEYS for x in entries):
+        raise CheckpointError(f"{where}: entries must be a list of objects with keys {sorted(_ENTRY_KEYS)}")
+    if sum(x["record"] is True for x in entries) != len(records):
+        raise CheckpointError(f"{where}: {len(records)} stored groups but entries mark "
+                              f"{sum(x['record'] is True for x in entries)} as having one")
+    if entries and last is None:
+        raise CheckpointError(f"{where}: uids are stored but last_step is None")
+    if len(entries) > saved.max_uids:
+        raise CheckpointError(f"{where}: {len(entries)} uids stored, more than the saved max_uids={saved.max_uids}")
+    it, store = iter(records), {}
+    for i, x in enumerate(entries):
+        at = f"{where}: entries[{i}]"
+        uid, step = x["uid"], x["last_step"]
+        if not isinstance(uid, str) or uid in store:
+            raise CheckpointError(f"{at}: uid {uid!r} is not a string, or appears twice")
+        if not (is_int(step) and 0 <= step <= last):
+            raise CheckpointError(f"{at}: last_step {step!r} is not a step <= the store's last step {last}")
+        if not isinstance(x["row"], dict) or not isinstance(x["record"], bool):
+            raise CheckpointError(f"{at}: row must be an object and record true or false")
+        rec = next(it) if x["record"] else None
+        if rec is not None and rec.birth_step > step:
+            raise CheckpointError(f"{at}: its group was born at step {rec.birth_step}, after it was stored ({step})")
+        store[uid] = Entry(alpha=real_list(x["alpha"], "alpha", at, lo=1, hi=MAX_SCORES), row=x["row"],
+                           last_step=int(step), current=real_list(x["current"], "current", at, lo=0, hi=MAX_SCORES),
+                           record=rec)
+    return store

@@ -35,14 +35,19 @@ import numpy as np
 import torch
 
 from ..controller import split_rollouts
-from ..errors import CheckpointError, ReplayConfigError
+from ..errors import CheckpointError, ReplayConfigError, ReplayInputError, ReplayProtocolError
 from ..record import GroupRecord
 from ..sampling import bucket_counts, new_rng, normal_bucket_weights, rng_from_state, rng_state, uniform_order
 from ..selectors import Selection, empty_selection
+from ..validate import check_int, check_step, is_int, is_real
 from .repo import key_of
-from .store import keyed, load_state, pack, save_state, unpack
+from .store import (
+    check_commit, check_groups, check_options, checked_meta, keyed, keys_of, load_state, only_tensors,
+    options_changes, pack, refuse_option, save_state, step_or_none, unpack, warn_changes,
+)
 
 FORMAT = "hdreplay.exgrpo"
+_STATE_KEYS = ("options", "n", "keys", "records", "bucket", "rows", "retired", "started", "rng", "last_step")
 
 
 @dataclass(frozen=True)
@@ -87,8 +92,14 @@ def shaped_token_loss(logps: torch.Tensor, stored_logps: torch.Tensor, advantage
     Args: logps (R, C) current log-probs (with grad); stored_logps (R, C) the stored trajectory's generation-time
     log-probs; advantages (R,) or (R, 1).
     """
-    if logps.shape != stored_logps.shape:
-        raise ValueError(f"logps {tuple(logps.shape)} and stored_logps {tuple(stored_logps.shape)} differ")
+    if not all(isinstance(t, torch.Tensor) for t in (logps, stored_logps, advantages)):
+        raise ReplayInputError("shaped_token_loss: logps, stored_logps and advantages must be tensors")
+    if not (is_real(gamma) and math.isfinite(gamma) and gamma > 0):
+        raise ReplayInputError(f"shaped_token_loss: gamma must be a finite number > 0, got {gamma!r}")
+    if logps.dim() != 2 or logps.shape != stored_logps.shape or advantages.numel() != logps.shape[0]:
+        raise ReplayInputError(f"shaped_token_loss: logps {tuple(logps.shape)} and stored_logps "
+                               f"{tuple(stored_logps.shape)} must be the same (R, C), advantages (R,), got "
+                               f"{tuple(advantages.shape)}")
     w = torch.exp(logps - stored_logps.to(logps.dtype))
     a = advantages.reshape(-1, 1).to(logps.dtype)
     return -a * (w / (w + gamma))
@@ -96,6 +107,11 @@ def shaped_token_loss(logps: torch.Tensor, stored_logps: torch.Tensor, advantage
 
 def mean_entropies(entropies: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """(R,) mean token entropy of each row over its loss tokens (``mask`` (R, C); a row without one: +inf)."""
+    if not (isinstance(entropies, torch.Tensor) and isinstance(mask, torch.Tensor) and entropies.dim() == 2
+            and entropies.shape == mask.shape):
+        raise ReplayInputError(f"mean_entropies: entropies and mask must be tensors of one (R, C) shape, got "
+                               f"{getattr(entropies, 'shape', type(entropies).__name__)} and "
+                               f"{getattr(mask, 'shape', type(mask).__name__)}")
     m = mask.to(entropies.dtype)
     tok = m.sum(1)
     return torch.where(tok > 0, (entropies * m).sum(1) / tok.clamp(min=1), torch.full_like(tok, math.inf))
@@ -112,6 +128,9 @@ class ExgrpoController:
     separate_term = False
 
     def __init__(self, options: ExgrpoOptions, *, n: int, seed: int = 0) -> None:
+        check_options("exgrpo", options, ExgrpoOptions)
+        if not is_int(seed) or seed < 0:
+            raise ReplayConfigError(f"exgrpo: seed must be an int >= 0, got {seed!r}", field="seed")
         if type(n) is not int or n < 2:
             raise ReplayConfigError(f"exgrpo: n (num_generations) must be an int >= 2, got {n!r}", field="n")
         rb = options.rbound if options.rbound is not None else n - 1
@@ -136,6 +155,7 @@ class ExgrpoController:
     def plan(self, prompts: int) -> list[str]:
         """Keys of the experience prompts of a batch of ``prompts`` prompts (empty before the switch): bucket
         counts ~ Multinomial(N(k; n/2, sigma)), uniform without replacement within a bucket, in bucket order."""
+        prompts = check_int("plan: prompts", prompts)
         if not self.started:
             return []
         valid = self.valid()
@@ -152,33 +172,42 @@ class ExgrpoController:
         return out
 
     def candidates(self, key: str) -> list[GroupRecord]:
+        if not isinstance(key, str) or key not in self.pool:
+            raise ReplayInputError(f"candidates: {key!r} is not a stored prompt key (plan() names them)")
         return self.pool[key]
 
     @staticmethod
     def pick(entropies: Sequence[float]) -> int:
         """Index of the stored trajectory to inject: the lowest mean entropy (the first on ties)."""
-        e = np.asarray(entropies, dtype=np.float64)
-        if e.ndim != 1 or e.size == 0:
-            raise ValueError(f"pick: a non-empty 1-D sequence of entropies, got {entropies!r:.80}")
+        try:
+            e = np.asarray(entropies, dtype=np.float64)
+        except (TypeError, ValueError):
+            e = np.zeros(0)
+        if e.ndim != 1 or e.size == 0 or np.isnan(e).any():
+            raise ReplayInputError(f"pick: a non-empty 1-D sequence of entropies (numbers), got {entropies!r:.80}")
         return int(np.argmin(e))
 
     def remember(self, key: str, row: Any) -> None:
         """The dataset row of prompt ``key`` (what TRL's generation takes), kept to substitute it later."""
+        if not isinstance(key, str):
+            raise ReplayInputError(f"remember: key must be a prompt key (str), got {type(key).__name__}")
         if key not in self.retired:
             self.rows.setdefault(key, row)
 
     def note_injected(self, rows: int, rescored: int) -> None:
+        rows, rescored = check_int("note_injected: rows", rows), check_int("note_injected: rescored", rescored)
         self._injected += rows
         self._rescored += rescored
 
     # ------------------------------------------------------------------ controller protocol
     def select(self, *, step: int, scorer=None) -> Selection:
-        return empty_selection(step, "exgrpo", len(self), float("nan"))
+        return empty_selection(check_step("select: step", step), "exgrpo", len(self), float("nan"))
 
     def stage(self, groups: Sequence[GroupRecord], *, step: int) -> None:
-        for g in groups:
-            if g.num_responses != self.n:
-                raise ValueError(f"exgrpo: group {g.group_id!r} has {g.num_responses} responses, expected {self.n}")
+        step = check_step("stage: step", step)
+        groups = check_groups("exgrpo stage", groups, n=self.n)
+        if self.last_step is not None and step < self.last_step:
+            raise ReplayProtocolError(f"stage(step={step}) after step {self.last_step}; steps must not go back")
         self._staged.extend(groups)
         self.last_step = step
 
@@ -186,6 +215,7 @@ class ExgrpoController:
                ) -> dict[str, float]:
         """Retire all-correct prompts; after the switch, admit 0 < k <= n - 1 groups' new correct responses; switch
         when this step's share of correct rollouts exceeds ``start_solved``."""
+        check_commit(num_fresh_groups, counters)
         good = self.options.correct
         total = solved = admitted = retired = 0
         for g in self._staged:
@@ -221,27 +251,77 @@ class ExgrpoController:
     def __len__(self) -> int:
         return sum(len(v) for v in self.pool.values())
 
-    def save(self, directory, *, allow_open_step: bool = False) -> None:
+    def state_dict(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         keys = [k for k, v in self.pool.items() for _ in v]
         tensors, meta = pack([r for v in self.pool.values() for r in v], "pool")
-        save_state(directory, FORMAT, tensors, {
-            "options": asdict(self.options), "n": self.n, "keys": keys, "records": meta, "bucket": self.bucket,
-            "rows": self.rows, "retired": sorted(self.retired), "started": self.started, "rng": rng_state(self.rng),
-            "last_step": self.last_step})
+        return tensors, {"options": asdict(self.options), "n": self.n, "keys": keys, "records": meta,
+                         "bucket": dict(self.bucket), "rows": dict(self.rows), "retired": sorted(self.retired),
+                         "started": self.started, "rng": rng_state(self.rng), "last_step": self.last_step}
+
+    def load_state_dict(self, tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any]) -> None:
+        """Restore a :meth:`state_dict`, every field checked first (a refused load changes nothing).  Refused
+        option changes: ``correct`` (the pool holds the responses correct under the saved threshold) and
+        ``lbound`` / ``rbound`` when a stored bucket falls outside the new range; the others are warned about."""
+        where = "exgrpo state"
+        meta = checked_meta(meta, _STATE_KEYS, where)
+        tensors = only_tensors(tensors, "pool", where)
+        if meta["n"] != self.n:
+            raise CheckpointError(f"{where}: saved with n={meta['n']!r}, this run has n={self.n}; resume with the "
+                                  "saved num_generations")
+        saved, changes = options_changes(ExgrpoOptions, meta["options"], self.options, where)
+        last = step_or_none(meta["last_step"], "last_step", where)
+        records = unpack(tensors, meta["records"], "pool", where, single=True, last_step=last)
+        keys = keys_of(meta["keys"], records, where, lambda r: key_of(r.prompt_ids))
+        pool = keyed(records, keys)
+        bucket, rows, retired, started = meta["bucket"], meta["rows"], meta["retired"], meta["started"]
+        lo, hi = saved.lbound, saved.rbound if saved.rbound is not None else self.n - 1
+        if not isinstance(bucket, dict) or not all(isinstance(k, str) and is_int(v) and lo < v <= hi
+                                                   for k, v in bucket.items()):
+            raise CheckpointError(f"{where}: bucket must map prompt keys to success counts in ({lo}, {hi}]")
+        if not isinstance(rows, dict) or not all(isinstance(k, str) for k in rows):
+            raise CheckpointError(f"{where}: rows must map prompt keys to dataset rows")
+        if not isinstance(retired, list) or not all(isinstance(k, str) for k in retired) or \
+                len(set(retired)) != len(retired):
+            raise CheckpointError(f"{where}: retired must be a list of distinct prompt keys")
+        if not isinstance(started, bool):
+            raise CheckpointError(f"{where}: started must be true or false, got {started!r}")
+        if set(pool) - set(bucket):
+            raise CheckpointError(f"{where}: stored prompts without a bucket: {sorted(set(pool) - set(bucket))[:3]}")
+        gone = set(retired) & (set(bucket) | set(rows))
+        if gone:
+            raise CheckpointError(f"{where}: retired prompts are still stored: {sorted(gone)[:3]}")
+        if bad := [r.group_id for r in records if float(r.rewards[0]) < saved.correct]:
+            raise CheckpointError(f"{where}: stored responses {bad[:3]} are not correct (reward < {saved.correct})")
+        for k, v in pool.items():
+            if len({tuple(r.completion_ids.tolist()) for r in v}) != len(v):
+                raise CheckpointError(f"{where}: prompt {k!r} stores the same completion twice")
+        if (pool or bucket or retired or started) and last is None:
+            raise CheckpointError(f"{where}: a store with prompts (or switched on) needs a last_step, got None")
+        if pool and not started:
+            raise CheckpointError(f"{where}: responses are stored but started is false (nothing is collected "
+                                  "before the switch)")
+        rng = rng_from_state(meta["rng"], where=where)
+        now_hi = self.rbound
+        if saved.correct != self.options.correct:
+            raise refuse_option(where, "correct", saved.correct, self.options.correct,
+                                "the pool holds the responses correct under the saved threshold")
+        if outside := [v for v in bucket.values() if not self.options.lbound < v <= now_hi]:
+            raise refuse_option(where, "lbound/rbound", (lo, hi), (self.options.lbound, now_hi),
+                                f"stored buckets {sorted(set(outside))} fall outside the configured range")
+        self.pool, self.bucket, self.rows = pool, {k: int(v) for k, v in bucket.items()}, dict(rows)
+        self.retired, self.started, self.rng, self.last_step = set(retired), started, rng, last
+        warn_changes("exgrpo", changes)
+
+    def save(self, directory, *, allow_open_step: bool = False) -> None:
+        save_state(directory, FORMAT, *self.state_dict())
 
     def load(self, directory) -> None:
+        """Restore from :meth:`save`'s directory (CheckpointError naming the field if malformed; nothing changes)."""
         tensors, meta = load_state(directory, FORMAT)
-        if meta.get("n") != self.n:
-            raise CheckpointError(f"exgrpo state was saved with n={meta.get('n')}, this run has n={self.n}")
-        records = unpack(tensors, meta.get("records"), "pool", "exgrpo state")
-        keys, bucket, rows = meta.get("keys"), meta.get("bucket"), meta.get("rows")
-        if not (isinstance(keys, list) and len(keys) == len(records) and isinstance(bucket, dict)
-                and isinstance(rows, dict) and isinstance(meta.get("retired"), list)):
-            raise CheckpointError("exgrpo state: keys, buckets, rows or retired prompts are malformed")
-        rng = rng_from_state(meta.get("rng"), where="exgrpo state")
-        self.pool, self.bucket, self.rows = keyed(records, keys), {k: int(v) for k, v in bucket.items()}, dict(rows)
-        self.retired, self.started, self.rng = set(meta["retired"]), bool(meta.get("started")), rng
-        self.last_step = meta.get("last_step")
+        try:
+            self.load_state_dict(tensors, meta)
+        except CheckpointError as e:
+            raise CheckpointError(f"{directory}: {e}") from None
 
     def close(self) -> None:
         pass

@@ -31,11 +31,16 @@ import numpy as np
 import torch
 
 from ..controller import split_rollouts
-from ..errors import CheckpointError, ReplayConfigError
+from ..errors import CheckpointError, ReplayConfigError, ReplayInputError
 from ..record import GroupRecord
 from ..selectors import Selection, empty_selection
-from .store import keyed, load_state, pack, save_state, unpack
+from ..validate import check_int, check_reals, check_step, check_str
+from .store import (
+    check_commit, check_groups, check_options, checked_meta, keyed, keys_of, load_state, only_tensors, options_changes,
+    pack, save_state, step_or_none, unpack, warn_changes,
+)
 
+FORMAT = "hdreplay.repo"
 RETRIEVALS = ("recent", "highest", "max_variance")
 #: RePO's normaliser epsilon (the same as TRL's)
 ADV_EPS = 1e-4
@@ -79,11 +84,20 @@ def brute_force_max_variance(rewards: Sequence[float], k: int) -> tuple[int, ...
     return best
 
 
+def _rewards(name: str, rewards: Any) -> np.ndarray:
+    """(m,) finite float64 rewards (a list / tuple of numbers, a 1-D array or tensor); ReplayInputError otherwise."""
+    if isinstance(rewards, torch.Tensor):
+        rewards = rewards.detach().cpu().numpy()
+    n = len(rewards) if isinstance(rewards, (list, tuple, np.ndarray)) and np.ndim(rewards) == 1 else -1
+    return check_reals(name, rewards, n)
+
+
 def max_variance_subset(rewards: Sequence[float], k: int) -> tuple[int, ...]:
     """The subset :func:`brute_force_max_variance` returns; closed form for 0/1 rewards (j ones with j(k-j) largest,
     then the larger j; the lexicographically first such subset takes the earliest indices of each kind), the loop
     otherwise."""
-    r = np.asarray(rewards, dtype=np.float64)
+    r = _rewards("max_variance_subset: rewards", rewards)
+    k = check_int("max_variance_subset: k", k, lo=1, hi=max(1, len(r)))
     if not np.isin(r, (0.0, 1.0)).all():
         return brute_force_max_variance(r.tolist(), k)
     ones, zeros = int(r.sum()), int((r == 0).sum())
@@ -100,8 +114,12 @@ def max_variance_subset(rewards: Sequence[float], k: int) -> tuple[int, ...]:
 
 def retrieve(rewards: Sequence[float], rule: str, k: int) -> list[int]:
     """Positions (oldest first = 0) of the k stored responses ``rule`` replays."""
+    rewards = _rewards("retrieve: rewards", rewards).tolist()
+    rule = check_str("retrieve: rule", rule, RETRIEVALS, err=ReplayConfigError)
     m = len(rewards)
-    k = min(k, m)
+    k = min(check_int("retrieve: k", k), m)
+    if k == 0:
+        return []
     if rule == "recent":
         return list(range(m - k, m))
     if rule == "highest":
@@ -113,6 +131,10 @@ def retrieve(rewards: Sequence[float], rule: str, k: int) -> list[int]:
 
 def split_advantages(rewards: torch.Tensor) -> torch.Tensor:
     """(R,) advantages of replayed rows normalised among themselves: (r - mean) / (std + 1e-4), unbiased std."""
+    if not isinstance(rewards, torch.Tensor) or rewards.dim() != 1 or rewards.numel() == 0 or \
+            not bool(torch.isfinite(rewards.float()).all()):
+        raise ReplayInputError(f"split_advantages: rewards must be a non-empty 1-D tensor of finite values, got "
+                               f"{rewards!r:.60}")
     r = rewards.float()
     std = r.std() if r.numel() > 1 else torch.zeros(())
     return (r - r.mean()) / (std + ADV_EPS)
@@ -122,11 +144,13 @@ class RepoStore:
     """Per-prompt FIFOs of single responses (records with n = 1, stored pi_gen, reward)."""
 
     def __init__(self, options: RepoOptions) -> None:
-        self.options = options
+        self.options = check_options("repo", options, RepoOptions)
         self.cache: dict[str, list[GroupRecord]] = {}
 
     def retrieve(self, key: str) -> list[GroupRecord]:
         """The responses replayed for prompt ``key`` this step (empty below ``min_cache``), as stored records."""
+        if not isinstance(key, str):
+            raise ReplayInputError(f"retrieve: key must be a prompt key (str), got {type(key).__name__}")
         buf = self.cache.get(key, [])
         if len(buf) < self.options.min_cache:
             return []
@@ -135,6 +159,9 @@ class RepoStore:
 
     def add(self, key: str, responses: Sequence[GroupRecord]) -> None:
         """Append a step's responses of prompt ``key`` (after its retrieval); keep the newest ``max_cache``."""
+        if not isinstance(key, str):
+            raise ReplayInputError(f"add: key must be a prompt key (str), got {type(key).__name__}")
+        responses = check_groups("add", responses, n=1)
         buf = self.cache.setdefault(key, [])
         buf.extend(responses)
         del buf[:max(0, len(buf) - self.options.max_cache)]
@@ -148,11 +175,27 @@ class RepoStore:
         return tensors, {"options": asdict(self.options), "keys": keys, "records": meta}
 
     def load_state_dict(self, tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any]) -> None:
-        records = unpack(tensors, meta.get("records"), "cache", "repo state")
-        keys = meta.get("keys")
-        if not isinstance(keys, list) or len(keys) != len(records) or any(r.num_responses != 1 for r in records):
-            raise CheckpointError("repo state: keys do not match the stored single responses")
-        self.cache = keyed(records, keys)
+        """Restore a :meth:`state_dict`, validated first (a refused load changes nothing); saved options that differ
+        from this store's are refused when the stored responses cannot hold under them, else warned about."""
+        cache, changes = parse_store(tensors, meta, self.options, where="repo state")
+        self.cache = cache
+        warn_changes("repo", changes)
+
+
+def parse_store(tensors: Any, meta: Any, options: RepoOptions, *, where: str, last_step: int | None = None,
+                by_prompt: bool = False) -> tuple[dict[str, list[GroupRecord]], list[str]]:
+    """(the per-prompt stores, option changes) of a RePO state; CheckpointError naming the field if malformed."""
+    meta = checked_meta(meta, ("options", "keys", "records"), where)
+    tensors = only_tensors(tensors, "cache", where)
+    _, changes = options_changes(RepoOptions, meta["options"], options, where)
+    records = unpack(tensors, meta["records"], "cache", where, single=True, last_step=last_step)
+    keys = keys_of(meta["keys"], records, where, (lambda r: key_of(r.prompt_ids)) if by_prompt else None)
+    cache = keyed(records, keys)
+    most = max((len(v) for v in cache.values()), default=0)
+    if most > options.max_cache:
+        raise CheckpointError(f"{where}: a prompt stores {most} responses, more than max_cache={options.max_cache}: "
+                              "saved with a larger max_cache; resume with the saved max_cache or start a new run")
+    return cache, changes
 
 
 def key_of(prompt_ids: torch.Tensor) -> str:
@@ -173,20 +216,27 @@ class RepoController:
     separate_term = True
 
     def __init__(self, options: RepoOptions) -> None:
-        self.options = options
+        self.options = check_options("repo", options, RepoOptions)
         self.store = RepoStore(options)
         self.last_step: int | None = None
         self._prompts: list[str] = []
         self._staged: list[GroupRecord] = []
         self._selection: Selection | None = None
         self._fresh = 0
+        self._step: int | None = None
 
     def observe_batch(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> None:
         """(N, P) left-padded prompts of the current fresh batch, rows in TRL's order (n per prompt)."""
+        if not (isinstance(prompt_ids, torch.Tensor) and isinstance(prompt_mask, torch.Tensor)
+                and prompt_ids.dim() == 2 and prompt_ids.shape == prompt_mask.shape):
+            raise ReplayInputError(f"observe_batch: prompt_ids and prompt_mask must be tensors of one (N, P) shape, got "
+                                   f"{getattr(prompt_ids, 'shape', type(prompt_ids).__name__)} and "
+                                   f"{getattr(prompt_mask, 'shape', type(prompt_mask).__name__)}")
         keys = [key_of(prompt_ids[i][prompt_mask[i].bool()]) for i in range(prompt_ids.shape[0])]
         self._prompts = list(dict.fromkeys(keys))  # distinct, first-seen order
 
     def select(self, *, step: int, scorer=None) -> Selection:
+        step = check_step("select: step", step)
         groups = []
         for key in self._prompts:
             got = self.store.retrieve(key)
@@ -204,11 +254,15 @@ class RepoController:
         return sel
 
     def stage(self, groups: Sequence[GroupRecord], *, step: int) -> None:
+        step = check_step("stage: step", step)
+        groups = check_groups("repo stage", groups)
         self._staged.extend(groups)
         self._fresh += len(groups)
+        self._step = step
 
     def commit(self, *, num_fresh_groups: int | None = None, counters: Mapping[str, Any] | None = None
                ) -> dict[str, float]:
+        check_commit(num_fresh_groups, counters)
         sel = self._selection
         for g in self._staged:  # after the step's retrieval: never replayed in the step it was born
             self.store.add(key_of(g.prompt_ids), split_rollouts(g, keep_zero_advantage=True))
@@ -217,19 +271,37 @@ class RepoController:
                "replay/accepted": float(len(sel.groups) if sel is not None else 0),
                "replay/rescored_rows": 0.0, "replay/buffer_size": float(len(self.store)),
                "replay/repo_prompts": float(len(self.store.cache))}
-        self.last_step = sel.step if sel is not None else self.last_step
+        self.last_step = sel.step if sel is not None else self._step if self._staged else self.last_step
         self._staged, self._selection, self._prompts, self._fresh = [], None, [], 0
         return out
 
-    def save(self, directory, *, allow_open_step: bool = False) -> None:
+    def state_dict(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         tensors, meta = self.store.state_dict()
-        save_state(directory, "hdreplay.repo", tensors, {**meta, "last_step": self.last_step})
+        return tensors, {**meta, "last_step": self.last_step}
+
+    def load_state_dict(self, tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any]) -> None:
+        """Restore a :meth:`state_dict`: every field checked (responses born after ``last_step``, keys that are not
+        their prompt's, more than max_cache per prompt are refused) before anything changes."""
+        where = "repo state"
+        last = step_or_none(checked_meta(meta, ("last_step",), where)["last_step"], "last_step", where)
+        cache, changes = parse_store(tensors, meta, self.options, where=where, last_step=last, by_prompt=True)
+        if cache and last is None:
+            raise CheckpointError(f"{where}: responses are stored but last_step is None")
+        store = RepoStore(self.options)
+        store.cache = cache
+        self.store, self.last_step = store, last
+        warn_changes("repo", changes)
+
+    def save(self, directory, *, allow_open_step: bool = False) -> None:
+        save_state(directory, FORMAT, *self.state_dict())
 
     def load(self, directory) -> None:
-        tensors, meta = load_state(directory, "hdreplay.repo")
-        store = RepoStore(self.options)
-        store.load_state_dict(tensors, meta)
-        self.store, self.last_step = store, meta.get("last_step")
+        """Restore from :meth:`save`'s directory (CheckpointError naming the field if malformed; nothing changes)."""
+        tensors, meta = load_state(directory, FORMAT)
+        try:
+            self.load_state_dict(tensors, meta)
+        except CheckpointError as e:
+            raise CheckpointError(f"{directory}: {e}") from None
 
     def close(self) -> None:
         pass

@@ -58,15 +58,12 @@ def pool_ages(steps: pd.DataFrame, groups: pd.DataFrame) -> tuple[list[int], lis
     recorded ``buffer_size`` (lifetime records missing, e.g. a run that did not close cleanly)."""
     birth = col(groups, "birth_step").to_numpy()
     evicted = col(groups, "evicted_step").fillna(np.inf).to_numpy()
-    ages: list[int] = []
-    mismatch: list[int] = []
     upd = updates(steps)
-    for t, size in zip(upd["step"], col(upd, "buffer_size")):
-        inside = (birth < t) & (evicted >= t)
-        ages += (t - birth[inside]).astype(int).tolist()
-        if not np.isnan(size) and int(size) != int(inside.sum()):
-            mismatch.append(int(t))
-    return ages, mismatch
+    t = upd["step"].to_numpy(dtype=float)[:, None]
+    inside = (birth < t) & (evicted >= t)  # (updates, groups): g in the pre-step buffer of the update
+    size = col(upd, "buffer_size").to_numpy()
+    mismatch = [int(s) for s, k, n in zip(upd["step"], size, inside.sum(axis=1)) if not np.isnan(k) and int(k) != n]
+    return (t - birth)[inside].astype(int).tolist(), mismatch
 
 
 def _age_shares(ages: Sequence[int]) -> dict[str, Any]:

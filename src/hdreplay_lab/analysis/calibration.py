@@ -32,15 +32,15 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 import pandas as pd
-from tqdm import tqdm
 
 from hdreplay.atomic import atomic_write_text
 
+from ..progress import progress
 from .gate import acceptance, col, rejections, replay_kl, updates
 from .load import AnalysisInputError, load_run
 from .markdown import fmt, table
 from .report import mismatches, run_info
-from .stats import INTERVALS, check_settings, interval_means, running_mean, sanitize, setting
+from .stats import INTERVALS, check_settings, interval_means, running_mean, sanitize
 from .training import log_series
 
 
@@ -48,15 +48,21 @@ from .training import log_series
 class CalibrationCriteria:
     """Thresholds of the calibration flags (see the module docstring for the exact rules)."""
 
-    starved_accept: float = setting(0.10, "starved if the final-third acceptance is below this")
-    starved_drop: float = setting(0.75, "starved if acceptance fell by more than this fraction from the first third")
-    loose_kl_ratio: float = setting(2.0, "too loose if replay KL rose more than this factor (early -> final third) "
-                                         "while the mean acceptance is above --loose-accept")
-    loose_accept: float = setting(0.75, "see --loose-kl-ratio")
-    inactive_accept: float = setting(0.90, "the gate filters little (a note) above this mean acceptance")
-    fill_tolerance: float = setting(0.05, "budget fills within this of the best (0.05 = 5 points) count as full; "
-                                          "the smaller tau wins among them")
-    kl_window: int = setting(15, "running-mean window of the calibration figure, in steps")
+    starved_accept: float = 0.10
+    """starved if the final-third acceptance is below this"""
+    starved_drop: float = 0.75
+    """starved if acceptance fell by more than this fraction from the first third"""
+    loose_kl_ratio: float = 2.0
+    ("too loose if replay KL rose more than this factor (early -> final third) while the mean acceptance is above "
+     "--loose-accept")
+    loose_accept: float = 0.75
+    """see --loose-kl-ratio"""
+    inactive_accept: float = 0.90
+    """the gate filters little (a note) above this mean acceptance"""
+    fill_tolerance: float = 0.05
+    """budget fills within this of the best (0.05 = 5 points) count as full; the smaller tau wins among them"""
+    kl_window: int = 15
+    """running-mean window of the calibration figure, in steps"""
 
     def __post_init__(self) -> None:
         check_settings(self, fractions=("starved_accept", "starved_drop", "loose_accept", "inactive_accept",
@@ -325,7 +331,7 @@ def run_calibration(train_fn: TrainFn, taus: Sequence[float] = DEFAULT_TAUS, ada
     if adaptive:
         plan.append(("adaptive", taus[len(taus) // 2] if adaptive_start is None else float(adaptive_start), True))
     runs: dict[str, Path] = {}
-    with tqdm(plan, desc="calibration runs", disable=not show_progress) as bar:
+    with progress(plan, desc="calibration runs", unit="run", enabled=show_progress) as bar:
         for label, tau, ad in bar:
             got = train_fn(label, tau, ad, out / "runs" / label)
             if got is None or not Path(got).is_dir():

@@ -7,8 +7,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 import pandas as pd
-from tqdm import tqdm
 
+from ..progress import progress
 from .load import AnalysisInputError
 
 Runs = dict[str, dict[str, Any]]
@@ -236,7 +236,7 @@ def render_figures(report: dict, out_dir: Path, *, show_progress: bool = False) 
     new_figure(1, 1, (1, 1))  # matplotlib missing: say so before anything is written
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = {}
-    with tqdm(FIGURES.items(), desc="rendering figures", disable=not show_progress, leave=False) as bar:
+    with progress(FIGURES.items(), desc="rendering figures", enabled=show_progress, lines=0, leave=False) as bar:
         for name, (section, fn) in bar:
             fig = fn(report["runs"]) if section is None or _have(report["runs"], section) else None
             if fig is not None:

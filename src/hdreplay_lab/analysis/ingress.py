@@ -51,13 +51,12 @@ def classify(rewards: np.ndarray, threshold: float) -> dict[str, np.ndarray]:
 def fresh_groups(fresh: pd.DataFrame) -> pd.DataFrame:
     """One row per fresh group: step, index within the step, n, rewards (tuple); the last record of a repeated step
     (a resumed run) wins; groups with a missing or non-finite reward are dropped."""
-    rows = []
-    for _, rec in fresh.drop_duplicates("step", keep="last").sort_values("step", kind="stable").iterrows():
-        for k, g in enumerate(rec["rewards"]):
-            vals = [np.nan if v is None else float(v) for v in g]
-            if len(vals) and np.isfinite(vals).all():
-                rows.append((int(rec["step"]), k, len(vals), tuple(vals)))
-    return pd.DataFrame(rows, columns=["step", "index", "n", "rewards"])
+    g = fresh.drop_duplicates("step", keep="last").sort_values("step", kind="stable")[["step", "rewards"]]
+    g = g.assign(index=g["rewards"].map(lambda r: list(range(len(r))))).explode(["rewards", "index"])
+    g["rewards"] = g["rewards"].map(lambda r: tuple(np.nan if v is None else float(v) for v in r))
+    g = g[g["rewards"].map(lambda r: len(r) > 0 and bool(np.isfinite(r).all()))]
+    return pd.DataFrame({"step": g["step"].astype(int), "index": g["index"].astype(int), "n": g["rewards"].map(len),
+                         "rewards": g["rewards"]}).reset_index(drop=True)
 
 
 def _composition(S: np.ndarray, n: np.ndarray) -> dict[str, float | None]:
@@ -90,9 +89,8 @@ def ingress(fresh: pd.DataFrame, steps: pd.DataFrame, groups: pd.DataFrame, repl
     g = fresh_groups(fresh)
     if not len(g):
         return unavailable("fresh_groups.jsonl holds no group with finite rewards")
-    per_group = [classify(np.array([r]), thr) for r in g["rewards"]]
-    cls = {k: [c[k][0] for c in per_group] for k in per_group[0]}
-    g = g.assign(**cls)
+    g = pd.concat([part.assign(**classify(np.stack(part["rewards"].to_list()), thr))
+                   for _, part in g.groupby("n")]).sort_index()  # one (G, n) array per group size
     per = g.groupby("step", sort=True)
     step_list = list(per.groups)
     series: dict[str, list] = {"step": step_list, "groups": per.size().tolist()}
@@ -125,13 +123,9 @@ def _buffer(g: pd.DataFrame, steps: pd.DataFrame, rule: str | None, capacity, st
         return unavailable("the run has no replay buffer (no ingress rule / capacity in run.json)")
     adm = g[g[rule]]
     shares = fifo_buffer(adm["step"].to_numpy(), adm["format_only"].to_numpy(), step_list, capacity)
-    mism = []
-    if len(steps):
-        logged = steps.set_index("step")
-        mine = adm.groupby("step").size()
-        for s in step_list:
-            if s in logged.index and int(mine.get(s, 0)) != int(logged.loc[s, "ingress_admitted"]):
-                mism.append(s)
+    logged = steps.set_index("step")["ingress_admitted"] if len(steps) else pd.Series(dtype=float)
+    mine = adm.groupby("step").size().reindex(step_list, fill_value=0)
+    mism = [s for s in step_list if s in logged.index and int(mine[s]) != int(logged[s])]
     vals = [v for v in shares if v is not None]
     return {"available": True, "capacity": capacity, "series": shares, "format_only_mean": opt(np.mean(vals)) if vals
             else None, "format_only_final": shares[-1], "by_interval": interval_means(shares),
@@ -146,13 +140,10 @@ def _replay(g: pd.DataFrame, steps: pd.DataFrame, groups: pd.DataFrame) -> dict:
            "accepted_per_step": opt(pd.to_numeric(steps["accepted"], errors="coerce").mean())}
     out["by_interval"] = {k: v for k, v in zip(("accept_rate", "budget_fill"), (
         interval_means(steps["accept_rate"]), interval_means(steps["budget_fill"])))}
-    fmt = {(int(r.step), int(r.index)): bool(r.format_only) for r in g.itertuples()}
-    events = fo = 0
-    for gid, count in zip(groups.get("group_id", []), groups.get("replay_count", [])):
-        m = _GID.match(str(gid))
-        if m and (int(m.group(1)), int(m.group(2))) in fmt and pd.notna(count):
-            events += int(count)
-            fo += int(count) * fmt[(int(m.group(1)), int(m.group(2)))]
+    ids = groups.get("group_id", pd.Series(dtype=object)).astype(str).str.extract(_GID).astype(float)
+    life = pd.DataFrame({"step": ids[0], "index": ids[1], "count": groups.get("replay_count")}).dropna()
+    life = life.merge(g[["step", "index", "format_only"]], on=["step", "index"])
+    events, fo = int(life["count"].sum()), int((life["count"] * life["format_only"]).sum())
     out["replay_events"] = events
     out["format_only_replay_share"] = fo / events if events else None
     return {"available": True, **out}

@@ -15,6 +15,8 @@ Nothing here computes statistics.
 from __future__ import annotations
 
 import json
+import types
+import typing
 import warnings
 from dataclasses import dataclass, field
 from io import StringIO
@@ -45,11 +47,51 @@ def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
+def _fits(value: Any, hint: Any) -> bool:
+    """Whether a JSON value fits a StepRecord field's type (a float field may be null: non-finite values are written
+    as null; an int is a float)."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        return any(_fits(value, a) for a in args)
+    if hint is type(None):
+        return value is None
+    if hint is bool:
+        return isinstance(value, bool)
+    if hint is int:
+        return _is_int(value)
+    if hint is float:
+        return value is None or (isinstance(value, (int, float)) and not isinstance(value, bool))
+    if hint is str:
+        return isinstance(value, str)
+    if origin is list:
+        return isinstance(value, list) and all(_fits(v, args[0]) for v in value)
+    if origin is dict:
+        return isinstance(value, dict) and all(_fits(k, args[0]) and _fits(v, args[1]) for k, v in value.items())
+    return True
+
+
+def _type_name(hint: Any) -> str:
+    return hint.__name__ if isinstance(hint, type) else str(hint).replace("typing.", "").replace("NoneType", "null")
+
+
+#: the type of every steps.jsonl field (StepRecord's annotations); fields not listed (newer writers) are not checked
+STEP_TYPES = typing.get_type_hints(StepRecord)
+
+
 def check_step_record(rec: dict) -> str | None:
-    """Why a parsed steps.jsonl object is unusable, or None if it is fine."""
+    """Why a parsed steps.jsonl object is unusable, or None if it is fine: 'step' an int >= 0, every StepRecord field
+    present of its declared type, scan lists of one length."""
     if not _is_int(rec.get("step")) or rec["step"] < 0:
         return f"'step' must be an int >= 0, got {rec.get('step')!r}"
+    wrong = next((k for k, v in rec.items() if k not in STEP_LISTS and k in STEP_TYPES
+                  and not _fits(v, STEP_TYPES[k])), None)
+    if wrong is not None:
+        return f"{wrong!r} must be {_type_name(STEP_TYPES[wrong])}, got {rec[wrong]!r:.40}"
     bad = next((k for k in STEP_LISTS if k in rec and not isinstance(rec[k], list)), None)
+    if bad is None:
+        bad = next((k for k in STEP_LISTS if k in rec and not _fits(rec[k], STEP_TYPES[k])), None)
+        if bad is not None:
+            return f"{bad!r} must be {_type_name(STEP_TYPES[bad])}, got {rec[bad]!r:.40}"
     lens = {k: len(rec[k]) for k in STEP_LISTS[1:] if k in rec and not bad}
     return (f"{bad!r} must be a list, got {type(rec[bad]).__name__}" if bad
             else f"scan lists have different lengths {lens}" if len(set(lens.values())) > 1 else None)
@@ -77,10 +119,12 @@ def check_group_record(rec: dict) -> str | None:
 
 
 def read_jsonl(path: str | Path, *, on_bad_line: str = "skip", check: Callable[[dict], str | None] | None = None,
-               problems: list[str] | None = None) -> pd.DataFrame:
+               problems: list[str] | None = None, malformed: list[str] | None = None) -> pd.DataFrame:
     """A JSONL file as a DataFrame, one row per good line.  A line that is not JSON, not an object, or that
     ``check`` rejects is dropped with ``"<file>:<line>: <reason>"`` appended to ``problems`` (``on_bad_line="skip"``)
-    or raises :class:`AnalysisInputError` with that text (``"stop"``).  Blank lines are ignored."""
+    or raises :class:`AnalysisInputError` with that text (``"stop"``).  With ``malformed``, records that are JSON
+    objects but that ``check`` rejects (fields of the wrong type) go there instead of ``problems``.  Blank lines are
+    ignored."""
     if on_bad_line not in ON_BAD_LINE:
         raise AnalysisInputError(f"on_bad_line must be one of {ON_BAD_LINE}, got {on_bad_line!r}")
     good = []
@@ -88,9 +132,11 @@ def read_jsonl(path: str | Path, *, on_bad_line: str = "skip", check: Callable[[
         for n, line in enumerate(f, start=1):
             if not line.strip():
                 continue
+            record = False
             try:
                 obj = json.loads(line)
-                reason = (f"expected a JSON object, got {type(obj).__name__}" if not isinstance(obj, dict)
+                record = isinstance(obj, dict)
+                reason = (f"expected a JSON object, got {type(obj).__name__}" if not record
                           else check(obj) if check else None)
             except json.JSONDecodeError as e:
                 reason = f"not valid JSON ({e.msg}; truncated line?)"
@@ -98,6 +144,8 @@ def read_jsonl(path: str | Path, *, on_bad_line: str = "skip", check: Callable[[
                 good.append(line.strip())
             elif on_bad_line == "stop":
                 raise AnalysisInputError(f"{path}:{n}: {reason} (use --on-bad-line skip to skip bad lines)")
+            elif record and malformed is not None:
+                malformed.append(f"{path}:{n}: {reason}")
             elif problems is not None:
                 problems.append(f"{path}:{n}: {reason} -- line skipped")
     return pd.read_json(StringIO("\n".join(good)), lines=True, dtype=False) if good else pd.DataFrame()
@@ -175,8 +223,9 @@ def tensorboard_log(p: Path) -> pd.DataFrame:
 
 def load_run(path: str | Path, *, label: str | None = None, on_bad_line: str = "skip", warn: bool = True) -> RunData:
     """Load one run directory (module docstring).  Raises AnalysisInputError if ``path`` is missing, not a
-    directory, empty, holds no log, holds a directory where a log file belongs, or (``on_bad_line="stop"``) on the
-    first bad line.  With ``warn=True`` every skipped line is also a :class:`BadLineWarning`."""
+    directory, empty, holds no log, holds a directory where a log file belongs, holds records whose fields have the
+    wrong type (one line per such record, whatever ``on_bad_line``), or (``on_bad_line="stop"``) on the first bad
+    line.  With ``warn=True`` every skipped line is also a :class:`BadLineWarning`."""
     if on_bad_line not in ON_BAD_LINE:
         raise AnalysisInputError(f"--on-bad-line must be one of {ON_BAD_LINE}, got {on_bad_line!r}")
     p = Path(path)
@@ -198,6 +247,7 @@ def load_run(path: str | Path, *, label: str | None = None, on_bad_line: str = "
         raise AnalysisInputError(f"{p}: not a run directory (no run.json, train_log.jsonl, trainer_state.json, "
                                  "TensorBoard events or replay/steps.jsonl in it)")
     run = RunData(path=p, label=label or p.resolve().name or str(p))
+    malformed: list[str] = []
     run.meta = _read_json(found["run.json"], on_bad_line, run.problems) if "run.json" in found else {}
     run.metrics = _read_json(found["metrics.json"], on_bad_line, run.problems) if "metrics.json" in found else None
     if "train_log.jsonl" in found:
@@ -210,18 +260,22 @@ def load_run(path: str | Path, *, label: str | None = None, on_bad_line: str = "
         run.log, run.log_source = tensorboard_log(p), f"{p} (TensorBoard events)"
     if "fresh_groups.jsonl" in found:
         run.fresh = read_jsonl(found["fresh_groups.jsonl"], on_bad_line=on_bad_line, check=check_fresh_record,
-                               problems=run.problems)
+                               problems=run.problems, malformed=malformed)
     steps = found.get("replay/steps.jsonl") or found.get("steps.jsonl")
     if steps:
         run.replay_dir = steps.parent
-        raw = read_jsonl(steps, on_bad_line=on_bad_line, check=check_step_record, problems=run.problems)
+        raw = read_jsonl(steps, on_bad_line=on_bad_line, check=check_step_record, problems=run.problems,
+                         malformed=malformed)
         run.steps = step_frame(raw)
         if len(raw) > len(run.steps):
             run.problems.append(f"{steps}: {len(raw) - len(run.steps)} repeated step record(s) (a resumed run?); "
                                 "the last record of each step is used")
         if (run.replay_dir / "groups.jsonl").exists():
             run.groups = group_frame(read_jsonl(run.replay_dir / "groups.jsonl", on_bad_line=on_bad_line,
-                                                check=check_group_record, problems=run.problems))
+                                                check=check_group_record, problems=run.problems, malformed=malformed))
+    if malformed:  # not what a crash leaves (a truncated line): a foreign writer or an edit; never analysed around
+        raise AnalysisInputError(f"{p}: {len(malformed)} malformed record(s) (fields of the wrong type; not written by "
+                                 "hdreplay, or edited); fix or remove these lines:\n" + "\n".join(malformed))
     for msg in run.problems if warn else ():
         warnings.warn(msg, BadLineWarning, stacklevel=2)
     return run

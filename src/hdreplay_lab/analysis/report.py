@@ -22,19 +22,21 @@ import os
 import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Annotated, Any, Sequence
 
-from tqdm import tqdm
+from tyro.conf import arg
 
 from hdreplay.atomic import atomic_write_text
 
+from ..flags import CommaInt
+from ..progress import progress
 from .age import age_gate, mixing, phase_mixture, staleness
 from .gate import acceptance, col, replay_kl, scan
 from .ingress import ingress
 from .ledger import async_ledger
 from .lifetime import counterfactual, headroom_deciles, multiplicity
 from .load import AnalysisInputError, RunData
-from .stats import check_settings, num, sanitize, setting, unavailable
+from .stats import check_settings, num, sanitize, unavailable
 from .training import EntropyThresholds, collapse_timing, final_metrics, log_series, training
 
 REPORT_FORMAT, REPORT_VERSION = "hdreplay.report", 1
@@ -44,18 +46,24 @@ REPLAY_SECTIONS = ("acceptance", "replay_kl", "scan", "age_gate", "staleness", "
 
 @dataclass(frozen=True)
 class ReportSettings:
-    """Knobs of the report (each field's help is also its ``hdreplay report`` option)."""
+    """Knobs of the report (each field's docstring is also its ``hdreplay report`` option's help)."""
 
-    kl_window: int = setting(15, "running-average window of the replay-KL curve, in steps (paper: 15)")
-    n_phases: int = setting(4, "equal-count training phases of the phase-wise replay mixture", flag="--phases")
-    phase_bounds: tuple[int, ...] | None = setting(None, "explicit increasing phase bounds in steps, e.g. 100,200 "
-                                                         "(overrides --phases)")
-    deciles: int = setting(10, "bins of initial stored Headroom")
-    score_key: str = setting("reward", "trainer-log key of the training score S")
-    entropy_key: str = setting("entropy", "trainer-log key of the policy entropy H")
-    entropy: EntropyThresholds = field(default_factory=EntropyThresholds)
-    answer_threshold: float | None = setting(None, "ingress analysis: a_i = 1[r_i >= threshold] marks a correct answer "
-                                                   "(unset: the run's answer_threshold, else 0.9 as in Geo3K)")
+    kl_window: int = 15
+    """running-average window of the replay-KL curve, in steps (paper: 15)"""
+    n_phases: Annotated[int, arg(name="phases")] = 4
+    """equal-count training phases of the phase-wise replay mixture"""
+    phase_bounds: CommaInt = None
+    """explicit increasing phase bounds in steps, e.g. 100,200 (overrides --phases)"""
+    deciles: int = 10
+    """bins of initial stored Headroom"""
+    score_key: str = "reward"
+    """trainer-log key of the training score S"""
+    entropy_key: str = "entropy"
+    """trainer-log key of the policy entropy H"""
+    entropy: Annotated[EntropyThresholds, arg(name="")] = field(default_factory=EntropyThresholds)
+    answer_threshold: float | None = None
+    ("ingress analysis: a_i = 1[r_i >= threshold] marks a correct answer (unset: the run's answer_threshold, else 0.9 "
+     "as in Geo3K)")
 
     def __post_init__(self) -> None:
         check_settings(self, counts=("kl_window", "n_phases", "deciles"), flags={"n_phases": "--phases"},
@@ -159,7 +167,7 @@ def build_report(runs: Sequence[RunData], settings: ReportSettings = ReportSetti
     labels = [r.label for r in runs]
     if len(set(labels)) != len(labels):
         raise AnalysisInputError(f"run labels must be unique, got {labels}")
-    with tqdm(runs, desc="analysing runs", disable=not show_progress, leave=False) as bar:
+    with progress(runs, desc="analysing runs", enabled=show_progress, lines=0, leave=False) as bar:
         analyses = {r.label: analyze_run(r, settings) for r in bar}
     return sanitize({"format": REPORT_FORMAT, "version": REPORT_VERSION, "settings": asdict(settings),
                      "runs": analyses, "figures": {},

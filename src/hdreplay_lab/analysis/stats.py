@@ -10,7 +10,6 @@ Conventions used across the package:
 from __future__ import annotations
 
 import math
-from dataclasses import field
 from typing import Any, Iterable
 
 import numpy as np
@@ -107,11 +106,6 @@ def check_settings(obj: Any, *, counts: tuple = (), finite: tuple = (), fraction
             if not ok(getattr(obj, name)):
                 flag = flags.get(name, "--" + name.replace("_", "-"))
                 raise AnalysisInputError(f"{name} ({flag}) must be {what}, got {getattr(obj, name)!r}")
-
-
-def setting(default: Any, help: str, **meta: Any) -> Any:
-    """A settings field with its one help text (``hdreplay`` derives its options from it; ``flag=`` renames)."""
-    return field(default=default, metadata={"help": help, **meta})
 
 
 def unavailable(reason: str) -> dict[str, Any]:

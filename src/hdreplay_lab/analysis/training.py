@@ -23,18 +23,23 @@ from typing import Any
 import pandas as pd
 
 from .load import AnalysisInputError
-from .stats import check_settings, interval_means, num, numeric, sanitize, setting, unavailable
+from .stats import check_settings, interval_means, num, numeric, sanitize, unavailable
 
 
 @dataclass(frozen=True)
 class EntropyThresholds:
     """s0 (score anchor), H_L < H_U (entropy thresholds) and the hold lengths in log points."""
 
-    score_anchor: float = setting(0.40, "score anchor s0 of the entropy timing (paper: 0.40)")
-    entropy_low: float = setting(0.03, "low-entropy threshold H_L (paper: 0.03)")
-    entropy_high: float = setting(0.04, "rebound threshold H_U (paper: 0.04)")
-    entry_hold: int = setting(10, "log points entropy must stay <= H_L for an entry")
-    rebound_hold: int = setting(5, "log points entropy must stay >= H_U for a rebound")
+    score_anchor: float = 0.40
+    """score anchor s0 of the entropy timing (paper: 0.40)"""
+    entropy_low: float = 0.03
+    """low-entropy threshold H_L (paper: 0.03)"""
+    entropy_high: float = 0.04
+    """rebound threshold H_U (paper: 0.04)"""
+    entry_hold: int = 10
+    """log points entropy must stay <= H_L for an entry"""
+    rebound_hold: int = 5
+    """log points entropy must stay >= H_U for a rebound"""
 
     def __post_init__(self) -> None:
         check_settings(self, finite=("score_anchor", "entropy_low", "entropy_high"),

@@ -28,11 +28,14 @@ import shutil
 import time
 from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from pathlib import Path
+from typing import Annotated, Literal
+
+from tyro.conf import Suppress, arg
 
 from hdreplay.config import ReplayConfig
 from hdreplay.errors import ReplayConfigError
 
-from ..options import arg
+from ..flags import CommaStr, ReplayOptions
 from .methods import (
     COMPARE_METHODS, GEO_METHODS, METHODS, SEARCH_METHODS, STRATEGY_METHODS, Method, get_methods,
 )
@@ -45,48 +48,66 @@ FORMAT = "hdreplay.compare"
 #: paper's 512 groups at b = 128..256)
 SANDBOX_TAU = 1e-2
 
+#: the --methods option (a type, so that the demo's and calibration's configs can give it other defaults)
+Methods = Annotated[CommaStr, arg(help=(
+    f"comma-separated methods from {list(METHODS)} (unset: {','.join(COMPARE_METHODS)}; with --task search: "
+    f"{','.join(SEARCH_METHODS)}; with --task geo: {','.join(GEO_METHODS)}; the strategy comparison: "
+    f"{','.join(STRATEGY_METHODS)})"))]
+
 
 @dataclass
 class CompareConfig:
     """The paper's role-aligned comparison at small scale: every method x seed trained on one sandbox task from the
     same warm start and prompt order, then evaluated on its held-out benchmarks."""
 
-    task: str = arg("mix", f"sandbox task: one of {sorted(TASKS)}")
-    methods: tuple[str, ...] | None = arg(
-        None, f"comma-separated methods from {list(METHODS)} (unset: {','.join(COMPARE_METHODS)}; with "
-              f"--task search: {','.join(SEARCH_METHODS)}; with --task geo: {','.join(GEO_METHODS)}; the strategy "
-              f"comparison: {','.join(STRATEGY_METHODS)})")
-    seeds: int = arg(19, "seeds per method (>= 1; 19 gave 95 % half-widths 0.007-0.008 on the mix task, "
-                             "docs/results/fidelity)")
-    steps: int = arg(120, "optimizer steps per run (>= 1)")
-    prompts_per_step: int = arg(16, "b: fresh groups per step (even, so that b/2 and 1.5b are whole groups)")
-    generations: int = arg(8, "n: responses per group (>= 2)")
-    lr: float = arg(1e-4, "learning rate (finite, > 0)")
-    eval_n: int = arg(8, "samples per held-out prompt (Mean@n / Best@n)")
-    model: str | None = arg(None, "local causal-LM checkpoint instead of the warm-started tiny model")
-    latency_ms: float | None = arg(None, "search task: environment latency per tool call in ms (unset: the task's 5)")
-    train_pool: int | None = arg(None, "distinct training problems, cycled over epochs by every method (unset: twice "
-                                       "the prompts a run visits, so no prompt repeats; RePO needs repeats)")
-    rollout_ms_per_token: float = arg(0.0, "modelled rollout cost slept per generated token while training, ms "
-                                           "(a sleep at TRL's generation seam; 0 = native CPU sampling)")
-    modelled_ms_per_token: float | None = arg(
-        None, "per-token rollout cost (ms) of the summary's modelled wall-clock column, computed not slept (unset: "
-              "the smallest cost that makes generation 2/3 of on-policy b's measured step)")
-    eval_every: int = arg(20, "held-out curve every k steps (0 = no curve)")
-    curve_prompts: int = arg(30, "held-out prompts per benchmark for the curve")
-    curve_n: int = arg(4, "samples per prompt for the curve")
-    target: float | None = arg(None, "Mean@n the cost-to-reach columns use (unset: on-policy b's final curve value)")
-    workers: int | None = arg(None, "runs in parallel, one process and one torch thread each (unset: 2 on >= 2 "
-                                    "cores)")
-    signatures: bool = arg(True, "also run the mechanism-signature runs (seed 0 of Headroom-Drift at tau / 10 and "
-                                 "tau x 10, with the same-buffer counterfactual, hdr_l1 and hdr_advantage unless in "
-                                 "--methods); signatures.md is written either way (outside the demo), the verdicts "
-                                 "that need these runs saying so")
-    #: replay settings shared by the methods (ReplayConfig knob -> value); each method sets its own selector, and
-    #: k_rep = r sets the replay budget of the b + r methods (b + 2r ones get 2r); unset: r = b/2, tau = 1e-2,
-    #: capacity = the task's capacity_per_b x b, the rest ReplayConfig's defaults
-    replay: dict = arg(default_factory=dict, knobs=True)
-    extra: dict = field(default_factory=dict)
+    task: Literal[tuple(TASKS)] = "mix"  # type: ignore[valid-type]
+    """sandbox task"""
+    methods: Methods = None
+    seeds: int = 19
+    """seeds per method (>= 1; 19 gave 95 % half-widths 0.007-0.008 on the mix task, docs/results/fidelity)"""
+    steps: int = 120
+    """optimizer steps per run (>= 1)"""
+    prompts_per_step: int = 16
+    """b: fresh groups per step (even, so that b/2 and 1.5b are whole groups)"""
+    generations: int = 8
+    """n: responses per group (>= 2)"""
+    lr: float = 1e-4
+    """learning rate (finite, > 0)"""
+    eval_n: int = 8
+    """samples per held-out prompt (Mean@n / Best@n)"""
+    model: str | None = None
+    """local causal-LM checkpoint instead of the warm-started tiny model"""
+    latency_ms: float | None = None
+    """search task: environment latency per tool call in ms (unset: the task's 5)"""
+    train_pool: int | None = None
+    ("distinct training problems, cycled over epochs by every method (unset: twice the prompts a run visits, so no "
+     "prompt repeats; RePO needs repeats)")
+    rollout_ms_per_token: float = 0.0
+    ("modelled rollout cost slept per generated token while training, ms (a sleep at TRL's generation seam; 0 = "
+     "native CPU sampling)")
+    modelled_ms_per_token: float | None = None
+    ("per-token rollout cost (ms) of the summary's modelled wall-clock column, computed not slept (unset: the "
+     "smallest cost that makes generation 2/3 of on-policy b's measured step)")
+    eval_every: int = 20
+    """held-out curve every k steps (0 = no curve)"""
+    curve_prompts: int = 30
+    """held-out prompts per benchmark for the curve"""
+    curve_n: int = 4
+    """samples per prompt for the curve"""
+    target: float | None = None
+    """Mean@n the cost-to-reach columns use (unset: on-policy b's final curve value)"""
+    workers: int | None = None
+    """runs in parallel, one process and one torch thread each (unset: 2 on >= 2 cores)"""
+    signatures: bool = True
+    ("also run the mechanism-signature runs (seed 0 of Headroom-Drift at tau / 10 and tau x 10, with the same-buffer "
+     "counterfactual, hdr_l1 and hdr_advantage unless in --methods); signatures.md is written either way (outside "
+     "the demo), the verdicts that need these runs saying so")
+    replay: ReplayOptions = field(default_factory=dict)
+    ("replay settings shared by the methods, one option per ReplayConfig knob (--replay.<name>, underscores or "
+     "hyphens); each method sets its own selector, and k_rep = r sets the replay budget of the b + r methods (b + 2r "
+     "ones get 2r); unset: r = b/2, tau = 1e-2, capacity = the task's capacity_per_b x b, the rest ReplayConfig's "
+     "defaults")
+    extra: Suppress[dict] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         task = get_task(self.task)  # names the valid tasks

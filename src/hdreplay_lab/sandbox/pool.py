@@ -2,10 +2,10 @@
 
 One process per run: torch's intra-op pool is per process, and each worker runs one thread (env.py), so
 two workers use the two cores of a small machine without oversubscribing them.  With one worker the runs
-go in this process (no start-up cost, the progress bar follows every step).  With several, the progress
-bar follows the runs' ``train_log.jsonl`` line counts.  A run that fails stops the comparison with its
-error; runs finished before it stay finished (their metrics.json is complete), so the same command
-continues where it stopped.
+go in this process (no start-up cost, the progress follows every step).  With several, the progress follows
+the runs' ``train_log.jsonl`` line counts.  Progress is a bar on a terminal, else a line every 5 % of the steps
+(progress.py).  A run that fails stops the comparison with its error; runs finished before it stay finished
+(their metrics.json is complete), so the same command continues where it stopped.
 """
 
 from __future__ import annotations
@@ -42,9 +42,9 @@ def _logged_steps(run_dir: Path) -> int:
 def run_jobs(cfg, jobs: list[tuple], model_dir: Path, *, total_steps: int, done_steps: int = 0,
              progress: bool = True) -> None:
     """Run ``jobs`` [(RunSpec, run_dir)] with ``cfg.workers`` processes (see the module docstring)."""
-    from tqdm.auto import tqdm
+    from ..progress import progress as progress_bar
 
-    bar = tqdm(total=total_steps, initial=done_steps, unit="step", disable=not progress, dynamic_ncols=True)
+    bar = progress_bar(total=total_steps, initial=done_steps, unit="step", enabled=progress)
     try:
         if cfg.workers == 1 or len(jobs) <= 1:
             from .methods import get_methods

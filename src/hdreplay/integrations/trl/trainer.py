@@ -44,6 +44,7 @@ from ...strategies.repo import RepoController
 from ...padding import pad_groups
 from ..common import STATE_DIR, restore
 from . import mm
+from .agreement import check_rank_agreement, selection_digest
 from .batch import check_keys, gather_objects, gather_rows, generation_groups, ingress_rows, replay_rows
 from .checks import check_padding_drift
 from .checkpoints import clear_pending, mark_pending, refuse_incomplete, resume_target, rotation_held
@@ -167,6 +168,7 @@ class HDRGRPOTrainer(GRPOTrainer):
         if isinstance(self.replay, RepoController):  # prompt-conditioned: the batch's prompts first
             self.replay.observe_batch(step.current.rows["prompt_ids"], step.current.rows["prompt_mask"])
         sel = step.selection = self.replay.select(step=step.index, scorer=self._replay_scorer)
+        check_rank_agreement(self.accelerator, step.index, selection_digest(step.index, sel, self.replay))
         if not sel.groups:
             return
         W, r, dev = self.accelerator.num_processes, self.accelerator.process_index, self.accelerator.device

@@ -14,6 +14,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from omegaconf import ListConfig
+
 from ...config import ReplayConfig
 from ...errors import ReplayConfigError
 from ..common import INTEGRATION_KNOBS
@@ -46,10 +48,39 @@ def verl_truncate_multiple(*, ppo_mini_batch_size: int, n: int, dp: int) -> int:
 def _get(cfg: Any, dotted: str, default=None):
     cur = cfg
     for part in dotted.split("."):
-        if cur is None:
+        if cur is None or isinstance(cur, (list, tuple, ListConfig, str)):  # (a section given as a list)
             return default
         cur = cur.get(part, None) if hasattr(cur, "get") else getattr(cur, part, None)
     return default if cur is None else cur
+
+
+#: the verl keys the recipe reads: their types are checked before any is used (a config built by hand need not
+#: have passed verl's schema); None = may be absent
+TYPED_KEYS = {"actor_rollout_ref.rollout.n": int, f"{ACTOR}.ppo_mini_batch_size": int, f"{ACTOR}.ppo_epochs": int,
+              "data.train_batch_size": int, "trainer.use_v1": bool, f"{ACTOR}.shuffle": bool}
+
+
+def _typed(cfg: Any, dotted: str, default):
+    """``cfg.<dotted>`` of the type :data:`TYPED_KEYS` declares (ints >= 1), else ReplayConfigError naming the key."""
+    v = _get(cfg, dotted, default)
+    want = TYPED_KEYS[dotted]
+    ok = isinstance(v, bool) if want is bool else isinstance(v, int) and not isinstance(v, bool) and v >= 1
+    if not ok:
+        what = "true or false" if want is bool else "an int >= 1"
+        raise ReplayConfigError(f"{dotted}: must be {what}, got {v!r}", field=dotted)
+    return v
+
+
+def type_problems(config: Any) -> list[str]:
+    """One line per key of :data:`TYPED_KEYS` whose value has the wrong type."""
+    out = []
+    for key in TYPED_KEYS:
+        if _get(config, key) is not None:
+            try:
+                _typed(config, key, None)
+            except ReplayConfigError as e:
+                out.append(str(e))
+    return out
 
 
 @dataclass(frozen=True)
@@ -88,9 +119,9 @@ class HDRSettings:
                 "hdreplay.integrations.verl.main ...) or add `+hdr.selector=headroom_drift` etc."
             )
         values = checked_section(hdr)
-        n = int(_get(config, "actor_rollout_ref.rollout.n", 1))
-        mbs = int(_get(config, f"{ACTOR}.ppo_mini_batch_size", 1))
-        v1 = bool(_get(config, "trainer.use_v1", True))
+        n = _typed(config, "actor_rollout_ref.rollout.n", 1)
+        mbs = _typed(config, f"{ACTOR}.ppo_mini_batch_size", 1)
+        v1 = _typed(config, "trainer.use_v1", True)
         unit = 1 if v1 else verl_truncate_multiple(ppo_mini_batch_size=mbs, n=n, dp=dp)
         recipe = {k.name: values.pop(k.name) for k in INTEGRATION_KNOBS}
         user_u = values.get("truncate_multiple", 1)
@@ -123,13 +154,15 @@ def validate_verl_config(config: Any) -> HDRSettings:
     rejection sampling ``algorithm.rollout_correction.rollout_rs`` (v1: acts on the fresh rows' mask before
     the seam; replay stores the mask it produced).
     """
-    problems: list[str] = []
+    problems = type_problems(config)
+    if problems:  # the checks below read these keys
+        _raise(problems)
     try:
         settings = HDRSettings.from_config(config)
     except ReplayConfigError as e:
         settings = None
         problems.append(str(e))
-    v1 = bool(_get(config, "trainer.use_v1", True))
+    v1 = _typed(config, "trainer.use_v1", True)
     active = settings.active if settings is not None else (
         _get(config, "hdr.selector", "none") != "none" and _get(config, "hdr.k_rep", 0) != 0)
     if not active:
@@ -172,7 +205,7 @@ def _common_problems(config: Any, *, v1: bool) -> list[str]:
                         "with the per-mini-batch row balancing of the replay layout; set it to false")
     if _get(config, "distillation.enabled", False):
         problems.append("distillation.enabled=true: replayed rows carry no teacher outputs; disable distillation")
-    n = int(_get(config, "actor_rollout_ref.rollout.n", 1))
+    n = _typed(config, "actor_rollout_ref.rollout.n", 1)
     if n < 2:
         problems.append(f"actor_rollout_ref.rollout.n={n}: a GRPO group needs n >= 2 responses to be mixed; "
                         "raise rollout.n")

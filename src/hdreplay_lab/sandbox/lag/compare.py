@@ -12,18 +12,23 @@ import json
 import math
 import shutil
 import time
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
+from typing import Annotated
+
+from tyro.conf import arg
 
 from hdreplay.atomic import atomic_write_text
 
-from ...options import arg
-from ..tasks import TASKS, get_task
+from ...flags import CommaStr
+from ..tasks import get_task
 from .methods import ASYNC_METHODS, get_async_methods
 from .pipeline import PipelineConfig
 from .run import LagRunSpec, is_finished, run_lag
 
 FORMAT = "hdreplay.compare_async"
+#: the --methods option
+AsyncMethods = Annotated[CommaStr, arg(help=f"comma-separated methods from {list(ASYNC_METHODS)}")]
 
 
 def _int(name: str, v, lo: int) -> None:
@@ -36,32 +41,47 @@ class LagCompareConfig:
     """Asynchronous GRPO on the CPU sandbox with a modelled generation pipeline: age-drop, wait, keep-all with
     truncated IS and Drift-gated staleness, paired over seeds at an equal number of generated groups."""
 
-    task: str = arg("mix", f"sandbox task: one of {sorted(TASKS)} (single-turn text tasks)")
-    methods: tuple[str, ...] = arg(tuple(ASYNC_METHODS), f"comma-separated methods from {list(ASYNC_METHODS)}")
-    seeds: int = arg(8, "seeds per method (>= 2; paired: the same prompt stream and pipeline noise per seed)")
-    groups: int = arg(1280, "generated groups per run: the equal budget (>= prompts-per-step)")
-    prompts_per_step: int = arg(8, "b: groups per step from the arrival queue (even: K_rep = b/2)")
-    generations: int = arg(8, "n: responses per group (>= 2)")
-    lr: float = arg(1e-4, "learning rate (AdamW)")
-    tau: float = arg(1e-2, "Drift threshold of the gated methods (the sandbox's tau)")
-    capacity_per_b: int = arg(8, "buffer capacity of the gated methods in units of b (>= 2)")
-    eval_n: int = arg(4, "samples per held-out prompt (Mean@n)")
-    model: str | None = arg(None, "local causal-LM checkpoint instead of the warm-started tiny model")
-    slots: int = arg(16, "groups generating at once (2 b: about two steps of groups in flight)")
-    gen_fixed_ms: float = arg(PipelineConfig.gen_fixed_ms, "modelled generation time per group, fixed part (ms)")
-    gen_ms_per_token: float = arg(PipelineConfig.gen_ms_per_token, "modelled generation time per token of a group's "
-                                                                    "longest completion (ms)")
-    jitter_sigma: float = arg(PipelineConfig.jitter_sigma, "lognormal jitter of a group's generation time (sigma)")
-    train_fixed_ms: float = arg(PipelineConfig.train_fixed_ms, "modelled time of a training step, fixed part (ms)")
-    train_ms_per_group: float = arg(PipelineConfig.train_ms_per_group, "modelled training time per group (ms)")
-    rescore_ms_per_group: float = arg(PipelineConfig.rescore_ms_per_group, "modelled re-scoring time per scanned "
-                                                                            "group (ms)")
+    task: str = "mix"
+    """sandbox task (single-turn text tasks: mix, add, arith, multi_reward)"""
+    methods: AsyncMethods = tuple(ASYNC_METHODS)
+    seeds: int = 8
+    """seeds per method (>= 2; paired: the same prompt stream and pipeline noise per seed)"""
+    groups: int = 1280
+    """generated groups per run: the equal budget (>= prompts-per-step)"""
+    prompts_per_step: int = 8
+    """b: groups per step from the arrival queue (even: K_rep = b/2)"""
+    generations: int = 8
+    """n: responses per group (>= 2)"""
+    lr: float = 1e-4
+    """learning rate (AdamW)"""
+    tau: float = 1e-2
+    """Drift threshold of the gated methods (the sandbox's tau)"""
+    capacity_per_b: int = 8
+    """buffer capacity of the gated methods in units of b (>= 2)"""
+    eval_n: int = 4
+    """samples per held-out prompt (Mean@n)"""
+    model: str | None = None
+    """local causal-LM checkpoint instead of the warm-started tiny model"""
+    slots: int = 16
+    """groups generating at once (2 b: about two steps of groups in flight)"""
+    gen_fixed_ms: float = PipelineConfig.gen_fixed_ms
+    """modelled generation time per group, fixed part (ms)"""
+    gen_ms_per_token: float = PipelineConfig.gen_ms_per_token
+    """modelled generation time per token of a group's longest completion (ms)"""
+    jitter_sigma: float = PipelineConfig.jitter_sigma
+    """lognormal jitter of a group's generation time (sigma)"""
+    train_fixed_ms: float = PipelineConfig.train_fixed_ms
+    """modelled time of a training step, fixed part (ms)"""
+    train_ms_per_group: float = PipelineConfig.train_ms_per_group
+    """modelled training time per group (ms)"""
+    rescore_ms_per_group: float = PipelineConfig.rescore_ms_per_group
+    """modelled re-scoring time per scanned group (ms)"""
 
     def __post_init__(self) -> None:
-        task = get_task(self.task)
+        task = get_task(self.task)  # names the valid tasks
         if task.is_multiturn or getattr(task, "is_multimodal", False):
             raise ValueError(f"--task {self.task}: the policy-lag sandbox runs single-turn text tasks")
-        self.methods = tuple(self.methods)
+        self.methods = tuple(self.methods or ())
         get_async_methods(self.methods)
         if not self.methods:
             raise ValueError(f"--methods names no method; valid: {list(ASYNC_METHODS)}")
@@ -163,9 +183,11 @@ class AsyncCompareArgs:
     4), wait (AReaL-style throttle), keep-all with truncated IS, Drift-gated staleness (+ Headroom-Drift replay),
     paired over seeds at an equal number of generated groups."""
 
-    config: LagCompareConfig
-    out: Path = arg(Path("hdreplay_runs/compare_async"), "output directory (a new one, or one this command wrote)")
-    overwrite: bool = arg(False, "replace an output directory holding a different comparison")
+    config: Annotated[LagCompareConfig, arg(name="")]
+    out: Path = Path("hdreplay_runs/compare_async")
+    """output directory (a new one, or one this command wrote)"""
+    overwrite: bool = False
+    """replace an output directory holding a different comparison"""
 
     def check(self) -> None:
         if self.out.exists() and not self.out.is_dir():
