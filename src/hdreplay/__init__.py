@@ -22,6 +22,9 @@ Reliability contract: every public call checks all of its arguments before it ch
 ReplayError; CheckpointLockedError when another writer holds a checkpoint directory); what the buffer hands out are copies; ``ReplayController.save`` is crash-safe and
 ``load`` is all-or-nothing (see ``hdreplay.checkpoint`` and ``hdreplay.checkpoint_schema``).
 
+Asynchronous pipelines (stale groups diverted to the buffer, the Drift floor, the ledger): ``hdreplay.staleness``,
+one level above the controller, so importing ``hdreplay`` does not import it.
+
 Integrations live in ``hdreplay.integrations.trl`` and ``hdreplay.integrations.verl``.
 """
 

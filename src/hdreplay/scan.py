@@ -110,6 +110,7 @@ class _Candidate:
         self.rows = self.tokens = 0  # forwarded
         self.scores: tuple | None = None  # (drift, headroom, kl): exact, or for _EARLY the bound and the slice's
         self.finish = False  # early-rejected, forwarded to the end for its exact Headroom (refresh="finish")
+        self.floor = 0.0  # Drift floor subtracted before the gate (asynchronous pipelines): passes iff Drift <= tau + floor
 
     @property
     def rest(self) -> int:
@@ -161,7 +162,8 @@ class ScanOutcome:
 
 def run_scan(order: Callable[[int], np.ndarray], get: Callable[[list[int]], list[GroupRecord]],
              scorer: Callable, *, limit: int, k: int, gate: bool, tau: float, passes: int, refresh: str,
-             window: Callable[[int], int], drift_norm: str, headroom_weighting: str) -> ScanOutcome:
+             window: Callable[[int], int], drift_norm: str, headroom_weighting: str,
+             floors: Callable[[list[GroupRecord]], list[float]] | None = None) -> ScanOutcome:
     """Scan ``order`` (a function limit -> the first ids) up to ``limit`` ids until ``k`` groups pass.
 
     Args:
@@ -169,6 +171,8 @@ def run_scan(order: Callable[[int], np.ndarray], get: Callable[[list[int]], list
         gate: accept iff Drift <= tau (False: every scored group passes; forwarded whole).
         passes: response slices per group (1 = whole groups, the full scan).  refresh: see the module docstring.
         window: groups still needed -> groups per scorer call (the chunk size of the full scan).
+        floors: groups -> their Drift floors (>= 0; None = 0): a group passes iff Drift - floor <= tau, so its
+            early-rejection bound is tau + floor; reported Drift is max(Drift - floor, 0) (a lower bound if early).
     """
     passes = passes if gate else 1
     cands: list[_Candidate] = []
@@ -186,12 +190,15 @@ def run_scan(order: Callable[[int], np.ndarray], get: Callable[[list[int]], list
                 if len(cands) + new > len(prefix):
                     prefix = order(min(limit, max(2 * len(prefix), len(cands) + new)))
                 ids = prefix[len(cands):len(cands) + new].tolist()
-                fresh = [_Candidate(i, g, passes) for i, g in zip(ids, get(ids))]
+                groups = get(ids)
+                fresh = [_Candidate(i, g, passes) for i, g in zip(ids, groups)]
+                for c, f in zip(fresh, floors(groups) if floors is not None else ()):
+                    c.floor = float(f)
                 cands += fresh
                 todo += fresh
         if not todo:
             break
-        slices = [c.next_slice(tau) for c in todo]
+        slices = [c.next_slice(tau + c.floor) for c in todo]
         subs = [sub_group(c.group, sl, c.layout) for c, sl in zip(todo, slices)]
         lps = check_scorer_output(subs, scorer(subs))
         calls += 1
@@ -211,13 +218,15 @@ def run_scan(order: Callable[[int], np.ndarray], get: Callable[[list[int]], list
             for j, x in zip(open_, sums):
                 c = todo[j]
                 c.sum64 += x
-                if c.rest and drift_bound_rejects(c.sum64, c.layout.num_loss, tau):
+                if c.rest and drift_bound_rejects(c.sum64, c.layout.num_loss, tau + c.floor):
                     c.state = _EARLY
                     c.finish = refresh == "finish"
         for c in todo:
             if c.rest == 0 and c.scores is None:
                 c.scores = score_group(c.group, c.current(range(c.group.num_responses)), drift_norm=drift_norm,
                                        headroom_weighting=headroom_weighting)
+                if c.floor:
+                    c.scores = (max(c.scores[0] - c.floor, 0.0), *c.scores[1:])
                 if c.state == _OPEN:
                     c.state = _PASS if (not gate or c.scores[0] <= tau) else _REJECT
     kth = _kth_pass(cands, k)
@@ -228,7 +237,7 @@ def run_scan(order: Callable[[int], np.ndarray], get: Callable[[list[int]], list
             sub = sub_group(c.group, c.forwarded(), c.layout)
             _, h, kl = score_group(sub, c.current(c.forwarded()), drift_norm=drift_norm,
                                    headroom_weighting=headroom_weighting)
-            c.scores = (c.sum64 / c.layout.num_loss, h, kl)
+            c.scores = (max(c.sum64 / c.layout.num_loss - c.floor, 0.0), h, kl)
     return ScanOutcome(scanned=scanned, unused=len(rest), calls=calls, chunk_sizes=sizes, rows=rows, tokens=tokens,
                        unused_tokens=sum(c.tokens for c in rest), reached=len(cands))
 

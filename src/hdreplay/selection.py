@@ -41,7 +41,7 @@ from .scan import _EARLY, _PASS, run_scan
 from .scores import check_scorer_output, score_groups
 from .selectors import SELECTORS, BufferView, Selection, SelectorSpec, empty_selection
 from .selectors import frozen as _frozen
-from .validate import check_real, check_step
+from .validate import check_real, check_reals, check_step
 
 __all__ = ["BufferView", "MIN_ACCEPTANCE_RATE", "SELECTORS", "Scorer", "Selection", "SelectorSpec", "chunk_size",
            "empty_selection", "select_replay"]
@@ -49,6 +49,10 @@ __all__ = ["BufferView", "MIN_ACCEPTANCE_RATE", "SELECTORS", "Scorer", "Selectio
 Scorer = Callable[[Sequence[GroupRecord]], Sequence[torch.Tensor]]
 """Takes G stored groups; returns G tensors ``(T_g,)``: current-policy log-probs of every
 completion token of the group (responses concatenated, as in ``GroupRecord.completion_ids``)."""
+
+DriftFloor = Callable[[Sequence[GroupRecord]], Sequence[float]]
+"""Takes G scanned groups; returns G floors >= 0 subtracted from their Drift before the gate (asynchronous
+pipelines whose stored log-probs are the sampler's, see :mod:`hdreplay.staleness`)."""
 
 #: the running acceptance rate never drives chunk sizes beyond remaining / MIN_RATE.
 MIN_ACCEPTANCE_RATE = 0.05
@@ -82,6 +86,7 @@ def select_replay(
     acceptance_rate: float = 1.0,
     tau: float | None = None,
     rng: np.random.Generator | None = None,
+    drift_floor: DriftFloor | None = None,
 ) -> Selection:
     """Choose this step's replay groups from the pre-existing buffer (does not modify it).
 
@@ -94,6 +99,7 @@ def select_replay(
         tau: overrides ``config.tau`` (used by the adaptive-tau controller); finite, >= 0.
         rng: the generator of the random orders (uniform, freshper, adv_priority); required by them.  It is
             advanced; its state afterwards is returned in ``Selection.rng_state``.
+        drift_floor: per scanned group, a floor subtracted from its Drift before the gate (see :data:`DriftFloor`).
     Returns:
         a :class:`Selection` with read-only arrays; its ``groups`` are copies of the stored groups.
     """
@@ -103,6 +109,8 @@ def select_replay(
         raise ReplayInputError(f"config: must be a ReplayConfig, got {type(config).__name__}")
     if scorer is not None and not callable(scorer):
         raise ReplayInputError(f"scorer: must be a callable or None, got {type(scorer).__name__}")
+    if drift_floor is not None and not callable(drift_floor):
+        raise ReplayInputError(f"drift_floor: must be a callable or None, got {type(drift_floor).__name__}")
     step = check_step("step", step)
     acceptance_rate = check_real("acceptance_rate", acceptance_rate, lo=0.0, hi=1.0)
     tau = config.tau if tau is None else check_real("tau", tau, lo=0.0)
@@ -144,7 +152,8 @@ def select_replay(
     window = ((lambda need: chunk_size(need, acceptance_rate, config)) if spec.gate else (lambda need: need))
     out = run_scan(order_fn, lambda ids: buffer.get(ids), scorer, limit=limit, k=K, gate=spec.gate, tau=tau,
                    passes=config.scan_passes, refresh=config.scan_refresh, window=window,
-                   drift_norm=config.drift_norm, headroom_weighting=config.headroom_weighting)
+                   drift_norm=config.drift_norm, headroom_weighting=config.headroom_weighting,
+                   floors=None if drift_floor is None else (lambda gs: _floors(drift_floor(gs), len(gs))))
     scanned = out.scanned
     cols = {"drift": [c.scores[0] for c in scanned], "headroom": [c.scores[1] for c in scanned],
             "kl": [c.scores[2] for c in scanned]}
@@ -185,6 +194,7 @@ def select_replay(
         unused_tokens=out.unused_tokens,
         skipped=skipped,
         scanned_streak=buffer.slot_values("reject_streak", sc_ids),
+        scanned_floor=None if drift_floor is None else np.asarray([c.floor for c in scanned], dtype=float),
     )
     if config.scan_refresh == "keep":  # early-rejected groups keep their cached Headroom (the commit re-writes it)
         sel.scanned_headroom = np.where(sel.scanned_exact, sel.scanned_headroom, sel.scanned_cached)
@@ -215,6 +225,13 @@ def _counterfactual(sel: Selection, buffer: BufferView, config: ReplayConfig, sc
     sel.cf_ids = rec
     sel.cf_drift = np.asarray([val(g)[0] for g in rec.tolist()])
     sel.cf_headroom = np.asarray([val(g)[1] for g in rec.tolist()])
+
+
+def _floors(values, size: int) -> list[float]:
+    arr = check_reals("drift_floor", values, size)
+    if (arr < 0).any():
+        raise ReplayInputError(f"drift_floor: floors must be >= 0, got {arr.min():g}")
+    return arr.tolist()
 
 
 def _state(rng: np.random.Generator | None, spec: SelectorSpec) -> dict | None:

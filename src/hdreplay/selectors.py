@@ -167,6 +167,9 @@ class Selection:
     skipped: int = 0
     #: (s,) per scanned group: the consecutive scans that rejected it before this one
     scanned_streak: np.ndarray | None = None
+    #: (s,) per scanned group, the Drift floor subtracted before the gate (``drift_floor``, asynchronous pipelines;
+    #: None = no floor): ``scanned_drift`` is then max(raw Drift - floor, 0), the value the gate compared with tau
+    scanned_floor: np.ndarray | None = None
 
 
 def empty_selection(step: int, name: str, size: int, tau: float) -> Selection:

@@ -3,6 +3,7 @@ the help (the CleanRL pattern, ``tyro.cli``).
 
     hdreplay demo                  reduced comparison on CPU (what `make demo` runs), < 10 minutes on 2 cores
     hdreplay compare               the paper's role-aligned comparison in the CPU sandbox
+    hdreplay compare-async         the policy-lag sandbox: stale groups under age-drop, wait, keep-all, Drift-gated
     hdreplay report RUN_DIR...     replay analytics (markdown + PNG + JSON) of run directories, TRL output dirs too
     hdreplay calibrate run         the tau sweep (decade-spaced taus + adaptive tau) and its recommendation
     hdreplay calibrate summarize RUN_DIR...   the same summary for finished runs
@@ -33,6 +34,7 @@ from .analysis.calibration import CalibrationCriteria
 from .analysis.report import ReportSettings
 from .flags import CommaFloat, replay_options
 from .sandbox.compare import CompareConfig, Methods
+from .sandbox.lag.compare import AsyncCompareArgs
 from .sandbox.methods import DEMO_METHODS
 
 #: input errors: one line and exit status 2 when raised while parsing or checking a command
@@ -319,11 +321,12 @@ class Calibrate:
 
 #: the ``hdreplay`` command line: one subcommand per dataclass
 Command = Union[Annotated[DemoArgs, subcommand("demo")], Annotated[CompareArgs, subcommand("compare")],
+                Annotated[AsyncCompareArgs, subcommand("compare-async")],
                 Annotated[ReportArgs, subcommand("report")], Annotated[Calibrate, subcommand("calibrate")],
                 Annotated[ExplainArgs, subcommand("explain")]]
 
 
-COMMANDS = ("demo", "compare", "report", "calibrate", "explain")
+COMMANDS = ("demo", "compare", "compare-async", "report", "calibrate", "explain")
 
 
 class UsageError(ValueError):

@@ -196,6 +196,21 @@ class CPUActorWorker(Worker):
                        k: v for k, v in self._record(micro).items() if k in ("uid", "responses", "replay")})
         return rec
 
+    @staticmethod
+    def _loss_terms(micro: TensorDict, lp, loss) -> dict:
+        """What one micro-batch's loss was computed from, per row (response positions), and the loss itself: enough
+        to recompute verl's policy loss by hand (value t of ``lp`` scores token t + 1)."""
+        rows = lambda t: list(t.unbind(0))  # noqa: E731
+        plens = [int(x.numel()) for x in rows(micro["prompts"])]
+        cur = [row[p - 1:p - 1 + int(m.numel())].tolist() for row, p, m in zip(rows(lp.detach()), plens,
+                                                                                 rows(micro["response_mask"]))]
+        return {"uid": _non_tensor_list(micro, "uid"), "lp": cur, "responses": [r.tolist() for r in rows(micro["responses"])],
+                "old": [r.tolist() for r in rows(micro["old_log_probs"])],
+                "adv": [r.tolist() for r in rows(micro["advantages"])],
+                "mask": [r.tolist() for r in rows(micro["response_mask"])],
+                "batch_num_tokens": float(tu.get(micro, "batch_num_tokens")), "dp_size": int(tu.get(micro, "dp_size")),
+                "loss": float(loss.detach())}
+
     @register(dispatch_mode=make_nd_compute_dataproto_dispatch_fn(mesh_name="actor"))
     def update_actor(self, data: TensorDict) -> TensorDict:
         mini_batch_size = tu.pop(data, key="mini_batch_size", default=None)
@@ -227,6 +242,8 @@ class CPUActorWorker(Worker):
                 loss.backward()
                 total += loss.detach().item()
                 records[-1].setdefault("micro", []).append(self._record_loss(micro, lp, loss, num_tokens))
+                if micro["prompts"].is_nested:  # v1 (TransferQueue) rows
+                    records[-1].setdefault("micro_terms", []).append(self._loss_terms(micro, lp, loss))
             if self.world_size > 1:
                 for p in self.model.parameters():
                     if p.grad is not None:

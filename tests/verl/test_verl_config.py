@@ -100,7 +100,8 @@ def test_incompatible_configuration_is_rejected_naming_the_key(override, match):
 
 
 @pytest.mark.parametrize("override,match", [
-    ("algorithm.rollout_correction.bypass_mode=true", "rollout_correction.bypass_mode=true"),
+    # rollout_is is supported (decoupled mode, below); bypass_mode is supported on v1 (tests/verl/test_verl_v1_async.py:
+    # accepted, and refused with a loss that never reads old_log_probs or without rollout log-probs)
     ("trainer.v1.trainer_mode=bogus", "trainer.v1.trainer_mode=bogus"),
     (f"{ACTOR}.shuffle=true", f"{ACTOR}.shuffle"),
     ("critic.enable=true", "critic.enable"),
@@ -140,7 +141,6 @@ def test_rollout_importance_sampling_in_decoupled_mode_is_accepted(overrides, v1
 
 @pytest.mark.parametrize("v1", [False, True])
 @pytest.mark.parametrize("overrides,needles", [
-    ((f"{RC}.bypass_mode=true",), (f"{RC}.bypass_mode=true", f"{RC}.bypass_mode=false")),
     ((f"{RC}.rollout_is=token", "actor_rollout_ref.rollout.calculate_log_probs=false"),
      ("calculate_log_probs=false", "calculate_log_probs=true", f"{RC}.rollout_is=null")),
     ((f"{RC}.rollout_is=sequence", f"{RC}.rollout_is_batch_normalize=true"),
@@ -152,6 +152,14 @@ def test_rollout_correction_without_a_birth_time_meaning_is_refused_naming_setti
     assert all(x in str(e.value) for x in needles), str(e.value)
     # without replay verl's own settings are not the recipe's business
     assert not validate_verl_config(compose_config(*overrides, "hdr.selector=none", v1=v1)).active
+
+
+def test_bypass_mode_is_refused_on_v0_naming_setting_and_fix():
+    """v0 has no asynchronous path: bypass mode would measure Drift against the engine's log-probs (v1 accepts it,
+    tests/verl/test_verl_v1_async.py)."""
+    with pytest.raises(ReplayConfigError) as e:
+        validate_verl_config(compose_config(f"{RC}.bypass_mode=true", v1=False))
+    assert f"{RC}.bypass_mode=true" in str(e.value) and f"{RC}.bypass_mode=false" in str(e.value), str(e.value)
 
 
 @pytest.mark.parametrize("override,needle", [("hdr.typo_key=1", "typo_key"), ("hdr.k_rep=many", "many"),

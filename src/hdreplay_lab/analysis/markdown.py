@@ -6,6 +6,7 @@ from typing import Any, Callable, Sequence
 
 import pandas as pd
 
+from .ledger import ROWS as ASYNC_ROWS
 from .stats import INTERVALS
 from .waste import WASTE_ROWS
 
@@ -236,6 +237,7 @@ def render_report(report: dict) -> str:
         "\n## 8. Entropy-collapse timing at a matched score\n\n" + _entropy(r) + _figure(r, "entropy_timing"),
         "\n## 9. Phase-wise replay mixture\n\n" + _per_run(r, "phases", _phases) + _figure(r, "phases"),
         "\n## 10. Replay ingress under a multi-part reward\n\n" + _ingress(r) + _figure(r, "ingress"),
+        "\n## 11. Asynchronous pipeline: where generated groups went\n\n" + run_table(r, "async_ledger", ASYNC_ROWS),
         "\n## Training curves and final metrics\n\n" + run_table(r, "training", [
             ("score points", "score/n", "int"), *_intervals("score", "score/by_interval"),
             ("final score", "score/last", "num"), ("entropy points", "entropy/n", "int"),

@@ -10,7 +10,8 @@ Output layout (default ``RUN_DIR/report`` for one run, ``./hdreplay-report`` for
                    entropy_timing, phases, ingress (a figure is omitted when no run has its data)
 
 An analysis (one run) has the keys: info, problems, training, final_metrics, ingress, entropy_timing, acceptance,
-replay_kl, scan, age_gate, staleness, mixing, headroom_deciles, multiplicity, counterfactual, phases, waste.  A section
+replay_kl, scan, age_gate, staleness, mixing, headroom_deciles, multiplicity, counterfactual, phases, waste,
+async_ledger (asynchronous runs: :mod:`.ledger`).  A section
 a run cannot provide is {"available": false, "reason": ...}.
 """
 
@@ -32,6 +33,7 @@ from ..progress import progress
 from .age import age_gate, mixing, phase_mixture, staleness
 from .gate import acceptance, col, replay_kl, scan
 from .ingress import ingress
+from .ledger import async_ledger
 from .lifetime import counterfactual, headroom_deciles, multiplicity
 from .load import AnalysisInputError, RunData
 from .stats import check_settings, num, sanitize, unavailable
@@ -139,7 +141,7 @@ def analyze_run(run: RunData, settings: ReportSettings = ReportSettings()) -> di
     info = run_info(run)
     out: dict[str, Any] = {"info": info, "problems": list(run.problems),
                            "training": training(run.log, score_key=settings.score_key, entropy_key=settings.entropy_key),
-                           "final_metrics": final_metrics(run.metrics)}
+                           "final_metrics": final_metrics(run.metrics), "async_ledger": async_ledger(run)}
     out["ingress"] = ingress(run.fresh, run.steps, run.groups, run.replay_config,
                              threshold=settings.answer_threshold)
     out["entropy_timing"] = ({"available": True, **collapse_timing(

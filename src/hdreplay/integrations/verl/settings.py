@@ -169,13 +169,13 @@ def validate_verl_config(config: Any) -> HDRSettings:
     if not active:
         _raise(problems)
         return settings
-    problems += _common_problems(config)
+    problems += _common_problems(config, v1=v1)
     problems += _v1_problems(config) if v1 else _v0_problems(config, settings)
     _raise(problems)
     return settings
 
 
-def _common_problems(config: Any) -> list[str]:
+def _common_problems(config: Any, *, v1: bool) -> list[str]:
     problems = []
     if _get(config, f"{ACTOR}.shuffle", False):
         problems.append(f"{ACTOR}.shuffle=true: replay rows must fill the first mini-batches in order, and verl "
@@ -191,7 +191,7 @@ def _common_problems(config: Any) -> list[str]:
                         "are not supported")
     if _get(config, "critic.enable", None):
         problems.append("critic.enable=true: replayed groups carry no values/returns for a critic; disable the critic")
-    problems += _rollout_correction_problems(config)
+    problems += _rollout_correction_problems(config, v1=v1)
     if _get(config, f"{ACTOR}.use_prefix_grouper", False):
         problems.append(f"{ACTOR}.use_prefix_grouper=true: it keeps uid groups together on ranks, which conflicts "
                         "with the per-mini-batch row balancing of the replay layout; set it to false")
@@ -204,16 +204,18 @@ def _common_problems(config: Any) -> list[str]:
     return problems
 
 
-def _rollout_correction_problems(config: Any) -> list[str]:
+def _rollout_correction_problems(config: Any, *, v1: bool) -> list[str]:
     """verl's rollout correction with replay (docs/verl.md, "Rollout correction"): a replayed row carries its birth
     ``rollout_is_weights`` (pi_old / pi_rollout at birth, truncated), so with the PPO ratio against its stored
     ``old_log_probs`` its weight is what a fresh row's is; ``rollout_rs`` acts on the fresh rows' mask before the
-    seam and replay stores that mask.  Refused: what has no birth-time meaning for a replayed row."""
+    seam and replay stores that mask.  Refused: what has no birth-time meaning for a replayed row.  ``bypass_mode`` on
+    the v1 recipe is checked by :mod:`.async_settings` (asynchronous pipelines: replay measures Drift against the
+    stored rollout log-probs there, with a floor)."""
     rc = _get(config, "algorithm.rollout_correction")
     if rc is None:
         return []
     key, problems = "algorithm.rollout_correction", []
-    if _get(rc, "bypass_mode", False):
+    if _get(rc, "bypass_mode", False) and not v1:
         problems.append(f"{key}.bypass_mode=true: it replaces old_log_probs by the inference engine's log-probs, so "
                         "Drift would be measured against them (never 0 even at unchanged weights); set "
                         f"{key}.bypass_mode=false (decoupled mode, where replayed rows keep their birth weights)")
@@ -260,11 +262,13 @@ def warn_drift_floor(config: Any, settings: HDRSettings) -> str | None:
 
 
 def _v1_problems(config: Any) -> list[str]:
+    from .async_settings import async_problems
+
     mode = _get(config, "trainer.v1.trainer_mode", "sync")
     if mode not in V1_MODES:
         return [f"trainer.v1.trainer_mode={mode}: the recipe has trainers for {list(V1_MODES)}; pick one of them "
                 "or run with hdr.selector=none"]
-    return []
+    return async_problems(lambda key, default=None: _get(config, key, default))
 
 
 def _v0_problems(config: Any, settings: HDRSettings | None) -> list[str]:

@@ -79,6 +79,12 @@ class HDRTrainerMixin(ReplayCheckpoints):
                                        diagnostics_dir=self.hdr.diagnostics_dir if self.replay_active else None)
         #: what the last replay step did (selection, keys, layout) - for logging and tests
         self.last_replay: dict | None = None
+        #: the staleness rule (hdreplay's async sampler / bypass mode), else None (:mod:`.v1_async`)
+        self.async_seam = None
+        if self.replay_active:
+            from .v1_async import seam_for
+
+            self.async_seam = seam_for(self)
         self._score_calls = 0  # keys of scoring rows are unique per call
 
     # ------------------------------------------------------------------ helpers
@@ -169,14 +175,18 @@ class HDRTrainerMixin(ReplayCheckpoints):
         # vision-language runs: a text-only prompt (or another image layout) is one of the problems, not fatal
         fresh = fresh_groups(data, batch.tags, step=step, group_size=n,
                              estimator=str(self.config.algorithm.adv_estimator), schema=self.replay.buffer.mm_schema)
-        sel = self.replay.select(step=step, scorer=self._replay_scorer)
-        self.replay.stage(fresh.groups, step=step)
+        seam = self.async_seam
+        sel = seam.select(step) if seam else self.replay.select(step=step, scorer=self._replay_scorer)
+        if seam:
+            seam.stage(fresh.groups, step=step, data=data, tags=batch.tags)
+        else:
+            self.replay.stage(fresh.groups, step=step)
         actor, info = self._write_actor_batch(batch, fresh, sel.groups, step=step, minibatch_rows=m, dp=dp)
         try:
             super()._update_actor(actor, metrics)
         finally:
             _clear(info["extra_keys"], batch.partition_id)
-        replay = self.replay.commit(num_fresh_groups=fresh.num_uids)
+        replay = (seam.commit if seam else self.replay.commit)(num_fresh_groups=fresh.num_uids)
         rec = self.replay.last_record
         replay.update(info["metrics"])
         replay.update({"replay/accepted_gate": float(rec.accepted_gate), "replay/truncated": float(rec.truncated),

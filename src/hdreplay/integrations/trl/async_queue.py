@@ -1,0 +1,162 @@
+"""The group-aware proxy around TRL async GRPO's rollout queue (rank 0).
+
+TRL's ``RolloutQueueDataset`` (rank 0 only) pulls single ``RolloutSample``s from ``trainer.rollout_queue`` and drops
+each one whose ``model_version`` is more than ``max_staleness`` behind -- one sample at a time, so a version bump
+in the middle of a group can train half of it.  :class:`GroupRoutingQueue` takes that queue's place: it collects
+a group's n samples, routes the whole group by the staleness rule (:func:`hdreplay.staleness.route`, with TRL's
+own staleness: the current version minus the sample's) and hands TRL
+
+* the group's samples, if it is fresh (within ``max_staleness``): unchanged, so TRL trains it as it would;
+* nothing, if it is diverted (held for the buffer) or dropped (beyond the bound, zero-variance);
+* first, before any fresh sample, the samples of groups the scan admitted (``enqueue_replay``), re-stamped with
+  the current version.
+
+It never re-scores (that runs on every rank after the weight sync, see :mod:`.async_trainer`: a sharded forward
+inside this rank-0 iterator would deadlock).  It records, per group, where its samples landed (the global step:
+TRL's ``FixedCountBatcher`` turns every ``samples_per_step`` samples into one step).
+
+Supply: TRL's dataset polls forever on an empty queue.  Here every ``warn_after_s`` without a sample logs a warning
+with the numbers, and after ``timeout_s`` a :class:`RolloutSupplyError` is raised (None: keep waiting, visibly).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import queue
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from ...staleness import route
+from .async_rows import check_sampler_logprobs, group_from_samples, samples_from_group
+
+logger = logging.getLogger("hdreplay.async")
+
+
+class RolloutSupplyError(RuntimeError):
+    """The rollout worker supplied no sample for longer than the configured timeout."""
+
+
+@dataclass
+class Routed:
+    """One routed group as rank 0 saw it (broadcast to every rank at the step's end)."""
+
+    group: Any  # GroupRecord
+    route: str  # fresh | divert | drop
+    staleness: int
+    version: int  # the version at routing
+    steps: list = field(default_factory=list)  # global steps its samples landed in (fresh only)
+
+
+class GroupRoutingQueue:
+    """Stands in for ``trainer.rollout_queue`` (``get(timeout)`` / ``qsize()``, what TRL's dataset calls).
+
+    Args:
+        inner: the rollout worker's queue.
+        n: samples per group (``num_generations``).
+        fresh_bound: TRL's ``max_staleness``.
+        version_fn: the trainer's current ``model_version``.
+        mixed_fn: GroupRecord -> bool, the controller's ingress rule.
+        samples_per_step: samples one optimizer step consumes (per_device_train_batch_size x GA x processes).
+        max_divert_age: staleness beyond which a mixed group is dropped too (None: no limit).
+    """
+
+    def __init__(self, inner, *, n: int, fresh_bound: int, version_fn: Callable[[], int],
+                 mixed_fn: Callable[[Any], bool], samples_per_step: int, max_divert_age: int | None = None,
+                 warn_after_s: float = 60.0, timeout_s: float | None = None) -> None:
+        self.inner, self.n, self.fresh_bound = inner, n, fresh_bound
+        self.version_fn, self.mixed_fn, self.samples_per_step = version_fn, mixed_fn, samples_per_step
+        self.max_divert_age, self.warn_after_s, self.timeout_s = max_divert_age, warn_after_s, timeout_s
+        self._out: collections.deque = collections.deque()  # (sample, kind, group_id)
+        self._replay: collections.deque = collections.deque()
+        self._partial: dict[Any, list] = {}
+        self._template = None
+        self.emitted = 0
+        self.routed: list[Routed] = []  # since the last drain
+        self.landed: dict[Any, list] = {}  # group_id -> [(kind, global step)] since the last drain
+        self.kind_of: dict[Any, tuple[str, int]] = {}  # group_id -> (kind, generation version) of the last emission
+        self._last_sample = time.monotonic()
+        self._warned_at = 0.0
+
+    # ------------------------------------------------------------------ what TRL's dataset calls
+    def qsize(self) -> int:
+        return self.inner.qsize() + len(self._out) + len(self._replay)
+
+    def get(self, timeout: float | None = None):
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not (self._replay or self._out):
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                self._check_supply()
+                raise queue.Empty
+            try:
+                sample = self.inner.get(timeout=left)
+            except queue.Empty:
+                self._check_supply()
+                raise
+            self._last_sample = time.monotonic()
+            self._add(sample)
+        sample, kind, gid = (self._replay or self._out).popleft()
+        step = self.emitted // self.samples_per_step + 1
+        self.emitted += 1
+        self.landed.setdefault(gid, []).append((kind, step))
+        return sample
+
+    # ------------------------------------------------------------------ routing
+    def _add(self, sample) -> None:
+        self._template = self._template or sample
+        part = self._partial.setdefault(sample.group_id, [])
+        part.append(sample)
+        if len(part) > self.n:
+            raise RuntimeError(f"group {sample.group_id}: more than num_generations={self.n} samples; the HDR async "
+                               "proxy routes whole groups of n samples (multi-turn forks are not supported)")
+        if len(part) == self.n:
+            self._route(self._partial.pop(sample.group_id))
+
+    def _route(self, samples: list) -> None:
+        check_sampler_logprobs(samples)
+        versions = {int(s.model_version) for s in samples}
+        if len(versions) != 1:
+            raise RuntimeError(f"group {samples[0].group_id}: samples of versions {sorted(versions)}; a group must be "
+                               "dispatched with one policy version")
+        now = int(self.version_fn())
+        k = now - versions.pop()
+        group = group_from_samples(samples)
+        r = route(staleness=k, fresh_bound=self.fresh_bound, mixed=bool(self.mixed_fn(group)),
+                  max_divert_age=self.max_divert_age)
+        self.routed.append(Routed(group, r, k, now))
+        if r == "fresh":
+            self._out.extend((s, "fresh", s.group_id) for s in samples)
+            self.kind_of[group.group_id] = ("fresh", now - k)
+
+    def enqueue_replay(self, groups) -> None:
+        """Emit these groups' samples next, before any fresh sample (stamped with the current version)."""
+        v = int(self.version_fn())
+        for g in groups:
+            self._replay.extend((s, "replay", g.group_id) for s in samples_from_group(g, template=self._template,
+                                                                                      version=v))
+            self.kind_of[g.group_id] = ("replay", g.birth_step + 1)
+
+    def drain(self) -> tuple[list[Routed], dict]:
+        """The groups routed and the samples landed since the last call (and forget them)."""
+        routed, landed = self.routed, self.landed
+        self.routed, self.landed = [], {}
+        return routed, landed
+
+    @property
+    def pending_replay_samples(self) -> int:
+        return len(self._replay)
+
+    def _check_supply(self) -> None:
+        waited = time.monotonic() - self._last_sample
+        left = self.samples_per_step - self.emitted % self.samples_per_step
+        msg = (f"hdreplay async: no rollout sample for {waited:.0f} s; the current step still needs {left} of its "
+               f"{self.samples_per_step} samples ({len(self._partial)} groups incomplete, {self.inner.qsize()} samples "
+               f"queued). The rollout worker supplies too little, or diverting stale groups leaves too few fresh ones: "
+               f"raise the worker's concurrency (max_inflight_tasks) or lower replay_k_rep / the step size")
+        if self.timeout_s is not None and waited >= self.timeout_s:
+            raise RolloutSupplyError(msg + f" (replay_supply_timeout_s={self.timeout_s:g})")
+        if waited >= self.warn_after_s and time.monotonic() - self._warned_at >= self.warn_after_s:
+            self._warned_at = time.monotonic()
+            logger.warning(msg)

@@ -1,0 +1,97 @@
+"""One HDRAsyncGRPOTrainer run on CPU (1 process, or each rank of ``torchrun --nproc_per_node 2``).
+
+    torchrun --nproc_per_node 2 tests/support/async_grpo_run.py OUT_DIR MODEL_DIR [max_steps]
+
+writes what each rank saw to ``OUT_DIR/rank<r>.json`` (:func:`summary`).  The worker (rank 0) generates
+``fresh_per_version`` groups' worth of samples ahead and, per version, one slow group released 3 versions later:
+with ``max_staleness=1`` every slow group arrives stale and is diverted.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(__file__))
+os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+
+import async_grpo_cpu as cpu  # noqa: E402
+
+cpu.install()
+
+from datasets import Dataset  # noqa: E402
+
+from hdreplay.integrations.trl.async_config import HDRAsyncGRPOConfig  # noqa: E402
+from hdreplay.integrations.trl.async_trainer import HDRAsyncGRPOTrainer  # noqa: E402
+from hdreplay_lab.sandbox.model import load_model  # noqa: E402
+
+PROMPTS = [f"{i}+{i * 7 % 10}=" for i in range(40)]
+ANSWERS = [str(i + i * 7 % 10) for i in range(40)]
+
+
+def digit_reward(text: str, answer: str) -> float:
+    """1 if a digit appears in the first 3 characters: mixed outcomes under a random tiny model."""
+    return float(any(c.isdigit() for c in text[:3]))
+
+
+def make_trainer(out_dir, model_dir, *, worker_kw=None, **over):
+    """(trainer, worker); rank 0 owns the worker, the other ranks pass None."""
+    import torch.distributed as dist
+
+    rank0 = not dist.is_available() or not dist.is_initialized() or dist.get_rank() == 0
+    model, tok = load_model(model_dir)
+    worker = cpu.CPURolloutWorker(model, tok, PROMPTS, ANSWERS, n=4, max_new_tokens=5, reward=digit_reward,
+                                  **{"fresh_per_version": 4, "slow_per_version": 1, "slow_lag": 3,
+                                     **(worker_kw or {})}) if rank0 else None
+    kw = dict(output_dir=str(out_dir), use_cpu=True, report_to="none", max_steps=6, per_device_train_batch_size=8,
+              gradient_accumulation_steps=2, num_generations=4, max_completion_length=5, learning_rate=1e-3,
+              logging_steps=1, save_strategy="no", bf16=False, token_budget=0, max_staleness=1, disable_tqdm=True,
+              replay_k_rep=1, replay_capacity=16, replay_tau=1.0, seed=0)
+    kw.update(over)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1:  # the same 16 samples per step: 8 per micro-batch, split over the ranks
+        kw["per_device_train_batch_size"] = kw["per_device_train_batch_size"] // world
+    args = HDRAsyncGRPOConfig(**kw)
+    tr = HDRAsyncGRPOTrainer(model=str(model_dir), reward_funcs=[], args=args,
+                             train_dataset=Dataset.from_dict({"prompt": PROMPTS}), processing_class=tok,
+                             rollout_worker=worker, weight_transfer=cpu.CopyWeights(worker) if rank0 else None)
+    return tr, worker
+
+
+def summary(tr, worker) -> dict:
+    """What the tests read: per update the routing, selections, landings; the ledger; the buffer's digest."""
+    buf = tr.areplay.controller.buffer
+    ids = buf.insertion_ids()
+    digest = hashlib.sha256(json.dumps([buf.group_ids(ids), buf.slot_values("cached_headroom", ids).round(6).tolist()],
+                                       default=str).encode()).hexdigest()
+    return {
+        "world": tr.accelerator.num_processes,
+        "steps": [{"step": r["step"], "routed": r["routed"], "selected": r["selected"], "delays": r["delays"],
+                   "landed": {str(k): v for k, v in r["landed"].items()},
+                   "metrics": {k: v for k, v in r["metrics"].items() if v == v}} for r in tr.replay_log],
+        "log_history": tr.state.log_history,
+        "totals": tr.areplay.ledger.totals,
+        "buffer_digest": digest,
+        "worker_log": None if worker is None else worker.log,
+        "worker_samples": None if worker is None else {str(g): s for g, s in worker.samples_by_group.items()},
+    }
+
+
+def main() -> None:
+    import torch.distributed as dist
+
+    out, model_dir = sys.argv[1], sys.argv[2]
+    steps = int(sys.argv[3]) if len(sys.argv) > 3 else 6
+    tr, worker = make_trainer(out, model_dir, max_steps=steps)
+    tr.train()
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+        json.dump(summary(tr, worker), f, default=str)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
