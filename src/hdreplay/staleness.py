@@ -240,9 +240,12 @@ class AsyncReplay:
         sel = self.controller.select(step=step, scorer=scorer, drift_floor=self._floor_of)
         self._step = step
         drift = dict(zip(sel.scanned_group_ids, sel.scanned_drift.tolist()))
+        exact = dict(zip(sel.scanned_group_ids, [True] * len(drift) if sel.scanned_exact is None
+                         else sel.scanned_exact.tolist()))
         for gid, d in drift.items():
             info = self.tracked.get(gid)
-            if info is not None and info["first_drift"] is None:
+            # an early-rejected group's Drift is only a lower bound (hdreplay.scan): its first exact scan counts
+            if info is not None and info["first_drift"] is None and exact[gid]:
                 info["first_drift"] = d
                 self.ledger.on_first_scan(d)
         for g in sel.groups:

@@ -76,6 +76,30 @@ def test_sliced_scan_makes_the_full_scans_decisions(seed, selector, norm, K, tau
         assert sel.rescored_rows == full.rescored_rows and sel.chunk_sizes == full.chunk_sizes
 
 
+@given(seed=st.integers(0, 10_000), K=st.integers(1, 6), tau=st.sampled_from([0.0, 1e-3, 5e-3, 2e-2]),
+       passes=st.integers(2, 6), floor=st.sampled_from([0.0, 1e-3, 1e-2, 5e-2]), walk=st.sampled_from([0.05, 0.15]))
+@settings(max_examples=25)
+def test_a_drift_floor_gates_the_sliced_scan_as_the_full_one(seed, K, tau, passes, floor, walk):
+    """Asynchronous pipelines subtract a per-group floor before the gate (hdreplay.staleness): early rejection must
+    then prove Drift > tau + floor, and the decisions are the full scan's, each group passing iff
+    max(Drift - floor, 0) <= tau."""
+    cfg = ReplayConfig(selector="headroom_drift", k_rep=K, tau=tau, capacity=24, scan_passes=passes, max_scan=24)
+    ctrl, pol = _controller(cfg, steps=7, seed=seed, walk=walk, n_max=6)
+    floors = lambda groups: [floor * (1 + sum(map(ord, g.group_id)) % 3) for g in groups]  # noqa: E731  per-group values
+    sel = select_replay(ctrl.buffer, cfg, pol.scorer, step=7, drift_floor=floors)
+    full = select_replay(ctrl.buffer, dataclasses.replace(cfg, scan_passes=1), pol.scorer, step=7, drift_floor=floors)
+    assert sel.accepted.tolist() == full.accepted.tolist() and sel.scanned.tolist() == full.scanned.tolist()
+    assert sel.scanned_pass.tolist() == full.scanned_pass.tolist()
+    assert sel.scanned_floor.tolist() == full.scanned_floor.tolist()
+    _, _, ref = reference_scan(ctrl, pol, K, tau, order="headroom", norm="l2")
+    for j, i in enumerate(full.scanned.tolist()):
+        want = max(ref[i][0] - full.scanned_floor[j], 0.0)
+        assert full.scanned_drift[j] == pytest.approx(want, rel=1e-6, abs=1e-9)
+        assert full.scanned_pass[j] == (full.scanned_drift[j] <= tau)
+        if not sel.scanned_exact[j]:
+            assert tau < sel.scanned_drift[j] <= full.scanned_drift[j] * (1 + 1e-6)
+
+
 @pytest.mark.parametrize("selector", GATED)
 def test_finish_refresh_runs_the_full_scans_whole_run(selector):
     """With the exact refresh, a whole run (selections, caches, counters) is the full scan's; only costs differ."""
