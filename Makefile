@@ -30,7 +30,7 @@ $(STAMP): pyproject.toml constraints.txt
 $(VSTAMP): pyproject.toml constraints-verl.txt
 	test -x $(VPY) || $(PYTHON) -m venv $(VENV_VERL)
 	$(VPY) -m pip install $(PIP_FLAGS) -c constraints-verl.txt torch==2.13.0
-	$(VPY) -m pip install $(PIP_FLAGS) -c constraints-verl.txt -e ".[verl,test]"
+	$(VPY) -m pip install $(PIP_FLAGS) -c constraints-verl.txt -e ".[verl,test,cli]"
 	touch $(VSTAMP)
 
 demo: $(STAMP)

@@ -251,13 +251,15 @@ def test_plain_grpo_config_is_converted_with_the_replay_settings_named(model_dir
 
 def test_args_none_builds_a_default_config_like_grpo_trainer(model_dir, monkeypatch, tmp_path):
     """Without ``args`` GRPOTrainer builds GRPOConfig(f"{name}-GRPO") with TRL's defaults (one process, batch 8, 8
-    generations: one fresh group per update, bf16).  HDRGRPOTrainer builds HDRGRPOConfig from the same defaults; with
-    one fresh group per update the default budget (half the fresh groups) is 0 and it refuses, naming replay_k_rep,
-    the TRL defaults it derived it from, and the fix.  TRL's default bf16=True needs a GPU: the capability query is
+    generations: one fresh group per update, bf16).  HDRGRPOTrainer builds HDRGRPOConfig from the same defaults; the
+    default budget (half the fresh groups) would be 0 there, so a config the user did not write replays one group
+    per update and warns, naming the TRL defaults and the knobs to choose.  A config the user wrote with the same
+    settings is refused instead, naming replay_k_rep.  TRL's default bf16=True needs a GPU: the capability query is
     the one call substituted, so both constructions get past TrainingArguments' check on this CPU machine."""
     import transformers.training_args
 
     from hdreplay.errors import ReplayConfigError
+    from hdreplay.integrations.trl.plan import ReplaySettingWarning
 
     monkeypatch.setattr(transformers.training_args, "is_torch_bf16_gpu_available", lambda: True)
     monkeypatch.chdir(tmp_path)
@@ -266,11 +268,19 @@ def test_args_none_builds_a_default_config_like_grpo_trainer(model_dir, monkeypa
     assert type(plain.args) is GRPOConfig and plain.args.output_dir == "tiny-qwen2-GRPO"
     assert (plain.args.per_device_train_batch_size, plain.args.num_generations, plain.args.bf16) == (8, 8, True)
     model, tok = tiny_model(model_dir)
-    with pytest.raises(ReplayConfigError) as err:
-        HDRGRPOTrainer(model=model, reward_funcs=reward_digit, train_dataset=prompts(), processing_class=tok)
+    with pytest.warns(ReplaySettingWarning) as rec:
+        tr = HDRGRPOTrainer(model=model, reward_funcs=reward_digit, train_dataset=prompts(), processing_class=tok)
+    assert type(tr.args) is HDRGRPOConfig and tr.args.output_dir == plain.args.output_dir
+    same = ("per_device_train_batch_size", "num_generations", "bf16", "learning_rate", "gradient_accumulation_steps",
+            "loss_type", "beta", "max_completion_length")
+    assert {k: getattr(tr.args, k) for k in same} == {k: getattr(plain.args, k) for k in same}
+    assert tr.args.replay_k_rep == 1 and tr.replay_config.k_rep == 1 and tr.replay_active
+    msg = " ".join(str(w.message) for w in rec if issubclass(w.category, ReplaySettingWarning))
+    assert "would be 0" in msg and "replay_k_rep=1" in msg and "num_generations=8" in msg, msg
+    with pytest.raises(ReplayConfigError) as err:  # the same TRL defaults, written by the user
+        HDRGRPOConfig(output_dir=str(tmp_path / "written"), per_device_train_batch_size=8, num_generations=8)
     msg = str(err.value)
     assert msg.startswith("replay_k_rep:") and "is 0, so nothing would ever be replayed" in msg, msg
-    assert "n=8 responses per group, W=1 processes, per_device_train_batch_size=8" in msg, msg
     assert "Set replay_k_rep to a multiple of 1, or replay_selector='none'" in msg, msg
 
 
