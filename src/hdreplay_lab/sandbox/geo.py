@@ -218,7 +218,7 @@ class GeoTask:
         return geo_score(completion, answer)
 
     def reward_func(self):
-        from .tasks import score_reward  # lazily: tasks.py registers this task at import
+        from .rewards import score_reward
 
         return score_reward(self.name, self.score)
 

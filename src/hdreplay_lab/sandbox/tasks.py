@@ -26,20 +26,11 @@ from __future__ import annotations
 import random
 import re
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Callable
+
+from .rewards import score_reward  # noqa: F401  (its home before rewards.py)
 
 VOCAB = "0123456789+-=.?"
-
-
-def score_reward(name: str, score: Callable[[Any, str], float]) -> Callable[..., list[float]]:
-    """A TRL reward function named ``<name>_reward`` (TRL's metric name) that scores each completion against the
-    dataset's ``answer`` column with ``score(completion, answer) -> float``."""
-
-    def reward(completions, answer, **kw):
-        return [score(c, a) for c, a in zip(completions, answer)]
-
-    reward.__name__ = f"{name}_reward"
-    return reward
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 from transformers import Qwen2VLProcessor
 
-from .model import DEFAULT_CHARS, EOS, build_tokenizer, quiet_hf_progress
+from .chartok import DEFAULT_CHARS, EOS, build_tokenizer, quiet_hf_progress
 
 IMAGE_SIZE = 56  # pixels per side of the sandbox images
 QWEN_SPECIALS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
