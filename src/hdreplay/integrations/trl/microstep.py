@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from .batch import concat_rows, spread, take_rows
-from .step import Generation
+from .batch import Generation
 
 #: how TRL 1.16 normalises a micro-batch's loss, per loss type (see chunk_scales)
 ROW_MEAN = ("grpo", "sapo", "luspo", "dr_grpo")

@@ -46,7 +46,8 @@ from ...padding import pad_groups
 from ..common import STATE_DIR, restore
 from . import mm, terms
 from .agreement import check_rank_agreement, selection_digest
-from .batch import check_keys, gather_objects, gather_rows, generation_groups, ingress_rows, replay_rows
+from .batch import (ReplayStep, check_keys, gather_objects, gather_rows, generation_groups, ingress_rows,
+                    replay_rows)
 from .checks import check_padding_drift
 from .checkpoints import clear_pending, mark_pending, refuse_incomplete, resume_target, rotation_held
 from .config import as_replay_config
@@ -55,7 +56,6 @@ from .positions import install_position_ids, padding_drift
 from .reference import refresh_reference
 from .rescore import can_share_prompt, rescore_batches, share_pays, shared_prompt_logps
 from .microstep import MicroStep, merged, replay_chunks
-from .step import ReplayStep
 from .strategies import build_strategy
 from .sharded import backward_kwargs, deferred_sync, shards_parameters
 
