@@ -89,7 +89,7 @@ KNOB_VALUES = {
     "headroom_weighting": "advantage", "ingress": "answer", "answer_threshold": 0.5, "truncate_multiple": 2,
     "scan_chunk": 7, "max_scan_chunk": 99, "max_scan": 11, "acceptance_ema": 0.25, "diagnose_ungated": True,
     "counterfactual": True, "adaptive_tau": {"tau_min": 0.01, "tau_max": 0.2}, "seed": 5, "max_age": 3,
-    "priority_alpha": 0.7, "age_decay": 3.5, "is_beta": 0.3,
+    "priority_alpha": 0.7, "age_decay": 3.5, "is_beta": 0.3, "scan_passes": 2, "scan_refresh": "keep", "skip_rejected": 3,
 }
 #: knobs that apply to the proportional selectors only: checked on freshper (the user's value overrides the method's)
 PROPORTIONAL_KNOBS = ("priority_alpha", "age_decay", "is_beta")

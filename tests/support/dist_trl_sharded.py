@@ -82,7 +82,8 @@ class ShardedRecorder(RecordingTrainer):
         super().__init__(*a, **k)
         self.micro_losses: list[dict] = []
         self.syncs: list[dict] = []
-        self.scan_forwards: list[list] = []  # per scorer call: [groups on this rank, forward calls, prompt shared]
+        # per scorer call: [groups this rank's rows span, forward calls, prompt shared, rows of the call on all ranks]
+        self.scan_forwards: list[list] = []
         self._in_scan = False
         self.accelerator.unwrap_model(self.model).register_forward_pre_hook(self._count_forward)
         orig = self.accelerator.backward
@@ -113,12 +114,21 @@ class ShardedRecorder(RecordingTrainer):
         if self._in_scan:
             self.scan_forwards[-1][1] += 1
 
-    def _group_logps(self, groups, share):
-        self.scan_forwards[-1][2] = share
-        return super()._group_logps(groups, share)
+    def _row_logps(self, groups, rows, pg=None):  # full-row path: this rank's rows of the call
+        if self._in_scan:
+            spanned = len(set(pg.row_group[torch.as_tensor(rows)].tolist())) if pg is not None else len(groups)
+            self.scan_forwards[-1][:1] = [spanned]
+            self.scan_forwards[-1][2] = False
+        return super()._row_logps(groups, rows, pg)
+
+    def _shared_logps(self, groups, min_batches):  # prompt-shared path: this rank's groups of the call
+        if self._in_scan:
+            self.scan_forwards[-1][0] = len({id(g) for g in groups})
+            self.scan_forwards[-1][2] = True
+        return super()._shared_logps(groups, min_batches)
 
     def _replay_scorer(self, groups):
-        self.scan_forwards.append([-(-len(groups) // self.accelerator.num_processes), 0, None])
+        self.scan_forwards.append([0, 0, None, sum(g.num_responses for g in groups)])
         self._in_scan = True
         try:
             return super()._replay_scorer(groups)
@@ -143,6 +153,7 @@ def record(tr) -> dict:
         "micro_losses": tr.micro_losses,
         "syncs": tr.syncs,
         "scan_forwards": tr.scan_forwards,
+        "share_prompt": bool(tr._share_prompt),  # the prompt-shared path is available (chosen per call by share_pays)
         "scorer_calls": [h.get("replay/scorer_calls") for h in tr.state.log_history if "loss" in h],
     }
 

@@ -20,7 +20,8 @@ VALUES = dict(selector="freshper", k_rep=6, tau=0.02, capacity=20, drift_norm="l
               ingress="answer", answer_threshold=0.9, truncate_multiple=3, scan_chunk=5, max_scan_chunk=50,
               acceptance_ema=0.25, diagnose_ungated=True, counterfactual=True, max_scan=30,
               adaptive_tau='{"tau_min": 0.001, "tau_max": 0.1, "patience": 2}', seed=5, max_age=3,
-              priority_alpha=0.7, age_decay=3.5, is_beta=0.3)  # the last three need a proportional selector
+              priority_alpha=0.7, age_decay=3.5, is_beta=0.3,  # these three need a proportional selector
+              scan_passes=2, scan_refresh="keep", skip_rejected=3)
 
 
 def test_every_replay_knob_is_a_field_with_the_core_help():

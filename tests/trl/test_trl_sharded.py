@@ -184,19 +184,23 @@ def test_resume_on_two_processes_equals_the_uninterrupted_run(sharded):
 
 
 def test_rescoring_runs_one_forward_per_score_batch_not_per_group(sharded, single):
-    """Each scan call shards its groups over the ranks and runs one forward per replay_score_batch_size (8) rows
-    on each: under ZeRO-3 and FSDP2 one parameter gathering per forward call, two groups of 4 rows in one call.
-    Where parameters are replicated (ZeRO-2, one process) the groups' prompts are encoded once per group instead
-    (two calls per batch): the gate decided the same either way (test above)."""
+    """Each scan call (whole groups or response slices of them, exact early rejection) shards its rows over the
+    ranks, ceil(R / W) rows each, and runs one forward per replay_score_batch_size (8) rows: under ZeRO-3 and FSDP2
+    one parameter gathering per forward call, with rows of several groups in one call.  Where parameters are
+    replicated (ZeRO-2, one process) the prompt-shared path may encode each group's prompt once instead; it is
+    chosen per call from all ranks' groups, so every rank takes the same path (the gate decided the same either
+    way: test above)."""
     backend, ranks = sharded
+    W = 2
     calls = [tuple(c) for c in ranks[0]["full"]["scan_forwards"]]
-    assert calls == [tuple(c) for c in ranks[1]["full"]["scan_forwards"]]  # the same collective calls on each rank
-    share = backend == "zero2"
-    assert calls and all(s == share for _, _, s in calls)
-    assert all(s for _, _, s in single["scan_forwards"])
-    if not share:
-        assert all(forwards == -(-groups * 4 // 8) for groups, forwards, _ in calls)
-        assert any(groups > forwards for groups, forwards, _ in calls)
+    other = [tuple(c) for c in ranks[1]["full"]["scan_forwards"]]
+    assert calls and [c[1:] for c in calls] == [c[1:] for c in other]  # the same forward calls, path, rows on each rank
+    # the prompt-shared path is available where parameters are replicated (ZeRO-2, one process), off under ZeRO-3 /
+    # FSDP2; whether a call takes it is share_pays' token-ratio rule (these short prompts: never)
+    assert all(r["full"]["share_prompt"] == (backend == "zero2") for r in ranks) and single["share_prompt"]
+    assert not any(share for _, _, share, _ in calls)
+    assert all(forwards == -(-(-(-rows // W)) // 8) for _, forwards, _, rows in calls)
+    assert any(spanned > forwards for spanned, forwards, _, _ in calls), calls  # groups batched in one forward
 
 
 def test_a_deepspeed_config_disagreeing_with_trls_accumulation_is_refused_at_construction(sharded):
