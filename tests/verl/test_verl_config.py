@@ -230,13 +230,15 @@ def test_every_replay_knob_is_settable_from_the_verl_config():
                          "hdr.max_scan_chunk=50", "hdr.max_scan=30", "hdr.acceptance_ema=0.25", "hdr.diagnose_ungated=true",
                          "hdr.counterfactual=true", "hdr.adaptive_tau.enabled=true", "hdr.adaptive_tau.tau_min=0.001",
                          "hdr.adaptive_tau.patience=2", "hdr.seed=5", "hdr.max_age=3", "hdr.priority_alpha=0.7",
-                         "hdr.diagnostics_dir=null", "hdr.resume_without_state=true")
+                         "hdr.diagnostics_dir=null", "hdr.resume_without_state=true", "hdr.scan_passes=2",
+                         "hdr.scan_refresh=keep", "hdr.skip_rejected=3")
     s = validate_verl_config(cfg)
     rc = s.replay_config
     want = dict(selector="drift_only", k_rep=6, tau=0.02, capacity=20, drift_norm="l1",
                 headroom_weighting="advantage", ingress="answer", answer_threshold=0.9, truncate_multiple=6,
                 scan_chunk=5, max_scan_chunk=50, max_scan=30, acceptance_ema=0.25, group_size=4, diagnose_ungated=True,
-                counterfactual=True, seed=5, max_age=3, priority_alpha=0.7, age_decay=None, is_beta=0.0)
+                counterfactual=True, seed=5, max_age=3, priority_alpha=0.7, age_decay=None, is_beta=0.0,
+                scan_passes=2, scan_refresh="keep", skip_rejected=3)
     for f in dataclasses.fields(ReplayConfig):
         if f.name == "adaptive_tau":
             assert (rc.adaptive_tau.tau_min, rc.adaptive_tau.tau_max, rc.adaptive_tau.patience) == (1e-3, 0.1, 2)

@@ -107,10 +107,10 @@ def test_a_uid_with_missing_rows_is_reported_and_skipped():
 
 
 @pytest.mark.parametrize("extra,match", [
-    ({"rollout_is_weights": torch.ones(3)}, r"rollout_is_weights: rollout importance weights"),
     ({"routed_experts": torch.zeros(3)}, r"routed_experts: MoE router replay"),
     ({"my_tensor": torch.zeros(2)}, r"my_tensor: unknown to hdreplay"),
-])  # multi_modal_inputs are carried: tests/verl/test_verl_v1_multimodal.py
+])  # carried, not refused: multi_modal_inputs (tests/verl/test_verl_v1_multimodal.py), rollout_is_weights
+#   (the birth weights of verl's decoupled rollout correction, tests/verl/test_verl_rollout_is.py)
 def test_fields_replay_rows_cannot_carry_refuse_the_batch(extra, match):
     rows, tags = fresh_rows(extra=extra)
     with pytest.raises(RuntimeError, match=match):
