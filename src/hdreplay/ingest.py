@@ -190,6 +190,57 @@ def _group_rows(n_rows: int, keys: Sequence[Hashable] | None, only: Sequence[int
     return out
 
 
+def rows_from_responses(prompt_ids: torch.Tensor, completion_ids: Sequence[torch.Tensor],
+                        logprobs: Sequence[torch.Tensor], *, advantages: Sequence[float] | torch.Tensor,
+                        rewards: Sequence[float] | torch.Tensor, loss_masks: Sequence[torch.Tensor] | None = None,
+                        extras: Mapping[str, Sequence[torch.Tensor]] | None = None) -> Rows:
+    """One group kept as its prompt and n unpadded responses (what an asynchronous sampler hands over: TRL async
+    GRPO's samples, verl's stale groups) as :class:`Rows` for :func:`groups_from_rows`.
+
+    Shapes: ``prompt_ids`` (P,); ``completion_ids`` / ``logprobs`` / ``loss_masks`` / each ``extras`` list: n
+    tensors (L_i,); ``advantages``, ``rewards``: (n,).  Responses are right-padded to the longest; every real token
+    is a completion token (``completion_mask``), ``loss_masks`` (default: all 1) says which the policy generated.
+    """
+    if not isinstance(prompt_ids, torch.Tensor) or prompt_ids.dim() != 1:
+        raise IngestError(f"prompt_ids: must be a 1-D tensor, got {type(prompt_ids).__name__}")
+    n = len(completion_ids)
+    if n == 0 or len(logprobs) != n or (loss_masks is not None and len(loss_masks) != n):
+        raise IngestError(f"completion_ids ({n}), logprobs ({len(logprobs)}) and loss_masks must list the same "
+                          "responses, at least one")
+    lens = [int(torch.as_tensor(c).numel()) for c in completion_ids]
+    C = max(lens)
+
+    def pad(parts, dtype):
+        out = torch.zeros(n, C, dtype=dtype)
+        for i, x in enumerate(parts):
+            x = torch.as_tensor(x).reshape(-1)
+            if x.numel() != lens[i]:
+                raise IngestError(f"response {i}: {x.numel()} values for {lens[i]} completion tokens")
+            out[i, :lens[i]] = x.to(dtype)
+        return out
+
+    mask = torch.zeros(n, C, dtype=torch.int64)
+    for i, L in enumerate(lens):
+        mask[i, :L] = 1
+    return Rows(prompt_ids=prompt_ids.reshape(1, -1).expand(n, -1).clone(),
+                prompt_mask=torch.ones(n, prompt_ids.numel(), dtype=torch.int64),
+                completion_ids=pad(completion_ids, torch.int64), completion_mask=mask,
+                loss_mask=None if loss_masks is None else pad(loss_masks, torch.int64),
+                logprobs=pad(logprobs, torch.float32), advantages=torch.as_tensor(advantages, dtype=torch.float32),
+                rewards=torch.as_tensor(rewards, dtype=torch.float32),
+                extras={k: pad(v, torch.float32) for k, v in (extras or {}).items()})
+
+
+def one_group(rows: Rows, *, step: int, group_id: str | int) -> GroupRecord:
+    """The single group of ``rows`` (all of them one group) through :func:`groups_from_rows`; raises
+    :class:`IngestError` naming what kept it out (a group an asynchronous sampler hands over is stored whole or not
+    at all)."""
+    out = groups_from_rows(rows, step=step, group_size=rows.num_rows, group_id=lambda _: group_id)
+    if not out.groups:
+        raise IngestError(f"group {group_id!r}: " + "; ".join(out.problems + out.empty))
+    return out.groups[0]
+
+
 def groups_from_rows(
     rows: Rows,
     *,

@@ -5,7 +5,7 @@ import torch
 
 from hdreplay import GroupRecord
 from hdreplay.errors import IngestError
-from hdreplay.ingest import Rows, groups_from_rows
+from hdreplay.ingest import Rows, groups_from_rows, one_group, rows_from_responses
 
 N, C = 4, 3
 
@@ -100,3 +100,36 @@ def test_multimodal_hook_reasons_record_checks_and_the_buffer_schema_skip_single
     assert "non-finite" in out.problems[0] and out.problems[1] == "group 1: rows disagree on their images"
     text = groups_from_rows(rows(), step=0, group_size=N, schema={"pixel_values": (torch.float32, (3,))})
     assert text.groups == [] and all("multimodal inputs differ" in p for p in text.problems)
+
+
+def test_a_group_kept_as_unpadded_responses_builds_what_from_responses_builds():
+    """The asynchronous samplers' way in (TRL async samples, verl's stale groups): one group's prompt and n unpadded
+    responses, padded into Rows and built by groups_from_rows, equal GroupRecord.from_responses field for field."""
+    prompt = torch.tensor([7, 8, 9])
+    comps = [torch.tensor([1, 2, 3]), torch.tensor([4]), torch.tensor([5, 6])]
+    lps = [torch.tensor([-0.1, -0.2, -0.3]), torch.tensor([-0.4]), torch.tensor([-0.5, -0.6])]
+    masks = [torch.tensor([1, 0, 1]), torch.tensor([1]), torch.tensor([1, 1])]  # a tool token in response 0
+    extra = [x * 2 for x in lps]
+    got = one_group(rows_from_responses(prompt, comps, lps, loss_masks=masks, advantages=[1.0, -1.0, 0.5],
+                                        rewards=[1.0, 0.0, 1.0], extras={"rollout_logprobs": extra}),
+                    step=4, group_id="s4g0")
+    want = GroupRecord.from_responses(group_id="s4g0", prompt_ids=prompt, completion_ids=comps, logprobs=lps,
+                                      loss_masks=masks, advantages=[1.0, -1.0, 0.5], rewards=[1.0, 0.0, 1.0],
+                                      birth_step=4, extras={"rollout_logprobs": extra})
+    for name in ("group_id", "birth_step", "num_responses", "num_tokens"):
+        assert getattr(got, name) == getattr(want, name), name
+    for name in ("prompt_ids", "completion_ids", "logprobs", "loss_mask", "response_lengths", "advantages", "rewards"):
+        assert torch.equal(getattr(got, name), getattr(want, name)), name
+    assert torch.equal(got.extras["rollout_logprobs"], want.extras["rollout_logprobs"])
+
+
+def test_an_unpadded_group_that_cannot_be_stored_is_refused_naming_why():
+    prompt, comps = torch.tensor([7, 8]), [torch.tensor([1, 2]), torch.tensor([3])]
+    with pytest.raises(IngestError, match="response 1: 2 values for 1 completion tokens"):
+        rows_from_responses(prompt, comps, [torch.tensor([-0.1, -0.2]), torch.tensor([-0.3, -0.4])],
+                            advantages=[1.0, -1.0], rewards=[1.0, 0.0])
+    rows = rows_from_responses(prompt, comps, [torch.tensor([-0.1, -0.2]), torch.tensor([-0.3])],
+                               loss_masks=[torch.tensor([0, 0]), torch.tensor([0])], advantages=[1.0, -1.0],
+                               rewards=[1.0, 0.0])
+    with pytest.raises(IngestError, match="group 'g': .*T\\(g\\) is empty"):
+        one_group(rows, step=0, group_id="g")

@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from ...errors import ReplayInputError
+from ...ingest import one_group, rows_from_responses
 from ...record import GroupRecord
 
 
@@ -74,9 +75,9 @@ def group_from_samples(samples: Sequence, *, gid=None) -> GroupRecord:
         lps.append(torch.as_tensor(np.asarray(s.old_log_probs[P:], dtype=np.float32)))
         adv.append(float(s.advantage))
         rewards.append(float(s.metrics.get("reward", s.advantage)))
-    return GroupRecord.from_responses(group_id=first.group_id if gid is None else gid, prompt_ids=prompt,
-                                      completion_ids=comps, logprobs=lps, loss_masks=masks, advantages=adv,
-                                      rewards=rewards, birth_step=int(first.model_version) - 1)
+    rows = rows_from_responses(torch.as_tensor(prompt), comps, lps, loss_masks=masks, advantages=adv,
+                               rewards=rewards)
+    return one_group(rows, step=int(first.model_version) - 1, group_id=first.group_id if gid is None else gid)
 
 
 def samples_from_group(group: GroupRecord, *, template, version: int) -> list:

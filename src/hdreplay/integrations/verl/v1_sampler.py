@@ -31,6 +31,7 @@ from verl.trainer.ppo import core_algos
 from verl.trainer.ppo.v1.replay_buffer import ReplayBufferAsync
 
 from ...errors import ReplayInputError
+from ...ingest import one_group, rows_from_responses
 from ...record import GroupRecord
 from .dataproto import response_level
 
@@ -58,11 +59,12 @@ def stale_group(uid: str, rows: list[dict], *, birth_step: int, estimator: str, 
     prompt = rows[0]["prompts"]
     if any(not torch.equal(r["prompts"], prompt) for r in rows[1:]):
         raise ReplayInputError(f"uid {uid!r}: rows share the uid but not the prompt")
-    return GroupRecord.from_responses(
-        group_id=f"stale{birth_step}:{uid}", prompt_ids=prompt, completion_ids=[r["responses"] for r in rows],
-        logprobs=[r["rollout_log_probs"].float() for r in rows], loss_masks=[r["response_mask"] for r in rows],
-        advantages=response_level(adv, mask, estimator=estimator), rewards=scores.sum(-1), birth_step=birth_step,
-        extras={"rollout_logprobs": [r["rollout_log_probs"].float() for r in rows]})
+    lps = [r["rollout_log_probs"].float() for r in rows]
+    group_rows = rows_from_responses(prompt, [r["responses"] for r in rows], lps,
+                                     loss_masks=[r["response_mask"] for r in rows],
+                                     advantages=response_level(adv, mask, estimator=estimator),
+                                     rewards=scores.sum(-1), extras={"rollout_logprobs": lps})
+    return one_group(group_rows, step=birth_step, group_id=f"stale{birth_step}:{uid}")
 
 
 class HDRReplayBufferAsync(ReplayBufferAsync):
