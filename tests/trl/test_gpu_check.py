@@ -113,3 +113,22 @@ def test_floor_sees_wrong_positions():
 
     bad = df.floor(NoPositions(m), prompts, comps, n=2, pad_token_id=0, mode="fp32", batch_rows=4, extra_pad=5)
     assert max(bad["padding"]) > 1e-3
+
+
+def test_gpu_gate_benchmark_runs_tiny_on_cpu(tmp_path):
+    """benchmarks/gpu_gate.py --tiny: the GPU scan benchmark's CPU mode (so it cannot rot): the sliced scan makes the
+    full scan's decisions with fewer rows forwarded."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    out = tmp_path / "g.json"
+    p = subprocess.run([sys.executable, str(root / "benchmarks" / "gpu_gate.py"), "--tiny", "--repeats", "1",
+                        "--out", str(out)], capture_output=True, text=True, timeout=300,
+                       env={**__import__("os").environ, "PYTHONPATH": str(root / "src")})
+    assert p.returncode == 0, p.stderr[-3000:]
+    r = json.loads(out.read_text())
+    assert r["identical_decisions"] is True and r["scans"]["full"]["scanned"] > 0
+    assert r["scans"]["sliced"]["rows"] < r["scans"]["full"]["rows"] and r["scans"]["sliced"]["early_rejected"] > 0
