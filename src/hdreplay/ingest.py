@@ -201,21 +201,31 @@ def rows_from_responses(prompt_ids: torch.Tensor, completion_ids: Sequence[torch
     tensors (L_i,); ``advantages``, ``rewards``: (n,).  Responses are right-padded to the longest; every real token
     is a completion token (``completion_mask``), ``loss_masks`` (default: all 1) says which the policy generated.
     """
-    if not isinstance(prompt_ids, torch.Tensor) or prompt_ids.dim() != 1:
-        raise IngestError(f"prompt_ids: must be a 1-D tensor, got {type(prompt_ids).__name__}")
+    prompt_ids = torch.as_tensor(prompt_ids)
+    if prompt_ids.dim() != 1 or prompt_ids.is_floating_point():
+        raise IngestError(f"prompt_ids: must be 1-D integer token ids, got shape {tuple(prompt_ids.shape)} "
+                          f"{prompt_ids.dtype}")
     n = len(completion_ids)
     if n == 0 or len(logprobs) != n or (loss_masks is not None and len(loss_masks) != n):
         raise IngestError(f"completion_ids ({n}), logprobs ({len(logprobs)}) and loss_masks must list the same "
                           "responses, at least one")
     lens = [int(torch.as_tensor(c).numel()) for c in completion_ids]
     C = max(lens)
+    for name, parts in (("extras[" + repr(k) + "]", v) for k, v in (extras or {}).items()):
+        if len(parts) != n:
+            raise IngestError(f"{name}: {len(parts)} responses, completion_ids has {n}")
 
-    def pad(parts, dtype):
+    def pad(parts, dtype, name):
         out = torch.zeros(n, C, dtype=dtype)
         for i, x in enumerate(parts):
             x = torch.as_tensor(x).reshape(-1)
             if x.numel() != lens[i]:
-                raise IngestError(f"response {i}: {x.numel()} values for {lens[i]} completion tokens")
+                raise IngestError(f"{name}: response {i}: {x.numel()} values for {lens[i]} completion tokens")
+            if name == "loss_masks":  # 0/1 in any dtype (a float mask of 0.0 / 1.0 is fine)
+                if not bool(((x == 0) | (x == 1)).all()):
+                    raise IngestError(f"loss_masks: response {i}: values must be 0 or 1")
+            elif dtype == torch.int64 and (x.is_floating_point() or x.is_complex()):
+                raise IngestError(f"{name}: response {i}: integer values expected, got {x.dtype}")
             out[i, :lens[i]] = x.to(dtype)
         return out
 
@@ -224,11 +234,12 @@ def rows_from_responses(prompt_ids: torch.Tensor, completion_ids: Sequence[torch
         mask[i, :L] = 1
     return Rows(prompt_ids=prompt_ids.reshape(1, -1).expand(n, -1).clone(),
                 prompt_mask=torch.ones(n, prompt_ids.numel(), dtype=torch.int64),
-                completion_ids=pad(completion_ids, torch.int64), completion_mask=mask,
-                loss_mask=None if loss_masks is None else pad(loss_masks, torch.int64),
-                logprobs=pad(logprobs, torch.float32), advantages=torch.as_tensor(advantages, dtype=torch.float32),
+                completion_ids=pad(completion_ids, torch.int64, "completion_ids"), completion_mask=mask,
+                loss_mask=None if loss_masks is None else pad(loss_masks, torch.int64, "loss_masks"),
+                logprobs=pad(logprobs, torch.float32, "logprobs"),
+                advantages=torch.as_tensor(advantages, dtype=torch.float32),
                 rewards=torch.as_tensor(rewards, dtype=torch.float32),
-                extras={k: pad(v, torch.float32) for k, v in (extras or {}).items()})
+                extras={k: pad(v, torch.float32, f"extras[{k!r}]") for k, v in (extras or {}).items()})
 
 
 def one_group(rows: Rows, *, step: int, group_id: str | int) -> GroupRecord:
@@ -237,7 +248,7 @@ def one_group(rows: Rows, *, step: int, group_id: str | int) -> GroupRecord:
     at all)."""
     out = groups_from_rows(rows, step=step, group_size=rows.num_rows, group_id=lambda _: group_id)
     if not out.groups:
-        raise IngestError(f"group {group_id!r}: " + "; ".join(out.problems + out.empty))
+        raise IngestError("; ".join(out.problems + out.empty))
     return out.groups[0]
 
 

@@ -125,11 +125,20 @@ def test_a_group_kept_as_unpadded_responses_builds_what_from_responses_builds():
 
 def test_an_unpadded_group_that_cannot_be_stored_is_refused_naming_why():
     prompt, comps = torch.tensor([7, 8]), [torch.tensor([1, 2]), torch.tensor([3])]
-    with pytest.raises(IngestError, match="response 1: 2 values for 1 completion tokens"):
+    with pytest.raises(IngestError, match="logprobs: response 1: 2 values for 1 completion tokens"):
         rows_from_responses(prompt, comps, [torch.tensor([-0.1, -0.2]), torch.tensor([-0.3, -0.4])],
                             advantages=[1.0, -1.0], rewards=[1.0, 0.0])
     rows = rows_from_responses(prompt, comps, [torch.tensor([-0.1, -0.2]), torch.tensor([-0.3])],
                                loss_masks=[torch.tensor([0, 0]), torch.tensor([0])], advantages=[1.0, -1.0],
                                rewards=[1.0, 0.0])
-    with pytest.raises(IngestError, match="group 'g': .*T\\(g\\) is empty"):
+    with pytest.raises(IngestError, match="group 'g': the loss mask is all zero, so T\\(g\\) is empty"):
         one_group(rows, step=0, group_id="g")
+    lp = [torch.tensor([-0.1, -0.2]), torch.tensor([-0.3])]
+    for kw, msg in ((dict(completion_ids=[torch.tensor([1.7, 2.0]), torch.tensor([3.0])]), "completion_ids: response 0: "
+                     "integer values expected"),
+                    (dict(loss_masks=[torch.tensor([0.5, 1.0]), torch.tensor([1])]), "loss_masks: response 0: values "
+                     "must be 0 or 1"),
+                    (dict(extras={"x": [torch.tensor([0.0, 0.0])]}), r"extras\['x'\]: 1 responses, completion_ids has 2")):
+        args = dict(completion_ids=comps, logprobs=lp, advantages=[1.0, -1.0], rewards=[1.0, 0.0]) | kw
+        with pytest.raises(IngestError, match=msg):
+            rows_from_responses(prompt, args.pop("completion_ids"), args.pop("logprobs"), **args)

@@ -158,11 +158,19 @@ def test_bypass_fresh_rows_train_on_rollout_logprobs(bypass):
     (("actor_rollout_ref.actor.use_kl_loss=true",), "use_kl_loss=true: diverted groups have no reference"),
     (("trainer.v1.sampler.max_off_policy_strategy=wait",), "with 'wait' verl never evicts"),
     (("hdr.capacity=3",), r"hdr.capacity=3 cannot hold one step's groups \(data.train_batch_size=4\)"),
+    # decoupled rollout_is: fresh groups would store birth weights, diverted ones none (one buffer, one kind of group)
+    (("algorithm.rollout_correction.rollout_is=token",), "rollout_is=token with HDRReplayBufferAsync in decoupled"),
 ])
 def test_bad_async_settings_are_refused_with_the_key(tiny_model_dir, extra, match):
     cfg = compose_v1_config(*ASYNC, *extra, ckpt_dir="/tmp/unused", model_dir=tiny_model_dir)
     with pytest.raises(ReplayConfigError, match=match):
         validate_verl_config(cfg)
+
+
+def test_rollout_is_with_the_sampler_in_bypass_mode_is_accepted(tiny_model_dir):
+    cfg = compose_v1_config(*ASYNC, BYPASS, "algorithm.rollout_correction.rollout_is=token", ckpt_dir="/tmp/unused",
+                            model_dir=tiny_model_dir)
+    assert validate_verl_config(cfg).active
 
 
 def test_bypass_alone_is_accepted(tiny_model_dir):

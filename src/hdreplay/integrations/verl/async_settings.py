@@ -55,6 +55,13 @@ def async_problems(get: Callable[[str, Any], Any]) -> list[str]:
         if est not in DIVERT_ESTIMATORS:
             problems.append(f"algorithm.adv_estimator={est}: a diverted group's advantages are computed from its own "
                             f"rewards before verl sees it; supported: {list(DIVERT_ESTIMATORS)}")
+        level = get("algorithm.rollout_correction.rollout_is", None)
+        if level and not bypass:
+            problems.append(f"algorithm.rollout_correction.rollout_is={level} with {SAMPLER_NAME} in decoupled mode: "
+                            "fresh groups store their birth rollout_is_weights but diverted groups have none (verl "
+                            "evicts them before computing any), and the buffer holds one kind of group; set "
+                            "algorithm.rollout_correction.bypass_mode=true (verl's fully-async default: the stored "
+                            "rollout log-probs are the ratio's denominator) or rollout_is=null")
         if get(f"{ACTOR}.use_kl_loss", False):
             problems.append(f"{ACTOR}.use_kl_loss=true: diverted groups have no reference log-probs (verl computes "
                             "them only for the rows it samples); set it to false with the hdreplay sampler")

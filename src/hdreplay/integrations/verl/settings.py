@@ -221,7 +221,7 @@ def _rollout_correction_problems(config: Any, *, v1: bool) -> list[str]:
                         f"{key}.bypass_mode=false (decoupled mode, where replayed rows keep their birth weights)")
     level = _get(rc, "rollout_is")
     if level:
-        if not _get(config, "actor_rollout_ref.rollout.calculate_log_probs", True):
+        if not _get(config, "actor_rollout_ref.rollout.calculate_log_probs", False):  # verl's default
             problems.append(f"{key}.rollout_is={level} with actor_rollout_ref.rollout.calculate_log_probs=false: "
                             "without the inference engine's log-probs verl computes no importance weights (silently), "
                             "and replayed groups would store none; set actor_rollout_ref.rollout.calculate_log_probs="
