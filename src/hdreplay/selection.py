@@ -199,16 +199,17 @@ def select_replay(
     if config.scan_refresh == "keep":  # early-rejected groups keep their cached Headroom (the commit re-writes it)
         sel.scanned_headroom = np.where(sel.scanned_exact, sel.scanned_headroom, sel.scanned_cached)
     if config.counterfactual and len(kept) and spec.name != "recency":
-        _counterfactual(sel, buffer, config, scorer, cols)
+        _counterfactual(sel, buffer, config, scorer, cols, drift_floor)
     return _frozen(sel)
 
 
 def _counterfactual(sel: Selection, buffer: BufferView, config: ReplayConfig, scorer: Scorer,
-                    cols: dict) -> None:
+                    cols: dict, drift_floor: DriftFloor | None = None) -> None:
     """Score the subset recency replay would take from the same pre-step buffer (same size).
 
-    Groups already scanned reuse their scores; the others cost one extra scorer call.  Nothing
-    here touches the buffer or the scan (no cache refresh for counterfactual-only groups)."""
+    Groups already scanned reuse their scores; the others cost one extra scorer call (their Drift floored like the
+    scan's when ``drift_floor`` is given).  Nothing here touches the buffer or the scan (no cache refresh for
+    counterfactual-only groups)."""
     rec = buffer.order_by_recency(len(sel.accepted))
     exact = sel.scanned_exact if sel.scanned_exact is not None else np.ones(len(sel.scanned), bool)
     known = {g: j for j, g in enumerate(sel.scanned.tolist()) if exact[j]}  # early-rejected: scored in full here
@@ -220,7 +221,8 @@ def _counterfactual(sel: Selection, buffer: BufferView, config: ReplayConfig, sc
         sel.rescored_tokens += sum(g.num_tokens for g in groups)
         sc = score_groups(groups, check_scorer_output(groups, scorer(groups)), drift_norm=config.drift_norm,
                           headroom_weighting=config.headroom_weighting)
-        extra = {g: (d, h) for g, d, h in zip(missing, sc.drift.tolist(), sc.headroom.tolist())}
+        floor = [0.0] * len(groups) if drift_floor is None else _floors(drift_floor(groups), len(groups))
+        extra = {g: (max(d - f, 0.0), h) for g, d, h, f in zip(missing, sc.drift.tolist(), sc.headroom.tolist(), floor)}
     val = lambda g: (cols["drift"][known[g]], cols["headroom"][known[g]]) if g in known else extra[g]  # noqa: E731
     sel.cf_ids = rec
     sel.cf_drift = np.asarray([val(g)[0] for g in rec.tolist()])

@@ -83,7 +83,8 @@ def test_a_drift_floor_gates_the_sliced_scan_as_the_full_one(seed, K, tau, passe
     """Asynchronous pipelines subtract a per-group floor before the gate (hdreplay.staleness): early rejection must
     then prove Drift > tau + floor, and the decisions are the full scan's, each group passing iff
     max(Drift - floor, 0) <= tau."""
-    cfg = ReplayConfig(selector="headroom_drift", k_rep=K, tau=tau, capacity=24, scan_passes=passes, max_scan=24)
+    cfg = ReplayConfig(selector="headroom_drift", k_rep=K, tau=tau, capacity=24, scan_passes=passes, max_scan=24,
+                       counterfactual=True)
     ctrl, pol = _controller(cfg, steps=7, seed=seed, walk=walk, n_max=6)
     floors = lambda groups: [floor * (1 + sum(map(ord, g.group_id)) % 3) for g in groups]  # noqa: E731  per-group values
     sel = select_replay(ctrl.buffer, cfg, pol.scorer, step=7, drift_floor=floors)
@@ -98,6 +99,13 @@ def test_a_drift_floor_gates_the_sliced_scan_as_the_full_one(seed, K, tau, passe
         assert full.scanned_pass[j] == (full.scanned_drift[j] <= tau)
         if not sel.scanned_exact[j]:
             assert tau < sel.scanned_drift[j] <= full.scanned_drift[j] * (1 + 1e-6)
+    if sel.cf_ids is not None:  # the counterfactual (recency's picks) is floored like the scan
+        from hdreplay.scores import score_groups
+
+        gs = ctrl.buffer.get(sel.cf_ids.tolist())
+        raw = score_groups(gs, pol.scorer(gs), drift_norm="l2", headroom_weighting="sign").drift.tolist()
+        for g, d, r in zip(gs, sel.cf_drift.tolist(), raw):
+            assert d == pytest.approx(max(r - floors([g])[0], 0.0), rel=1e-5, abs=1e-9)
 
 
 @pytest.mark.parametrize("selector", GATED)
