@@ -37,8 +37,8 @@ from ..selectors import Selection, empty_selection
 from ..validate import check_int, check_reals, check_sequence, check_step, is_int, is_real
 from .sampling import uniform_order
 from .store import (
-    check_commit, check_groups, check_options, checked_meta, load_state, only_tensors, options_changes, pack, real_list,
-    refuse_option, save_state, step_or_none, unpack, warn_changes,
+    StoredState, check_commit, check_groups, check_options, checked_meta, only_tensors, options_changes, pack,
+    real_list, refuse_option, step_or_none, unpack, warn_changes,
 )
 
 FORMAT = "hdreplay.bapo"
@@ -178,13 +178,15 @@ class Fresh:
     position: int | None
 
 
-class BapoController:
+class BapoController(StoredState):
     """BAPO as a replay controller of the TRL integration (select -> stage -> commit, once per optimizer update).
 
     Per step the sampler (integrations/trl/bapo.py) calls :meth:`reeval_candidates`, :meth:`record_reeval` for
     each re-evaluated uid, then :meth:`plan` with the step's fresh groups and the replay budget; :meth:`select`
     returns up to that many target groups; :meth:`commit` stores the eligible fresh groups and evicts.
     """
+
+    FORMAT = FORMAT
 
     def __init__(self, options: BapoOptions) -> None:
         self.options = check_options("bapo", options, BapoOptions)
@@ -312,19 +314,6 @@ class BapoController:
         self._reset()
         warn_changes("bapo", changes)
 
-    def save(self, directory, *, allow_open_step: bool = False) -> None:
-        save_state(directory, FORMAT, *self.state_dict())
-
-    def load(self, directory) -> None:
-        """Restore from :meth:`save`'s directory (CheckpointError naming the field if malformed; nothing changes)."""
-        tensors, meta = load_state(directory, FORMAT)
-        try:
-            self.load_state_dict(tensors, meta)
-        except CheckpointError as e:
-            raise CheckpointError(f"{directory}: {e}") from None
-
-    def close(self) -> None:
-        pass
 
 
 _ENTRY_KEYS = {"uid", "alpha", "current", "last_step", "row", "record"}

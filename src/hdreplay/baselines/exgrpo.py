@@ -43,8 +43,8 @@ from .repo import key_of
 from .rollouts import split_rollouts
 from .sampling import bucket_counts, normal_bucket_weights, uniform_order
 from .store import (
-    check_commit, check_groups, check_options, checked_meta, keyed, keys_of, load_state, only_tensors,
-    options_changes, pack, refuse_option, save_state, step_or_none, unpack, warn_changes,
+    StoredState, check_commit, check_groups, check_options, checked_meta, keyed, keys_of, only_tensors, options_changes,
+    pack, refuse_option, step_or_none, unpack, warn_changes,
 )
 
 FORMAT = "hdreplay.exgrpo"
@@ -118,13 +118,15 @@ def mean_entropies(entropies: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return torch.where(tok > 0, (entropies * m).sum(1) / tok.clamp(min=1), torch.full_like(tok, math.inf))
 
 
-class ExgrpoController:
+class ExgrpoController(StoredState):
     """ExGRPO as a controller of the TRL integration (the protocol of :class:`~hdreplay.controller.ReplayController`:
     select -> stage -> commit once per optimizer update; select replays nothing, since the stored rows enter the
     fresh groups at generation: :meth:`plan` names the experience prompts, :meth:`pick` the trajectory per prompt).
 
     Args: options; n: responses per group; seed: the sampler's seed when ``options.seed`` is None.
     """
+
+    FORMAT = FORMAT
 
     separate_term = False
 
@@ -313,16 +315,3 @@ class ExgrpoController:
         self.retired, self.started, self.rng, self.last_step = set(retired), started, rng, last
         warn_changes("exgrpo", changes)
 
-    def save(self, directory, *, allow_open_step: bool = False) -> None:
-        save_state(directory, FORMAT, *self.state_dict())
-
-    def load(self, directory) -> None:
-        """Restore from :meth:`save`'s directory (CheckpointError naming the field if malformed; nothing changes)."""
-        tensors, meta = load_state(directory, FORMAT)
-        try:
-            self.load_state_dict(tensors, meta)
-        except CheckpointError as e:
-            raise CheckpointError(f"{directory}: {e}") from None
-
-    def close(self) -> None:
-        pass

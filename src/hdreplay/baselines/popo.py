@@ -40,8 +40,8 @@ from ..scores import check_scorer_output
 from ..selectors import Selection, empty_selection, frozen
 from ..validate import check_int, check_step, is_real
 from .store import (
-    check_commit, check_groups, check_options, checked_meta, load_state, only_tensors, options_changes, pack,
-    refuse_option, save_state, step_or_none, unpack, warn_changes,
+    StoredState, check_commit, check_groups, check_options, checked_meta, only_tensors, options_changes, pack,
+    refuse_option, step_or_none, unpack, warn_changes,
 )
 
 FORMAT = "hdreplay.popo"
@@ -82,7 +82,7 @@ def decoupled_weights(prox: torch.Tensor, behav: torch.Tensor, cap: float) -> to
     return torch.exp(prox.detach().float() - behav.detach().float()).clamp(max=float(cap))
 
 
-class PopoController:
+class PopoController(StoredState):
     """POPO's buffer and selection, with the protocol every trainer calls (:class:`~.protocol.Strategy`: select ->
     stage -> commit once per optimizer update).
 
@@ -103,6 +103,8 @@ class PopoController:
     >>> [g.group_id for g in sel.groups], [round(v, 4) for v in sel.groups[0].extras["token_weight"].tolist()]
     (['d', 'c'], [1.284, 1.284])
     """
+
+    FORMAT = FORMAT
 
     def __init__(self, options: PopoOptions) -> None:
         self.options = check_options("popo", options, PopoOptions)
@@ -192,9 +194,6 @@ class PopoController:
         self._reset()
         return out
 
-    def close(self) -> None:
-        pass
-
     # ---------------------------------------------------------------- checkpoints
     def state_dict(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         tensors, records = pack(self.store, "store")
@@ -224,13 +223,3 @@ class PopoController:
         self._reset()
         warn_changes("popo", changes)
 
-    def save(self, directory, *, allow_open_step: bool = False) -> None:
-        save_state(directory, FORMAT, *self.state_dict())
-
-    def load(self, directory) -> None:
-        """Restore from :meth:`save`'s directory (CheckpointError naming the field if malformed; nothing changes)."""
-        tensors, meta = load_state(directory, FORMAT)
-        try:
-            self.load_state_dict(tensors, meta)
-        except CheckpointError as e:
-            raise CheckpointError(f"{directory}: {e}") from None

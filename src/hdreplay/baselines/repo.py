@@ -36,8 +36,8 @@ from ..selectors import Selection, empty_selection
 from ..validate import check_int, check_reals, check_step, check_str
 from .rollouts import split_rollouts
 from .store import (
-    check_commit, check_groups, check_options, checked_meta, keyed, keys_of, load_state, only_tensors, options_changes,
-    pack, save_state, step_or_none, unpack, warn_changes,
+    StoredState, check_commit, check_groups, check_options, checked_meta, keyed, keys_of, only_tensors, options_changes,
+    pack, step_or_none, unpack, warn_changes,
 )
 
 FORMAT = "hdreplay.repo"
@@ -203,7 +203,7 @@ def key_of(prompt_ids: torch.Tensor) -> str:
     return ",".join(str(int(t)) for t in prompt_ids.flatten().tolist())
 
 
-class RepoController:
+class RepoController(StoredState):
     """RePO as a replay controller of the TRL integration (the same protocol as
     :class:`~hdreplay.controller.ReplayController`: select -> stage -> commit, once per optimizer update).
 
@@ -212,6 +212,8 @@ class RepoController:
     advantages (:func:`split_advantages`).  Stage/commit add every fresh response to its prompt's store after the
     update.  The integration trains replay rows as a separate loss term (``off_coef``, :attr:`separate_term`).
     """
+
+    FORMAT = FORMAT
 
     separate_term = True
 
@@ -292,16 +294,3 @@ class RepoController:
         self.store, self.last_step = store, last
         warn_changes("repo", changes)
 
-    def save(self, directory, *, allow_open_step: bool = False) -> None:
-        save_state(directory, FORMAT, *self.state_dict())
-
-    def load(self, directory) -> None:
-        """Restore from :meth:`save`'s directory (CheckpointError naming the field if malformed; nothing changes)."""
-        tensors, meta = load_state(directory, FORMAT)
-        try:
-            self.load_state_dict(tensors, meta)
-        except CheckpointError as e:
-            raise CheckpointError(f"{directory}: {e}") from None
-
-    def close(self) -> None:
-        pass

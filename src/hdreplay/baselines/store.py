@@ -214,6 +214,27 @@ def load_state(directory: str | os.PathLike, format_name: str) -> tuple[dict[str
     return read_checkpoint_dir(directory, format_name=format_name, versions=(STORE_VERSION,))
 
 
+class StoredState:
+    """``save`` / ``load`` / ``close`` of a peer controller whose state is ``state_dict()`` -> (tensors, meta) and
+    ``load_state_dict(tensors, meta)``, written crash-safely under the class's ``FORMAT``."""
+
+    FORMAT: str
+
+    def save(self, directory, *, allow_open_step: bool = False) -> None:
+        save_state(directory, self.FORMAT, *self.state_dict())
+
+    def load(self, directory) -> None:
+        """Restore from :meth:`save`'s directory (CheckpointError naming the field if malformed; nothing changes)."""
+        tensors, meta = load_state(directory, self.FORMAT)
+        try:
+            self.load_state_dict(tensors, meta)
+        except CheckpointError as e:
+            raise CheckpointError(f"{directory}: {e}") from None
+
+    def close(self) -> None:
+        pass
+
+
 def keyed(records: Sequence[GroupRecord], keys: Sequence[str]) -> dict[str, list[GroupRecord]]:
     """Records grouped by key, in order (the inverse of flattening a keyed store for :func:`pack`)."""
     out: dict[str, list[GroupRecord]] = {}
