@@ -1,38 +1,31 @@
-"""hdreplay: Headroom-Drift Replay for GRPO-style RL post-training.
+"""hdreplay: Headroom-Drift Replay for GRPO-style RL post-training -- the paper's method, and only that.
 
-Core API (framework-agnostic; importing it never imports TRL or verl):
+``import hdreplay`` loads the method and what every trainer needs to run it (torch, numpy and safetensors only):
 
-    GroupRecord        one prompt + n responses with immutable generation-time state
+    GroupRecord              one prompt + n responses with immutable generation-time state
     Rows, groups_from_rows   a trainer's fresh rows -> GroupRecords, every check in one place (hdreplay.ingest)
-    ReplayConfig       every knob, validated
-    ReplayController   the select -> stage -> commit protocol trainers call
-    ReplayBuffer       FIFO store with compact ragged storage and cached Headroom
-    select_replay      the selection function (all selectors) used by the controller
-    headroom, drift, replay_kl, replay_kl_per_group   pure scores on (G, T) tensors
-    MixedOutcome, AnswerBased, make_ingress_rule      ingress rules
-    pad_groups, PaddedGroups, group_scores            helpers for writing scorers
+    ReplayConfig             the method's settings (ReplayConfig.paper(): the paper exactly), validated once
+    ReplayBuffer             FIFO store with compact ragged storage and cached Headroom
+    select_replay            Algorithm 1: rank by cached Headroom, re-score, gate on Drift <= tau, stop at K_rep
+    ReplayController         the select -> stage -> commit protocol trainers call; crash-safe save / load
+    headroom, drift, ...     pure scores on (G, T) tensors
+    StepRecord, ...          what the method decided, per step (steps.jsonl, replay/* metrics)
 
-The peers (ExGRPO, BAPO, RePO, POPO, FreshPER, |A|-priority, uniform FIFO, DAPO's dynamic sampling) are
-``hdreplay.baselines``, behind the same select -> stage -> commit protocol (``hdreplay.baselines.Strategy``); the
-verl recipe's mini-batch layout is ``hdreplay.integrations.layout`` (``balanced_partition``, ``minibatch_layout``
-and ``truncate_to_multiple`` still resolve here, deprecated).
+Around it, each imported only when asked for: the peers (``hdreplay.baselines``: ExGRPO, BAPO, RePO, POPO, FreshPER,
+|A|-priority, uniform, DAPO's dynamic sampling; their selectors register when that package is imported), diagnostics
+and experiments (``hdreplay.diagnostics``: the same-buffer counterfactual, the ungated diagnosis, adaptive tau, the
+bf16 noise-floor table), the experimental asynchronous staleness rule (``hdreplay.staleness``), the trainers
+(``hdreplay.integrations.trl``, ``hdreplay.integrations.verl``) and the lab (``hdreplay_lab``: sandbox, analyses, CLI).
 
-Reliability contract: every public call checks all of its arguments before it changes anything
-(errors: ReplayInputError / ReplayConfigError / ReplayProtocolError / CheckpointError, all
-ReplayError; CheckpointLockedError when another writer holds a checkpoint directory); what the buffer hands out are copies; ``ReplayController.save`` is crash-safe and
-``load`` is all-or-nothing (see ``hdreplay.checkpoint`` and ``hdreplay.checkpoint_schema``).
-
-Asynchronous pipelines (stale groups diverted to the buffer, the Drift floor, the ledger): ``hdreplay.staleness``,
-one level above the controller, so importing ``hdreplay`` does not import it.
-
-Integrations live in ``hdreplay.integrations.trl`` and ``hdreplay.integrations.verl``.
+Reliability contract: every public call checks all of its arguments before it changes anything (errors:
+ReplayInputError / ReplayConfigError / ReplayProtocolError / CheckpointError, all ReplayError;
+CheckpointLockedError when another writer holds a checkpoint directory); what the buffer hands out are copies;
+``ReplayController.save`` is crash-safe and ``load`` all-or-nothing (:mod:`hdreplay.checkpoint`).
 """
 
-from .adaptive import AdaptiveTau, TauState, advance_tau, update_tau
 from .buffer import ReplayBuffer
 from .config import ReplayConfig
 from .controller import ReplayController
-from .diagnostics import METRIC_KEYS, STEP_FIELDS, DiagnosticsWriter, StepRecord, metrics_from_record
 from .errors import (
     CheckpointError,
     CheckpointLockedError,
@@ -47,25 +40,19 @@ from .errors import (
 from .ingest import Ingest, Rows, groups_from_rows
 from .ingress import AnswerBased, MixedOutcome, make_ingress_rule
 from .padding import PaddedGroups, pad_groups
-from .scores import (
-    GroupScores, drift, group_scores, headroom, reference_headroom, replay_kl, replay_kl_per_group, token_headroom,
-)
+from .record import GroupRecord
+from .records import METRIC_KEYS, STEP_FIELDS, DiagnosticsWriter, StepRecord, metrics_from_record
+from .scores import drift, group_scores, headroom, reference_headroom, replay_kl, replay_kl_per_group
 from .selection import Scorer, select_replay
 from .selectors import SELECTORS, Selection
-from .record import GroupRecord
 
-from . import baselines  # noqa: E402,F401  (above the core: registers the peers' selectors, resolves moved names)
-
-__version__ = "0.1.0"
-
+__version__ = "0.2.0.dev0"
 
 __all__ = [
-    "AdaptiveTau", "advance_tau", "AnswerBased", "CheckpointError", "CheckpointLockedError",
-    "DiagnosticsWriter",
-    "drift", "group_scores", "GroupRecord", "groups_from_rows", "GroupScores", "headroom", "Ingest", "IngestError",
-    "make_ingress_rule", "METRIC_KEYS", "metrics_from_record", "MixedOutcome", "pad_groups",
-    "PaddedGroups", "reference_headroom", "replay_kl", "replay_kl_per_group", "ReplayBuffer", "ReplayConfig",
-    "ReplayConfigError", "ReplayController", "ReplayError", "ReplayInputError", "ReplayProtocolError",
-    "ReplayResumeWarning", "ReplayStarvedWarning", "Rows", "Scorer", "select_replay", "Selection", "SELECTORS",
-    "STEP_FIELDS", "StepRecord", "TauState", "token_headroom", "update_tau", "__version__",
+    "AnswerBased", "CheckpointError", "CheckpointLockedError", "DiagnosticsWriter", "drift", "group_scores",
+    "GroupRecord", "groups_from_rows", "headroom", "Ingest", "IngestError", "make_ingress_rule", "METRIC_KEYS",
+    "metrics_from_record", "MixedOutcome", "pad_groups", "PaddedGroups", "reference_headroom", "replay_kl",
+    "replay_kl_per_group", "ReplayBuffer", "ReplayConfig", "ReplayConfigError", "ReplayController", "ReplayError",
+    "ReplayInputError", "ReplayProtocolError", "ReplayResumeWarning", "ReplayStarvedWarning", "Rows", "Scorer",
+    "select_replay", "Selection", "SELECTORS", "STEP_FIELDS", "StepRecord", "__version__",
 ]

@@ -13,9 +13,10 @@ Resuming under a different configuration (the decision this module encodes):
   the buffer);
 * allowed with a :class:`~hdreplay.errors.ReplayResumeWarning` that names every change:
   ``selector``, ``k_rep``, ``tau``, ``drift_norm``, ``ingress``, ``answer_threshold``,
-  ``truncate_multiple``, ``max_scan``, ``acceptance_ema``, ``adaptive_tau`` (the stored groups and
-  their priorities stay valid under these, but the resumed run no longer reproduces the
-  uninterrupted one).  An adaptive-tau state outside the new bounds is clamped into them.
+  ``truncate_multiple``, ``max_scan``, ``acceptance_ema`` and the rest of the scan's and the peers' settings
+  (the stored groups and their priorities stay valid under these, but the resumed run no longer reproduces the
+  uninterrupted one).  The observers' states (:mod:`hdreplay.diagnostics`) are handed to the observers, which
+  check them (an adaptive-tau state outside the new bounds is clamped into them).
 """
 
 from __future__ import annotations
@@ -26,8 +27,7 @@ from typing import Any, Mapping
 import numpy as np
 import torch
 
-from .adaptive import TauState
-from .errors import CheckpointError, ReplayConfigError
+from .errors import CheckpointError
 from .multimodal import Schema, schema_from_json
 from .sampling import rng_from_state
 from .storage import PAYLOAD_DTYPES, SLOT_FIELDS, Block
@@ -36,7 +36,7 @@ from .validate import MAX_COUNT, MAX_STEP, is_int, is_real
 #: configuration fields whose change at resume is refused / reported with a warning
 CONFIG_REFUSED = ("capacity", "headroom_weighting")
 CONFIG_WARNED = ("selector", "k_rep", "tau", "drift_norm", "ingress", "answer_threshold", "truncate_multiple",
-                 "max_scan", "acceptance_ema", "adaptive_tau", "group_size", "seed", "priority_alpha", "age_decay",
+                 "max_scan", "acceptance_ema", "group_size", "seed", "priority_alpha", "age_decay",
                  "is_beta", "max_age", "scan_refresh", "skip_rejected")
 #: slots added after checkpoints were first written, and the value an older checkpoint's groups get
 SLOT_DEFAULTS = {"reject_streak": 0, "skip_until": 0}
@@ -59,7 +59,7 @@ class ControllerState:
     buffer: BufferState
     acceptance_rate: float
     last_step: int | None
-    tau_state: TauState  # fixed tau: TauState(config.tau) (a fixed tau is not read from the checkpoint)
+    observers: dict[str, Any]  # name -> saved state of an observer (hdreplay.diagnostics)
     starved_steps: int
     changes: list[str]  # "name: saved -> configured" for every warned configuration change
     rng_state: dict | None = None  # the random orders' generator (None: saved before it existed)
@@ -183,28 +183,16 @@ def parse_controller_state(tensors: Any, meta: Any, *, config: Any, where: str =
                              slot_fields=SLOT_FIELDS, where=f"{where} (buffer)")
     if buf.size and (last is None or max(buf.block.birth_steps) > last or buf.slots["refresh_step"].max() > last):
         raise bad(f"stored groups were born or refreshed after last_step {last!r}")
-    tau_state = _tau_state(meta.get("tau_state"), config, bad)
+    observers = meta.get("observers", {})
+    if not isinstance(observers, Mapping) or not all(isinstance(k, str) for k in observers):
+        raise bad("observers must map observer names to their states")
+    observers = dict(observers)
+    if meta.get("tau_state") is not None and "adaptive_tau" not in observers:  # written before observers existed
+        observers["adaptive_tau"] = meta["tau_state"]
     rng = meta.get("sampler_state")
     if rng is not None:
         rng_from_state(rng, where=f"{where}: sampler_state")  # raises CheckpointError if malformed
     defaults = {f.name: f.default for f in fields(type(config))}  # settings added after a checkpoint was written
     changes = [f"{k}: {saved.get(k, defaults[k])!r} -> {now[k]!r}" for k in CONFIG_WARNED
                if saved.get(k, defaults[k]) != now[k]]
-    return ControllerState(buf, float(rate), last, tau_state, starved, changes, rng)
-
-
-def _tau_state(d: Any, config: Any, bad) -> TauState:
-    """The controller's tau after a load: a fixed tau is the configured one (a changed tau is warned about); an
-    adaptive one continues from the saved state, clamped into the configured bounds (or starts at config.tau)."""
-    if d is not None:
-        if not isinstance(d, Mapping):
-            raise bad("tau_state must be a mapping")
-        try:
-            state = TauState(**d)
-        except (TypeError, ReplayConfigError) as e:
-            raise bad(f"invalid tau_state ({e})") from None
-    if config.adaptive_tau is None or d is None:
-        return TauState(tau=float(config.tau))
-    lo, hi = config.adaptive_tau.tau_min, config.adaptive_tau.tau_max
-    state.tau = min(max(state.tau, lo), hi)
-    return state
+    return ControllerState(buf, float(rate), last, observers, starved, changes, rng)

@@ -21,7 +21,6 @@ import math
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import Any, Callable, Mapping, Union
 
-from .adaptive import AdaptiveTau
 from .errors import ReplayConfigError
 from .ingress import INGRESS_RULES
 from .scores import DRIFT_NORMS, HEADROOM_WEIGHTINGS
@@ -90,14 +89,15 @@ class ReplayConfig:
     tau | the Drift threshold must be a finite number >= 0
     """
 
+    # ---- the method (Algorithm 1): what the paper sets
     selector: str = knob(
         "headroom_drift",
         "replay rule: headroom_drift (the paper: cached-Headroom order + Drift gate), headroom_only (no gate), "
         "drift_only (recency order + gate), recency (latest K groups, the paper's 'GRPO + replay'), none (on-policy); "
-        "the peers (hdreplay.baselines.orders): uniform (K groups uniformly at random), freshper (K groups in "
+        "the peers (registered by importing hdreplay.baselines; the trainers do): uniform (K groups uniformly at random), freshper (K groups in "
         "proportion to ((mean|r| + eps) exp(-age/age_decay))^alpha), adv_priority (k_rep x n single rollouts in "
         "proportion to |A|^alpha)",
-        choices=SELECTORS)  # the live registry: the peers register when hdreplay is imported
+        choices=SELECTORS)  # the live registry: the peers register when hdreplay.baselines is imported
     k_rep: int = knob(64, "replay budget K_rep: groups replayed per step (>= 0)")
     tau: float = knob(1e-3, "Drift threshold: a scanned group is replayed iff Drift <= tau (>= 0; paper: 1e-3 "
                             "single-turn reasoning, 1e-2 agentic search, l2 norm)")
@@ -114,10 +114,8 @@ class ReplayConfig:
         flat=float)
     truncate_multiple: int = knob(
         1, "u: the accepted list is cut to a multiple of u, keeping its highest-priority prefix (1 = no cut)")
-    scan_chunk: int | None = knob(
-        None, "groups re-scored per scorer call; unset = sized from the remaining budget and the running "
-              "acceptance rate", flat=int)
-    max_scan_chunk: int = knob(1024, "upper bound on an automatically sized chunk (memory of one scorer call)")
+
+    # ---- the scan's engineering: how the selection is computed (ReplayConfig.paper() sets the paper's scan)
     max_scan: int | None = knob(
         None, "scan budget: at most this many groups are re-scored per step; unset = min(capacity, 8 * k_rep), "
               "so a gate that passes fewer than 1 in 8 groups cannot fill the budget, and a tau so tight that "
@@ -127,26 +125,23 @@ class ReplayConfig:
            "across the groups of a scan window) and a group stops being forwarded once the Drift of what was forwarded "
            "already proves Drift > tau; the gate decisions are the full scan's. 1 = every group forwarded whole")
     scan_refresh: str = knob(
-        "slice", "cached Headroom of a group rejected early: slice (refresh from the responses forwarded), keep (leave "
-                 "the cached value), finish (forward the rest of the group for its exact Headroom: the full scan's "
-                 "refresh and its cost for those groups)", choices=SCAN_REFRESH)
+        "slice", "cached Headroom of a group rejected early: slice (refresh from the responses forwarded), finish "
+                 "(forward the rest of the group for its exact Headroom: the paper's refresh, at the full scan's cost "
+                 "for those groups)", choices=SCAN_REFRESH)
+    scan_chunk: int | None = knob(
+        None, "groups re-scored per scorer call; unset = sized from the remaining budget and the running "
+              "acceptance rate", flat=int)
+    max_scan_chunk: int = knob(1024, "upper bound on an automatically sized chunk (memory of one scorer call)")
+    acceptance_ema: float = knob(0.5, "weight of the newest step in the running acceptance rate that sizes "
+                                      "chunks, in (0, 1]")
     skip_rejected: int = knob(
         0, "futile re-scoring: a group the gate rejects with Drift D (or the early-rejection bound of it) is not "
            "scanned at the next min(skip_rejected, 1 + floor(log2(D / tau))) steps (0 = off, the paper's scan: a "
            "rejected group may be scanned again at the next step)")
-    acceptance_ema: float = knob(0.5, "weight of the newest step in the running acceptance rate that sizes "
-                                      "chunks, in (0, 1]")
     group_size: int | None = knob(None, "if set, every ingress group must have exactly this many responses",
                                   flat=int, derived=True)
-    diagnose_ungated: bool = knob(False, "also re-score the groups recency replay picks, so their Drift and replay "
-                                         "KL are reported (one forward over them)")
-    counterfactual: bool = knob(False, "also score the subset recency replay would take from the same pre-step "
-                                       "buffer and record it beside the selection (the paper's same-buffer "
-                                       "counterfactual; one forward over the recency groups not scanned anyway)")
-    adaptive_tau: AdaptiveTau | None = knob(
-        None, "move tau within bounds (loosen when replay starves, tighten when replay KL rises); tau is the start. "
-              "An AdaptiveTau, or its fields as a dict / JSON object, e.g. {\"tau_min\": 1e-4, \"tau_max\": 0.1}",
-        flat="json")
+
+    # ---- the peers (hdreplay.baselines): their random orders and age limits
     seed: int = knob(0, "seed of the random orders (uniform, freshper, adv_priority); their generator state is "
                         "checkpointed, so a resumed run draws what the uninterrupted one draws")
     priority_alpha: float = knob(0.6, "freshper / adv_priority: units are drawn in proportion to priority^alpha "
@@ -162,7 +157,9 @@ class ReplayConfig:
 
     def __post_init__(self) -> None:
         if not isinstance(self.selector, str) or self.selector not in SELECTORS:
-            raise _err("selector", f"unknown selector {self.selector!r}; valid: {sorted(SELECTORS)}")
+            peers = "" if "uniform" in SELECTORS else " (the peers' random orders register when hdreplay.baselines is " \
+                                                        "imported)"
+            raise _err("selector", f"unknown selector {self.selector!r}; valid: {sorted(SELECTORS)}{peers}")
         if not _is_int(self.k_rep) or not 0 <= self.k_rep <= MAX_COUNT:
             raise _err("k_rep", f"the replay budget (groups per step) must be an int in [0, {MAX_COUNT}], "
                                 f"got {self.k_rep!r}")
@@ -205,9 +202,6 @@ class ReplayConfig:
             raise _err("acceptance_ema", f"must be in (0, 1], got {a!r}")
         if self.group_size is not None and (not _is_int(self.group_size) or not 1 <= self.group_size <= MAX_COUNT):
             raise _err("group_size", f"must be unset or an int >= 1, got {self.group_size!r}")
-        for name in ("diagnose_ungated", "counterfactual"):
-            if not isinstance(getattr(self, name), bool):
-                raise _err(name, f"must be True or False, got {getattr(self, name)!r}")
         if not _is_int(self.seed) or not 0 <= self.seed < 2**63:
             raise _err("seed", f"must be an int in [0, 2**63), got {self.seed!r}")
         if not _is_real(self.priority_alpha) or not math.isfinite(self.priority_alpha) or self.priority_alpha < 0:
@@ -227,12 +221,26 @@ class ReplayConfig:
         if spec.unit == "rollout" and self.group_size is None:
             raise _err("group_size", f"selector {self.selector!r} stores single rollouts and counts k_rep and capacity "
                                      "in groups' worth of rows (x group_size); set group_size")
-        if self.adaptive_tau is not None:
-            if not isinstance(self.adaptive_tau, AdaptiveTau):
-                raise _err("adaptive_tau", f"must be unset or an AdaptiveTau, got {self.adaptive_tau!r}")
-            lo, hi = self.adaptive_tau.tau_min, self.adaptive_tau.tau_max
-            if not (lo <= self.tau <= hi):
-                raise _err("tau", f"tau={self.tau:g} must lie within adaptive_tau's bounds [{lo:g}, {hi:g}]")
+
+    @classmethod
+    def paper(cls, **settings: Any) -> "ReplayConfig":
+        """The paper's method exactly: Headroom order, Drift gate, the whole buffer scanned until K_rep are admitted
+        (no ``max_scan`` cap), every scanned group forwarded whole (``scan_passes=1``: its refreshed Headroom is the
+        whole group's), no group left out of the walk.  ``settings``: the paper's own knobs (k_rep, tau, capacity,
+        drift_norm, headroom_weighting, ingress, answer_threshold, truncate_multiple, group_size).
+
+        >>> ReplayConfig.paper(k_rep=128, tau=1e-3).scan_budget == ReplayConfig.paper().capacity
+        True
+        """
+        engineering = {"selector", "max_scan", "scan_passes", "scan_refresh", "skip_rejected", "max_age"}
+        bad = sorted(set(settings) & engineering)
+        if bad:
+            raise ReplayConfigError(f"ReplayConfig.paper: {bad} are what paper() fixes to the paper's scan; build "
+                                    "ReplayConfig(...) directly to change them", field=bad[0])
+        capacity = settings.get("capacity", cls.__dataclass_fields__["capacity"].default)
+        return cls(selector="headroom_drift", scan_passes=1, scan_refresh="finish", skip_rejected=0,
+                   max_scan=capacity if isinstance(capacity, int) and not isinstance(capacity, bool) and capacity >= 1
+                   else None, **settings)
 
     @property
     def unit(self) -> str:
@@ -269,8 +277,6 @@ class ReplayConfig:
     def to_dict(self) -> dict[str, Any]:
         """JSON-able view (a callable ingress rule is shown by its name)."""
         d = asdict(self)
-        if self.adaptive_tau is not None:
-            d["adaptive_tau"] = asdict(self.adaptive_tau)
         if callable(self.ingress):
             d["ingress"] = getattr(self.ingress, "__name__", type(self.ingress).__name__)
         return d
@@ -300,40 +306,11 @@ class ReplayConfig:
         if unknown:
             raise ReplayConfigError(f"{pre}unknown replay setting(s) {[label(k) for k in unknown]}; valid: "
                                     f"{[label(k.name) for k in knobs()]}", field=label(unknown[0]))
-        kw = dict(values)
-        if "adaptive_tau" in kw:
-            try:
-                kw["adaptive_tau"] = adaptive_tau_from(kw["adaptive_tau"])
-            except ReplayConfigError as e:
-                raise ReplayConfigError(f"{pre}{label('adaptive_tau')}: {e.message}", field=label("adaptive_tau"))
         try:
-            return cls(**kw)
+            return cls(**values)
         except ReplayConfigError as e:
             name = e.field or ""
             raise ReplayConfigError(f"{pre}{label(name)}: {e.message}", field=label(name)) from None
-
-
-def adaptive_tau_from(value: Any) -> AdaptiveTau | None:
-    """An :class:`AdaptiveTau` from None, an AdaptiveTau, a mapping of its fields or a JSON object string."""
-    if value is None or isinstance(value, AdaptiveTau):
-        return value
-    if isinstance(value, str):
-        text = value.strip()
-        if text.lower() in ("", "none", "null"):
-            return None
-        try:
-            value = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise ReplayConfigError(f"not valid JSON ({e.msg}); pass an object such as "
-                                    '\'{"tau_min": 1e-4, "tau_max": 0.1}\'', field="adaptive_tau") from None
-    if not isinstance(value, Mapping):
-        raise ReplayConfigError(f"expected a mapping of AdaptiveTau fields, got {type(value).__name__}",
-                                field="adaptive_tau")
-    valid = {f.name for f in fields(AdaptiveTau)}
-    bad = sorted(set(value) - valid)
-    if bad:
-        raise ReplayConfigError(f"unknown field(s) {bad}; valid: {sorted(valid)}", field="adaptive_tau")
-    return AdaptiveTau(**dict(value))
 
 
 def knobs(*, include_derived: bool = False) -> list[Knob]:

@@ -10,8 +10,12 @@ For each training step t::
 ``select`` and ``stage`` may come in either order; staged groups enter the buffer
 only at ``commit``, so a group born at step t can never be replayed at step t.
 Steps must increase.  ``state_dict``/``save`` capture everything that influences
-later selections (buffer, running acceptance rate, last step, adaptive tau), so a run
+later selections (buffer, running acceptance rate, last step, the observers' state), so a run
 resumed from a checkpoint makes exactly the selections the uninterrupted run makes.
+
+Observers (:mod:`hdreplay.diagnostics`: the same-buffer counterfactual, the ungated diagnosis, adaptive tau) stand
+around the method: after a selection one may score more groups (a selection it returns must keep the decisions);
+at commit one may add fields to the step record's ``extras`` and move ``tau`` for the next step.
 
 All-or-nothing: every call checks all of its arguments (and runs the user's scorer / ingress
 rule) before it changes anything, so a refused call leaves the controller as it was and never
@@ -21,7 +25,6 @@ the selection's arrays are read-only, staged groups are copied when staged.
 
 from __future__ import annotations
 
-import copy
 import os
 import warnings
 from typing import Any, Mapping, Sequence
@@ -30,12 +33,11 @@ import numpy as np
 import torch
 
 from . import sampling
-from .adaptive import TauState, advance_tau
 from .buffer import ReplayBuffer
 from .checkpoint import read_checkpoint_dir, write_checkpoint_dir
 from .checkpoint_schema import ControllerState, parse_buffer_state, parse_controller_state
 from .config import ReplayConfig
-from .diagnostics import DiagnosticsWriter, StepRecord, metrics_from_record, step_record
+from .records import DiagnosticsWriter, StepRecord, metrics_from_record, step_record
 from .errors import (
     CheckpointError, ReplayConfigError, ReplayInputError, ReplayProtocolError, ReplayResumeWarning,
     ReplayStarvedWarning,
@@ -43,10 +45,11 @@ from .errors import (
 from .ingress import make_ingress_rule
 from .record import GroupRecord
 from .scores import reference_headroom
-from .selection import DriftFloor, Scorer, select_replay
+from .selection import Scorer, Tau, select_replay
 from .selectors import SELECTORS, Selection, empty_selection
 from .storage import materialize
-from .validate import MAX_COUNT, check_bool, check_int, check_path, check_sequence, check_step, is_int, is_real
+from .validate import (MAX_COUNT, check_bool, check_int, check_path, check_real, check_sequence, check_step, is_int,
+                       is_real)
 
 #: consecutive starved steps (budget unfilled, gate pass rate < STARVED_RATE) before a ReplayStarvedWarning
 STARVED_STEPS = 5
@@ -64,6 +67,11 @@ class ReplayController:
     Args:
         config:          the replay configuration.
         diagnostics_dir: if given, step and group-lifetime records are appended there as JSONL.
+        observers:       what stands around the method (:mod:`hdreplay.diagnostics`); each has a unique ``name``
+                         and any of ``on_select(controller, selection, scorer) -> Selection | None``,
+                         ``on_commit(controller, record) -> dict | None`` (fields for ``record.extras``),
+                         ``state_dict() -> dict`` with ``check_state(state or None) -> parsed`` (raises
+                         CheckpointError, changes nothing) and ``restore(controller, parsed)``.
 
     >>> from hdreplay import GroupRecord, ReplayConfig
     >>> g = GroupRecord.from_responses(group_id="g0", prompt_ids=[5, 6], completion_ids=[[1, 2], [3]],
@@ -79,18 +87,22 @@ class ReplayController:
     (['g0'], [0.0])
     """
 
-    def __init__(self, config: ReplayConfig, *, diagnostics_dir: str | os.PathLike | None = None) -> None:
+    def __init__(self, config: ReplayConfig, *, diagnostics_dir: str | os.PathLike | None = None,
+                 observers: Sequence[Any] = ()) -> None:
         if not isinstance(config, ReplayConfig):
             raise ReplayConfigError(f"config: must be a ReplayConfig, got {type(config).__name__}", field="config")
         if diagnostics_dir is not None and not isinstance(diagnostics_dir, (str, os.PathLike)):
             raise ReplayConfigError(f"diagnostics_dir: must be a path or None, got {type(diagnostics_dir).__name__}",
                                     field="diagnostics_dir")
+        names = [getattr(o, "name", None) for o in check_sequence("observers", observers, err=ReplayConfigError)]
+        if not all(isinstance(n, str) for n in names) or len(set(names)) != len(names):
+            raise ReplayConfigError(f"observers: each needs a unique str `name`, got {names}", field="observers")
+        self.observers = list(observers)
         self.config = config
         self.buffer = ReplayBuffer(config.unit_capacity, group_size=buffer_group_size(config))
         self.ingress_rule = make_ingress_rule(config.ingress, answer_threshold=config.answer_threshold)
         self.acceptance_rate = 1.0
-        #: the one place the current tau lives (config.tau is its start; adaptive_tau moves it at commit)
-        self.tau_state = TauState(tau=float(config.tau))
+        self._tau = float(config.tau)  # the current Drift threshold: config.tau, unless an observer moves it
         self.last_step: int | None = None
         try:
             self.diagnostics = DiagnosticsWriter(diagnostics_dir) if diagnostics_dir is not None else None
@@ -122,24 +134,39 @@ class ReplayController:
             )
         return step
 
-    def select(self, *, step: int, scorer: Scorer | None = None, drift_floor: DriftFloor | None = None) -> Selection:
+    def select(self, *, step: int, scorer: Scorer | None = None, tau: Tau | None = None) -> Selection:
         """Choose replay groups for ``step`` from the buffer as it was before this step's ingress.
 
-        ``drift_floor`` (asynchronous pipelines, :mod:`hdreplay.staleness`): per scanned group a floor subtracted
-        from its Drift before the gate.  Returns a :class:`Selection` whose arrays are read-only and whose
-        ``groups`` are copies."""
+        ``tau``: per-group thresholds instead of :attr:`tau` (:data:`hdreplay.selection.Tau`; the asynchronous
+        rule of :mod:`hdreplay.staleness` adds a measured floor for groups scored against a sampler).  Returns a
+        :class:`Selection` whose arrays are read-only and whose ``groups`` are copies."""
         step = self._check_step(step, "select")
         if self._selection is not None:
             raise ReplayProtocolError(f"select(step={step}) called twice; one selection per step")
+        if tau is not None and not callable(tau):
+            raise ReplayInputError(f"select: tau must be a per-group callable or None (the controller's own tau is "
+                                   f"`controller.tau`), got {type(tau).__name__}")
         sel = select_replay(self.buffer, self.config, scorer, step=step, acceptance_rate=self.acceptance_rate,
-                            tau=self.tau, rng=sampling.rng_from_state(self.rng_state), drift_floor=drift_floor)
+                            tau=self.tau if tau is None else tau, rng=sampling.rng_from_state(self.rng_state))
+        for obs in self.observers:  # diagnostics may score more; the decisions stay the selection's
+            seen = getattr(obs, "on_select", lambda *a: None)(self, sel, scorer)
+            if seen is not None:
+                if not (isinstance(seen, Selection) and np.array_equal(seen.accepted, sel.accepted)):
+                    raise ReplayProtocolError(f"observer {obs.name!r}: on_select must return None or a Selection "
+                                              "with the same accepted groups")
+                sel = seen
         self._open_step, self._selection = step, sel
-        return copy.copy(sel)
+        return sel
 
     @property
     def tau(self) -> float:
-        """The Drift threshold the next selection uses: ``tau_state.tau`` (moves only with ``adaptive_tau``)."""
-        return self.tau_state.tau
+        """The Drift threshold the next selection uses (``config.tau`` unless an observer such as adaptive tau
+        moves it; set it with a number >= 0)."""
+        return self._tau
+
+    @tau.setter
+    def tau(self, value: float) -> None:
+        self._tau = check_real("tau", value, lo=0.0)
 
     def stage(self, groups: Sequence[GroupRecord], *, step: int, born_earlier: bool = False) -> list[bool]:
         """Offer this step's fresh groups (a list) for ingress; returns which the ingress rule admitted.
@@ -217,7 +244,7 @@ class ReplayController:
         ages = step - self.buffer.slot_values("birth_step", sel.accepted) if len(sel.accepted) else np.zeros(0)
         # everything was validated when it was selected / staged: from here on nothing is refused
         if sel.scored and len(sel.scanned):
-            self.buffer.refresh(sel.scanned, sel.scanned_headroom, step=step)
+            self.buffer.refresh(sel.scanned, sel.scanned_headroom, step=step)  # Alg. 1 l.12: the scanned groups' cache
             if SELECTORS[sel.selector].gate:
                 self.buffer.record_scan(sel.scanned, sel.scanned_pass, skip_until(sel, self.config.skip_rejected))
             rate = float(sel.scanned_pass.mean())
@@ -242,12 +269,11 @@ class ReplayController:
                           unit_size=self.config.group_size if self.config.unit == "rollout" else 1)
         rec.rescored_rows += extra.pop("rescored_rows", 0)
         rec.rescored_tokens += extra.pop("rescored_tokens", 0)
-        for k, v in extra.items():
-            setattr(rec, k, v)
-        if self.config.adaptive_tau is not None:
-            self.tau_state = advance_tau(self.tau_state, self.config.adaptive_tau, accept_rate=rec.accept_rate,
-                                         budget_fill=rec.budget_fill, replay_kl=rec.replay_kl)
-            rec.tau_next, rec.tau_action = self.tau_state.tau, self.tau_state.last_action
+        if "generated_rows" in extra:
+            rec.generated_rows = extra.pop("generated_rows")
+        rec.extras.update(extra)  # a peer's strategy and its counters
+        for obs in self.observers:
+            rec.extras.update(getattr(obs, "on_commit", lambda *a: None)(self, rec) or {})
         starved = self._count_starved(rec)
         self.last_record = rec
         self.last_step = step
@@ -270,9 +296,9 @@ class ReplayController:
         capped = " and the scan stopped at its budget (max_scan)" if rec.scan_capped else ""
         warnings.warn(
             f"hdreplay: replay starved for {STARVED_STEPS} steps (through step {rec.step}): the Drift gate passed "
-            f"{rec.accept_rate:.1%} of {rec.scanned} scanned groups at tau={rec.tau:g}{capped}, replaying "
-            f"{rec.accepted} of k_rep={rec.k_rep}. Loosen tau (`hdreplay calibrate` sweeps it), or set "
-            "adaptive_tau to let it move.", ReplayStarvedWarning, stacklevel=3)
+            f"{rec.accept_rate:.1%} of {rec.scanned} scanned groups at tau={self.tau:g}{capped}, replaying "
+            f"{rec.accepted} of k_rep={rec.k_rep}. Loosen tau (`hdreplay calibrate` sweeps it), or let "
+            "hdreplay.diagnostics.AdaptiveTau move it.", ReplayStarvedWarning, stacklevel=3)
 
     def close(self) -> None:
         """Write lifetime records of the groups still buffered (end of training)."""
@@ -306,7 +332,8 @@ class ReplayController:
             "buffer": bmeta,
             "acceptance_rate": self.acceptance_rate,
             "last_step": self.last_step,
-            "tau_state": None if self.config.adaptive_tau is None else self.tau_state.to_dict(),
+            "tau": self._tau,
+            "observers": {o.name: o.state_dict() for o in self.observers if hasattr(o, "state_dict")},
             "starved_steps": self._starved_steps,
             "sampler_state": self.rng_state,
             "config": self.config.to_dict(),
@@ -326,17 +353,24 @@ class ReplayController:
         state = parse_controller_state(tensors, meta, config=self.config)
         if self.diagnostics is not None and state.last_step is not None:
             self.diagnostics.rewind(state.last_step)  # before any assignment: a failure here changes nothing
-        self._install(state)
+        try:
+            observed = [(o, o.check_state(state.observers.get(o.name))) for o in self.observers
+                        if hasattr(o, "check_state")]
+        except CheckpointError as e:
+            raise CheckpointError(f"controller state (observers): {e}") from None
+        self._install(state, observed)
         if state.changes:
             warnings.warn("hdreplay: resumed under a changed replay configuration (" + "; ".join(state.changes)
                           + "); the resumed run will not reproduce the uninterrupted one", ReplayResumeWarning,
                           stacklevel=3)
 
-    def _install(self, state: ControllerState) -> None:
+    def _install(self, state: ControllerState, observed: list) -> None:
         self.buffer._apply(state.buffer)
         self.acceptance_rate = state.acceptance_rate
         self.last_step = state.last_step
-        self.tau_state = state.tau_state
+        self._tau = float(self.config.tau)  # a fixed tau is the configured one; an observer may restore its own
+        for obs, parsed in observed:
+            obs.restore(self, parsed)
         self._starved_steps = state.starved_steps
         self.rng_state = state.rng_state or sampling.rng_state(sampling.new_rng(self.config.seed))
         self.last_record = None
@@ -392,8 +426,9 @@ def skip_until(sel: Selection, max_skip: int) -> np.ndarray:
     nxt = np.full(len(sel.scanned), sel.step + 1, dtype=np.int64)
     if max_skip == 0:
         return np.zeros(len(sel.scanned), dtype=np.int64)
-    with np.errstate(divide="ignore"):
-        ratio = np.where(sel.scanned_pass, 1.0, sel.scanned_drift / sel.tau if sel.tau > 0 else np.inf)
+    tau = sel.scanned_tau
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ratio = np.where(sel.scanned_pass, 1.0, np.where(tau > 0, sel.scanned_drift / np.where(tau > 0, tau, 1), np.inf))
     steps = np.where(sel.scanned_pass, 0.0, 1.0 + np.floor(np.log2(np.maximum(ratio, 1.0))))
     return nxt + np.minimum(steps, max_skip).astype(np.int64)
 

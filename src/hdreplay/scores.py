@@ -149,9 +149,16 @@ def _delta(lp: torch.Tensor, ref: torch.Tensor, m: torch.Tensor) -> torch.Tensor
     return torch.where(m, d, torch.zeros_like(d))
 
 
+def _drift_terms(lp: torch.Tensor, ref: torch.Tensor, m: torch.Tensor, norm: str) -> torch.Tensor:
+    """The Drift terms in float64 (0 off the mask): a mean of float32 terms could underflow to 0 (one token moved by
+    1e-22 squares to a subnormal), and Drift <= tau must be decided as the paper's arithmetic decides it."""
+    d = lp.double() - ref.double()
+    d = torch.where(m, d, torch.zeros_like(d))
+    return d.square() if norm == "l2" else d.abs()
+
+
 def _drift(lp, ref, m, count, norm: str) -> torch.Tensor:
-    d = _delta(lp, ref, m)
-    return (d.square() if norm == "l2" else d.abs()).sum(dim=1) / count
+    return _drift_terms(lp, ref, m, norm).sum(dim=1) / count
 
 
 def _kl_per_group(lp, ref, m, count) -> torch.Tensor:
@@ -176,14 +183,14 @@ def drift(
         mask:         (G, T) 1 on T(g) (bool or 0/1; every row needs one).
         norm:         "l2" (mean squared difference, paper default) or "l1" (mean absolute).
     Returns:
-        (G,) float32 Drift >= 0.
+        (G,) float64 Drift >= 0 (computed in float64 from the given log-probs).
 
     >>> import torch
     >>> gen = torch.tensor([[-1.0, -2.0, 0.0]])
     >>> now = torch.tensor([[-1.5, -1.5, -9.0]])
     >>> mask = torch.tensor([[1, 1, 0]])  # the third position is padding: not in T(g)
     >>> drift(logprobs=now, ref_logprobs=gen, mask=mask), drift(logprobs=now, ref_logprobs=gen, mask=mask, norm="l1")
-    (tensor([0.2500]), tensor([0.5000]))
+    (tensor([0.2500], dtype=torch.float64), tensor([0.5000], dtype=torch.float64))
     """
     _choice("drift norm", norm, DRIFT_NORMS)
     m, count = _pair(logprobs, ref_logprobs, mask)
@@ -245,7 +252,7 @@ def check_scorer_output(groups: Sequence[GroupRecord], logprobs: Sequence[torch.
 
 @dataclass(frozen=True)
 class GroupScores:
-    """Per-group scores from one current-policy pass: each a (G,) float32 tensor."""
+    """Per-group scores from one current-policy pass: (G,) tensors (Drift float64, the others float32)."""
 
     drift: torch.Tensor
     headroom: torch.Tensor
@@ -339,28 +346,27 @@ def reference_headroom(groups: Sequence[GroupRecord], *, weighting: HeadroomWeig
     return _headroom(pk.logprobs, pk.token_adv, pk.mask, pk.mask.sum(dim=1), weighting)
 
 
-# ---------------------------------------------------------------- exact early rejection (the sliced scan)
-#: float32 unit round-off (2**-24): the early-rejection bound allows for the full scan's float32 arithmetic
-_U32 = 2.0 ** -24
+# ---------------------------------------------------------------- exact early rejection (hdreplay.rescore)
+#: float64 unit round-off (2**-53): the early-rejection bound allows for any order of the full scan's float64 sum
+_U64 = 2.0 ** -53
 
 
 def drift_term_sums(groups: Sequence[GroupRecord], current_logprobs: Sequence[torch.Tensor], *,
                     drift_norm: str) -> list[float]:
-    """Per group, the sum over its loss tokens of the float32 Drift terms (what :func:`drift` averages, the same
-    float32 numbers), summed in float64.  Inputs as :func:`score_groups` (checked); used on response slices of
-    stored groups, whose sums add up to a lower bound of the group's total (every term is >= 0)."""
+    """Per group, the float64 sum over its loss tokens of the Drift terms (what :func:`drift` averages).  Inputs as
+    :func:`score_groups` (checked); used on response slices of stored groups, whose sums add up to a lower bound of
+    the group's total (every term is >= 0)."""
     if not groups:
         return []
-    d = torch.cat(list(current_logprobs)).float() - torch.cat([g.logprobs for g in groups]).float()
-    d = torch.where(torch.cat([g.loss_mask for g in groups]), d, torch.zeros_like(d))
-    terms = (d.square() if drift_norm == "l2" else d.abs()).double()
+    terms = _drift_terms(torch.cat(list(current_logprobs)), torch.cat([g.logprobs for g in groups]),
+                         torch.cat([g.loss_mask for g in groups]), drift_norm)
     return [float(t.sum()) for t in terms.split([g.num_tokens for g in groups])]
 
 
 def score_group(group: GroupRecord, current: torch.Tensor, *, drift_norm: str,
                 headroom_weighting: str) -> tuple[float, float, float]:
     """(Drift, runtime Headroom, replay KL) of one stored group from its checked ``(T,)`` current log-probs: the
-    same float32 numbers :func:`score_groups` gives for ``[group]`` alone (one row, no padding), without packing."""
+    numbers :func:`score_groups` gives for ``[group]`` alone (one row, no padding), without packing."""
     m = group.loss_mask[None]
     count = m.sum(dim=1)
     lp, ref = current.float()[None], group.logprobs[None]
@@ -369,17 +375,15 @@ def score_group(group: GroupRecord, current: torch.Tensor, *, drift_norm: str,
             float(_kl_per_group(lp, ref, m, count)[0]))
 
 
-def drift_bound_rejects(partial_sum: float, num_loss_tokens: int, tau: float) -> bool:
-    """Whether a group is rejected by the gate whatever its unscored tokens hold.
+def drift_rejects(partial_sum: float, num_loss_tokens: int, tau: float) -> bool:
+    """Whether the gate rejects a group (Drift > tau) whatever its tokens not yet scored hold.
 
     ``partial_sum``: float64 sum of the Drift terms of some of the group's loss tokens (:func:`drift_term_sums`);
-    ``num_loss_tokens``: |T(g)| of the WHOLE group (the mean's denominator).  Every term is >= 0, so the group's
-    Drift is at least ``partial_sum / |T(g)|``; the gate rejects iff Drift > tau.  The test allows for the full
-    scan's float32 arithmetic (a sum of N float32 terms in any order is at least (1 - (N - 1) u / (1 - (N - 1) u))
-    times the exact sum, the division loses at most one more u, u = 2**-24): with slack = 2 (N + 2) u it returns True
-    only if the full scan's float32 Drift, however its sum is ordered, exceeds tau.  So early rejection never
-    rejects a group the full scan would accept.
+    ``num_loss_tokens``: |T(g)| of the WHOLE group (the mean's denominator).  Every term is >= 0, so Drift >=
+    ``partial_sum / |T(g)|``.  The slack 2 (N + 2) u, u = 2**-53, covers any summation order of the full float64
+    sum and the division, so it returns True only if the full scan's Drift, however summed, exceeds tau: early
+    rejection never rejects a group the full scan accepts.
     """
     n = int(num_loss_tokens)
-    slack = 2.0 * (n + 2) * _U32
+    slack = 2.0 * (n + 2) * _U64
     return slack < 0.5 and partial_sum * (1.0 - slack) > tau * n

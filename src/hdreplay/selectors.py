@@ -1,10 +1,9 @@
 """The named selectors (order x gate), what one selection returns, and what a selector reads from a buffer.
 
-A leaf of the core: it imports no other module of the package (only NumPy), so the configuration can list
-the valid selector names and the diagnostics can read a :class:`Selection` without importing the scan
-(:mod:`hdreplay.selection`) or the buffer (:mod:`hdreplay.buffer`).
+A leaf of the core (it imports only NumPy), so the configuration can list the valid selector names and the records
+can read a :class:`Selection` without importing the selection (:mod:`hdreplay.selection`) or the buffer.
 
-The paper's selectors and ablations are declared here:
+The paper's selectors and ablations:
 
 =================  ======================================  =====  ====================================
 name               order                                   gate   meaning
@@ -16,15 +15,13 @@ recency            newest first                            no     "GRPO + replay
 none               -                                       -      on-policy, nothing replayed
 =================  ======================================  =====  ====================================
 
-The peers whose order is random (``uniform``, ``freshper``, ``adv_priority``) are declared above the core, in
-:mod:`hdreplay.baselines.orders`, and join this registry through :func:`register_selector` when ``hdreplay`` is
-imported: a spec carries its own draw and (for single-rollout storage) its split, so the scan and the controller
-call them without knowing the peers.
+The peers whose order is random (``uniform``, ``freshper``, ``adv_priority``) join this registry through
+:func:`register_selector` when :mod:`hdreplay.baselines` is imported (``import hdreplay`` does not import it): a
+spec carries its own draw and (for single-rollout storage) its split, so the selection and the controller call them
+without knowing the peers.
 
->>> SELECTORS["headroom_drift"].gate, SELECTORS["recency"].needs_scoring(diagnose_ungated=False)
+>>> SELECTORS["headroom_drift"].gate, SELECTORS["recency"].rescores
 (True, False)
->>> sorted(s.name for s in SELECTORS.values() if s.random)  # the peers, registered by hdreplay.baselines
-['adv_priority', 'freshper', 'uniform']
 """
 
 from __future__ import annotations
@@ -59,8 +56,10 @@ class SelectorSpec:
     draw: Callable | None = field(default=None, compare=False, repr=False)
     split: Callable | None = field(default=None, compare=False, repr=False)
 
-    def needs_scoring(self, diagnose_ungated: bool) -> bool:
-        return self.order is not None and (self.gate or self.refresh or diagnose_ungated)
+    @property
+    def rescores(self) -> bool:
+        """Its selection re-scores groups under the current policy (to gate them or to refresh their priority)."""
+        return self.order is not None and (self.gate or self.refresh)
 
     @property
     def random(self) -> bool:
@@ -88,13 +87,13 @@ def register_selector(spec: SelectorSpec) -> None:
     SELECTORS["none"] = none
 
 
-#: what the cached Headroom of a group rejected early by the sliced scan becomes (:mod:`hdreplay.scan`)
-SCAN_REFRESH = ("slice", "keep", "finish")
+#: what the cached Headroom of a group rejected early becomes (:mod:`hdreplay.rescore`)
+SCAN_REFRESH = ("slice", "finish")
 
 
 @runtime_checkable
 class BufferView(Protocol):
-    """What a selection reads from a buffer (:class:`~hdreplay.buffer.ReplayBuffer` provides it; the scan
+    """What a selection reads from a buffer (:class:`~hdreplay.buffer.ReplayBuffer` provides it; the selection
     never mutates it).  Ids are insertion ids; arrays are oldest first unless an order is asked for."""
 
     def __len__(self) -> int: ...
@@ -107,69 +106,76 @@ class BufferView(Protocol):
     def get(self, ids) -> list: ...
 
 
-@dataclass
-class Selection:
-    """Outcome of one step's selection (insertion ids index the buffer).
+def _empty(dtype):
+    return field(default_factory=lambda: np.zeros(0, dtype=dtype))
 
-    accepted:      (m',) ids replayed this step, priority order (after truncation to u)
-    truncated:     ids accepted by the gate but cut by the multiple-of-u truncation
-    scanned:       (s,) ids re-scored and counted as scanned, in scan order
-    scanned_*:     (s,) per scanned group: drift, runtime headroom, replay kl, cached headroom
-                   before the step, age, accepted-by-gate flag, loss-token count
-    groups:        the accepted groups as GroupRecords, same order as ``accepted``
-    scored_unused: groups re-scored in the last chunk beyond the stopping index (discarded)
+
+@dataclass(frozen=True)
+class Selection:
+    """Outcome of one step's selection (insertion ids index the buffer; arrays read-only).
+
+    accepted:  (m',) ids replayed this step, priority order (after the truncation to a multiple of u)
+    groups:    the accepted groups (copies), same order.  truncated: ids admitted by the gate, cut by the truncation
+    scan:      the scanned groups in scan order (:class:`hdreplay.rescore.Rescored`: Drift, runtime Headroom -- the
+               value the cache is refreshed to at commit -- replay KL, exactness, tokens forwarded)
+    passed:    (s,) the gate's decision per scanned group.  cached / age / streak: (s,) per scanned group, its cached
+               Headroom before the step, its age, the consecutive scans that rejected it before this one
+    cost:      what the walk forwarded (:class:`hdreplay.rescore.WalkCost`); None when nothing was re-scored
+    loss_weights, rng_state: a random order's (m',) loss weights and generator state after drawing (the peers)
+    eligible / skipped: units the selection could draw from / that ``skip_rejected`` left out
+    scan_capped: the scan stopped at ``max_scan`` with the replay budget unfilled
     """
 
     step: int
     selector: str
-    accepted: np.ndarray
-    truncated: np.ndarray
-    scanned: np.ndarray
-    scanned_drift: np.ndarray
-    scanned_headroom: np.ndarray
-    scanned_kl: np.ndarray
-    scanned_cached: np.ndarray
-    scanned_age: np.ndarray
-    scanned_pass: np.ndarray
-    scanned_tokens: np.ndarray
-    groups: list  # list[GroupRecord]
-    scored: bool
-    scored_unused: int = 0
-    scorer_calls: int = 0
-    chunk_sizes: list[int] = field(default_factory=list)
+    tau: float
+    accepted: np.ndarray = _empty(np.int64)
+    groups: list = field(default_factory=list)
+    truncated: np.ndarray = _empty(np.int64)
+    scan: tuple = ()
+    passed: np.ndarray = _empty(bool)
+    cached: np.ndarray = _empty(float)
+    age: np.ndarray = _empty(np.int64)
+    streak: np.ndarray = _empty(np.int64)
+    cost: Any = None
     buffer_size: int = 0
-    tau: float = float("nan")
-    #: same-buffer counterfactual (``config.counterfactual``): the recency subset of the same size
-    cf_ids: np.ndarray | None = None
-    cf_drift: np.ndarray | None = None
-    cf_headroom: np.ndarray | None = None
-    #: (s,) group ids of the scanned groups (scan order), for logs that outlive the buffer's slots
-    scanned_group_ids: list = field(default_factory=list)
-    #: the scan stopped at the scan budget (``ReplayConfig.scan_budget``) with the replay budget unfilled
-    scan_capped: bool = False
-    #: (m',) per accepted unit, the loss weight its rows get (PER importance weights, ``is_beta`` > 0); None = 1
-    loss_weights: np.ndarray | None = None
-    #: the random orders' generator state after this selection (the controller keeps it at commit)
-    rng_state: dict[str, Any] | None = None
-    #: units the selection could draw from (all live units, or those within ``max_age``)
     eligible: int = 0
-    #: rows and completion tokens of stored units forwarded under the current policy (scan, discarded tail of the
-    #: last chunk, counterfactual): the selection's forward cost
-    rescored_rows: int = 0
-    rescored_tokens: int = 0
-    #: (s,) per scanned group: its Drift is exact (False: early-rejected, ``scanned_drift`` is the lower bound and
-    #: ``scanned_headroom`` that of the responses forwarded, :mod:`hdreplay.scan`), and the completion tokens forwarded
-    scanned_exact: np.ndarray | None = None
-    scanned_rescored_tokens: np.ndarray | None = None
-    #: completion tokens forwarded for groups beyond the stopping index (``scored_unused`` of them)
-    unused_tokens: int = 0
-    #: groups left out of this scan by ``skip_rejected`` (rejected widely at an earlier step)
     skipped: int = 0
-    #: (s,) per scanned group: the consecutive scans that rejected it before this one
-    scanned_streak: np.ndarray | None = None
-    #: (s,) per scanned group, the Drift floor subtracted before the gate (``drift_floor``, asynchronous pipelines;
-    #: None = no floor): ``scanned_drift`` is then max(raw Drift - floor, 0), the value the gate compared with tau
-    scanned_floor: np.ndarray | None = None
+    scan_capped: bool = False
+    loss_weights: np.ndarray | None = None
+    rng_state: dict[str, Any] | None = None
+
+    def __post_init__(self) -> None:
+        for v in vars(self).values():  # they drive the commit: nobody may edit them in place
+            if isinstance(v, np.ndarray):
+                v.flags.writeable = False
+
+    def _col(self, name: str, dtype=float) -> np.ndarray:
+        return np.asarray([getattr(r, name) for r in self.scan], dtype=dtype)
+
+    # per scanned group (s,), in scan order
+    scored = property(lambda self: self.cost is not None, doc="groups were re-scored under the current policy")
+    scanned = property(lambda self: self._col("insertion_id", np.int64), doc="(s,) insertion ids")
+    scanned_drift = property(lambda self: self._col("drift"), doc="(s,) Drift (a lower bound > tau when not exact)")
+    scanned_headroom = property(lambda self: self._col("headroom"), doc="(s,) runtime Headroom: the refreshed cache")
+    scanned_kl = property(lambda self: self._col("kl"), doc="(s,) replay KL (k3) over the tokens forwarded")
+    scanned_tau = property(lambda self: self._col("tau"), doc="(s,) the threshold each group was gated on")
+    scanned_exact = property(lambda self: self._col("exact", bool), doc="(s,) Drift exact (False: rejected early)")
+    scanned_rescored_tokens = property(lambda self: self._col("tokens", np.int64), doc="(s,) tokens forwarded")
+    scanned_pass = property(lambda self: self.passed, doc="(s,) the gate's decisions")
+    scanned_cached = property(lambda self: self.cached, doc="(s,) cached Headroom before the step")
+    scanned_age = property(lambda self: self.age, doc="(s,) ages in steps")
+    scanned_streak = property(lambda self: self.streak, doc="(s,) consecutive earlier rejections")
+    scanned_group_ids = property(lambda self: [r.group.group_id for r in self.scan], doc="(s,) group ids")
+    scanned_tokens = property(lambda self: np.asarray([r.group.num_loss_tokens for r in self.scan], dtype=np.int64),
+                              doc="(s,) loss tokens per scanned group")
+    # the walk's cost (0 when nothing was re-scored)
+    scorer_calls = property(lambda self: self.cost.calls if self.cost else 0)
+    chunk_sizes = property(lambda self: list(self.cost.chunk_sizes) if self.cost else [])
+    rescored_rows = property(lambda self: self.cost.rows if self.cost else 0)
+    rescored_tokens = property(lambda self: self.cost.tokens if self.cost else 0)
+    scored_unused = property(lambda self: self.cost.unused if self.cost else 0)
+    unused_tokens = property(lambda self: self.cost.unused_tokens if self.cost else 0)
 
 
 def empty_selection(step: int, name: str, size: int, tau: float) -> Selection:
@@ -179,16 +185,4 @@ def empty_selection(step: int, name: str, size: int, tau: float) -> Selection:
     >>> len(sel.accepted), sel.buffer_size, sel.accepted.flags.writeable
     (0, 10, False)
     """
-    z = np.zeros(0)
-    zi = np.zeros(0, dtype=np.int64)
-    return frozen(Selection(step, name, zi, zi, zi, z, z, z, z, zi, np.zeros(0, bool), zi, [], False,
-                            buffer_size=size, tau=tau, scanned_exact=np.zeros(0, bool),
-                            scanned_rescored_tokens=zi, scanned_streak=zi))
-
-
-def frozen(sel: Selection) -> Selection:
-    """Make the selection's arrays read-only (they drive the commit: nobody may edit them in place)."""
-    for v in vars(sel).values():
-        if isinstance(v, np.ndarray):
-            v.flags.writeable = False
-    return sel
+    return Selection(step, name, float(tau), buffer_size=size)

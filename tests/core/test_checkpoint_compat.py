@@ -10,17 +10,20 @@ from pathlib import Path
 import pytest
 import torch
 
-from hdreplay import (
-    AdaptiveTau, CheckpointError, ReplayBuffer, ReplayConfig, ReplayController, ReplayResumeWarning, checkpoint,
-)
+from hdreplay import CheckpointError, ReplayBuffer, ReplayConfig, ReplayController, ReplayResumeWarning, checkpoint
+from hdreplay.diagnostics import AdaptiveTau, AdaptiveTauObserver
 from hdreplay.checkpoint_schema import SLOT_DEFAULTS
 from hdreplay.storage import BLOCK_GROUPS
 from protocol import run_steps, state_hash
 
 LEGACY = Path(__file__).parent / "data" / "legacy_v1"
 #: the configuration the legacy fixture was written with (tests/core/data/legacy_v1/expected.json)
-LEGACY_CFG = ReplayConfig(k_rep=3, tau=5e-3, capacity=12, group_size=4,
-                          adaptive_tau=AdaptiveTau(tau_min=1e-4, tau_max=0.05, warmup=1, patience=0))
+LEGACY_CFG = ReplayConfig(k_rep=3, tau=5e-3, capacity=12, group_size=4)
+LEGACY_TAU = AdaptiveTau(tau_min=1e-4, tau_max=0.05, warmup=1, patience=0)  # its adaptive_tau (now an observer)
+
+
+def legacy(cfg=LEGACY_CFG, schedule=LEGACY_TAU) -> ReplayController:
+    return ReplayController(cfg, observers=[AdaptiveTauObserver(schedule)])
 
 
 def sha(t):
@@ -29,7 +32,7 @@ def sha(t):
 
 def test_a_layout_1_checkpoint_of_hdreplay_0_1_loads_exactly_and_is_converted_by_the_next_save(tmp_path):
     expected = json.loads((LEGACY / "expected.json").read_text())
-    ctrl = ReplayController(LEGACY_CFG)
+    ctrl = legacy()
     ctrl.load(LEGACY / "controller")
     tensors, meta = ctrl.state_dict()
     # slots added after 0.1 (reject streak, skip step) come back at their defaults
@@ -41,15 +44,20 @@ def test_a_layout_1_checkpoint_of_hdreplay_0_1_loads_exactly_and_is_converted_by
     added = set(meta["config"]) - set(expected["meta"]["config"])
     assert added and all(meta["config"][k] == getattr(ReplayConfig(), k) for k in added)
     assert meta["sampler_state"] == ReplayController(LEGACY_CFG).rng_state
-    old = {k: v for k, v in meta.items() if k not in ("starved_steps", "sampler_state")}
-    assert {**old, "config": {k: v for k, v in old["config"].items() if k not in added}} == expected["meta"]
+    # settings that left the method's config (adaptive_tau, diagnose_ungated, counterfactual: hdreplay.diagnostics)
+    gone = {"adaptive_tau", "diagnose_ungated", "counterfactual"} & set(expected["meta"]["config"])
+    want = {**expected["meta"], "config": {k: v for k, v in expected["meta"]["config"].items() if k not in gone}}
+    # the adaptive schedule's state now lives with its observer; the controller keeps the tau it gates with
+    assert meta["observers"] == {"adaptive_tau": want.pop("tau_state")} and meta["tau"] == ctrl.tau
+    old = {k: v for k, v in meta.items() if k not in ("starved_steps", "sampler_state", "observers", "tau")}
+    assert {**old, "config": {k: v for k, v in old["config"].items() if k not in added}} == want
     buf = ReplayBuffer.load(LEGACY / "buffer")
     assert buf.insertion_ids().tolist() == ctrl.buffer.insertion_ids().tolist()
     d = tmp_path / "ck"
     shutil.copytree(LEGACY / "controller", d)
     ctrl.save(d)  # converts in place: manifest layout, legacy files removed
     assert sorted(p.name for p in d.iterdir())[0] == "manifest.json" and len(list(d.iterdir())) == 2
-    again = ReplayController(LEGACY_CFG)
+    again = legacy()
     again.load(d)
     assert state_hash(again) == state_hash(ctrl)
     log_a, log_b = [], []
@@ -82,16 +90,17 @@ def _rewrite_state(d: Path, edit) -> None:
     lambda m: m["buffer"].update(group_ids=[m["buffer"]["group_ids"][0]] * len(m["buffer"]["group_ids"])),
     lambda m: m["buffer"].update(birth_steps=m["buffer"]["birth_steps"][:-1]),
     lambda m: m.update(acceptance_rate=float("inf")),
-    lambda m: m["tau_state"].update(tau="big"),
+    lambda m: m["observers"]["adaptive_tau"].update(tau="big"),
+    lambda m: m.update(observers=[1]),
     lambda m: m["buffer"].update(next_id=10**30),
     lambda m: m.update(last_step=2),  # groups born later than the last step
 ])
 def test_edited_state_is_refused_by_the_schema_and_a_refused_load_changes_nothing(tmp_path, edit):
-    src = ReplayController(LEGACY_CFG)
+    src = legacy()
     src.load(LEGACY / "controller")
     src.save(tmp_path / "ck")
     _rewrite_state(tmp_path / "ck", edit)
-    target = run_steps(ReplayController(LEGACY_CFG), range(3), k=4)
+    target = run_steps(legacy(), range(3), k=4)
     before = state_hash(target)
     with pytest.raises(CheckpointError):
         target.load(tmp_path / "ck")
@@ -121,15 +130,14 @@ def test_resuming_under_a_changed_configuration_refuses_or_warns(tmp_path):
 
 
 def test_an_adaptive_tau_outside_new_bounds_is_clamped(tmp_path):
-    ctrl = ReplayController(LEGACY_CFG)
+    ctrl = legacy()
     ctrl.load(LEGACY / "controller")
     assert ctrl.tau == pytest.approx(0.005)
-    tight = ReplayConfig(k_rep=3, tau=1e-3, capacity=12, group_size=4,
-                         adaptive_tau=AdaptiveTau(tau_min=1e-4, tau_max=2e-3, warmup=1, patience=0))
-    other = ReplayController(tight)
-    with pytest.warns(ReplayResumeWarning, match="adaptive_tau"):
+    tight = ReplayConfig(k_rep=3, tau=1e-3, capacity=12, group_size=4)
+    other = legacy(tight, AdaptiveTau(tau_min=1e-4, tau_max=2e-3, warmup=1, patience=0))
+    with pytest.warns(ReplayResumeWarning, match="tau"):
         other.load(LEGACY / "controller")
-    assert other.tau == 2e-3 and other.tau_state.steps == ctrl.tau_state.steps
+    assert other.tau == 2e-3 and other.observers[0].state.steps == ctrl.observers[0].state.steps
 
 
 def test_a_loaded_buffer_maps_no_file_and_is_cut_into_small_blocks_that_own_their_memory(tmp_path):

@@ -9,15 +9,16 @@ import pytest
 import hdreplay
 
 import hdreplay.baselines
+import hdreplay.diagnostics
+import hdreplay.staleness
 
-#: deprecated aliases of moved modules (importing one warns; its examples run at the new home)
-ALIASES = ("hdreplay.layout",)
-CORE = sorted(m.name for m in pkgutil.iter_modules(hdreplay.__path__, "hdreplay.") if not m.ispkg
-              and m.name not in ALIASES)
-BASELINES = sorted(m.name for m in pkgutil.iter_modules(hdreplay.baselines.__path__, "hdreplay.baselines."))
+CORE = sorted(m.name for m in pkgutil.iter_modules(hdreplay.__path__, "hdreplay.") if not m.ispkg)
+BASELINES = sorted(m.name for p in (hdreplay.baselines, hdreplay.diagnostics, hdreplay.staleness)
+                   for m in pkgutil.iter_modules(p.__path__, p.__name__ + ".")) + [
+    "hdreplay.diagnostics", "hdreplay.staleness"]
 #: the public API's modules that must carry a runnable example (config, ingest, buffer, selection, scores)
 REQUIRED = ("hdreplay.config", "hdreplay.ingest", "hdreplay.buffer", "hdreplay.controller", "hdreplay.scores",
-            "hdreplay.selectors", "hdreplay.adaptive")
+            "hdreplay.selectors", "hdreplay.diagnostics.adaptive_tau", "hdreplay.diagnostics")
 
 
 @pytest.mark.parametrize("name", CORE + BASELINES)
@@ -34,4 +35,4 @@ def test_docstring_examples_run(name):
 
 
 def test_the_public_api_carries_at_least_five_examples():
-    assert set(REQUIRED) <= set(CORE)
+    assert set(REQUIRED) <= set(CORE + BASELINES)

@@ -11,7 +11,7 @@ import hdreplay
 
 CORE = Path(hdreplay.__file__).parent
 #: the packages above the core (they may import anything below them)
-ABOVE = ("integrations", "strategies", "baselines")
+ABOVE = ("integrations", "baselines", "diagnostics", "staleness")
 MAX_LEVELS = 8
 
 
@@ -88,7 +88,6 @@ def test_selectors_is_a_leaf_and_arrows_point_down():
     graph = core_graph()
     assert graph["hdreplay.selectors"] == set()
     assert "hdreplay.selection" not in graph["hdreplay.config"]
-    assert "hdreplay.diagnostics" not in graph["hdreplay.adaptive"]  # tau updates take plain numbers
     assert "hdreplay.buffer" not in graph["hdreplay.checkpoint_schema"]  # slot fields live with the storage
     level = levels(graph)
     for low, high in (("hdreplay.record", "hdreplay.storage"), ("hdreplay.storage", "hdreplay.buffer"),

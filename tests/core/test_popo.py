@@ -2,6 +2,7 @@
 their proximal log-probs and decoupled weights match a hand computation, and the store checkpoints through the
 strategies' validating store path (a refused load changes nothing)."""
 
+import importlib
 import math
 import zlib
 import warnings
@@ -148,20 +149,15 @@ def test_the_store_round_trips_through_the_validating_store_path_and_a_refused_l
     assert len(other.store) == len(ctl.store)
 
 
-def test_every_controller_speaks_the_strategy_protocol_and_old_paths_still_resolve():
+def test_every_controller_speaks_the_strategy_protocol_and_the_old_paths_are_gone():
     ctls = (ReplayController(ReplayConfig()), PopoController(PopoOptions()), BapoController(BapoOptions()),
             RepoController(RepoOptions()), ExgrpoController(ExgrpoOptions(), n=4))
     assert all(isinstance(c, Strategy) for c in ctls)
-    import hdreplay.baselines.repo as moved
+    import hdreplay
     import hdreplay.baselines.sampling as orders
 
-    with pytest.warns(DeprecationWarning, match="hdreplay.baselines.repo"):
-        from hdreplay.strategies.repo import RepoController as Old
-    assert Old is moved.RepoController
-    with pytest.warns(DeprecationWarning, match="baselines.sampling"):
-        from hdreplay.sampling import bucket_counts
-    assert bucket_counts is orders.bucket_counts
-    with pytest.warns(DeprecationWarning, match="integrations.layout"):
-        import hdreplay
-        assert hdreplay.minibatch_layout([1], [2], num_minibatches=1, parts=1) == [[[0, 1]]]
+    for old in ("hdreplay.strategies", "hdreplay.layout", "hdreplay.scan", "hdreplay.adaptive"):
+        with pytest.raises(ModuleNotFoundError):  # shims of a 0.1.0 never released: removed (README changelog)
+            importlib.import_module(old)
+    assert not hasattr(hdreplay, "minibatch_layout") and not hasattr(hdreplay.sampling, "bucket_counts")
     assert np.isclose(orders.importance_weights(np.array([0.5, 0.5]), [0], 1.0)[0], 1.0)

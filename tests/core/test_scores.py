@@ -15,8 +15,9 @@ def test_paper_worked_example_l1_vs_l2():
     mask = torch.ones(2, 4)
     l1 = drift(logprobs=cur, ref_logprobs=ref, mask=mask, norm="l1")
     l2 = drift(logprobs=cur, ref_logprobs=ref, mask=mask, norm="l2")
-    assert torch.allclose(l1, torch.tensor([0.02, 0.02]), atol=1e-6)
-    assert torch.allclose(l2, torch.tensor([0.0004, 0.0016]), atol=1e-7)
+    assert l1.dtype == l2.dtype == torch.float64  # Drift is computed in float64
+    assert torch.allclose(l1, torch.tensor([0.02, 0.02], dtype=torch.float64), atol=1e-6)
+    assert torch.allclose(l2, torch.tensor([0.0004, 0.0016], dtype=torch.float64), atol=1e-7)
 
 
 def test_headroom_sign_hand_computed():

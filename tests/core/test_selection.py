@@ -94,12 +94,16 @@ def test_baseline_selectors(name):
         assert sel.scanned.tolist() == ref_scan
 
 
-def test_recency_with_diagnostics_is_scored_but_not_gated():
-    cfg = ReplayConfig(selector="recency", k_rep=4, tau=0.0, capacity=30, diagnose_ungated=True)
+def test_recency_with_the_ungated_diagnosis_is_scored_but_not_gated():
+    from hdreplay.diagnostics import UngatedDiagnosis
+
+    cfg = ReplayConfig(selector="recency", k_rep=4, tau=0.0, capacity=30)
     ctrl, pol = build(cfg)
-    sel = select_replay(ctrl.buffer, cfg, pol.scorer, step=6)
+    ctrl.observers.append(UngatedDiagnosis())
+    sel = ctrl.select(step=6, scorer=pol.scorer)
     assert sel.scored and len(sel.accepted) == 4 and sel.scanned_pass.all()
     assert (sel.scanned_drift > 0).any()
+    assert sel.accepted.tolist() == select_replay(ctrl.buffer, cfg, None, step=6).accepted.tolist()
 
 
 def test_truncation_keeps_highest_priority_prefix():

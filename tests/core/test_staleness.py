@@ -94,7 +94,7 @@ def test_floor_is_subtracted_for_sampler_referenced_groups_only():
     scorer = shifted_scorer({"s": 0.05, "t": 0.05})  # raw Drift 2.5e-3 > tau for both
     with pytest.warns(FloorWarning, match="0 of 2 staleness-0 groups"):
         sel = ar.select(step=3, scorer=scorer)
-    assert not sel.groups and sel.scanned_floor.tolist() == [0.0, 0.0]  # floor not measured: the stricter gate
+    assert not sel.groups and sel.scanned_tau.tolist() == [1e-3, 1e-3]  # floor not measured: the stricter gate
     ar.observe_floor([0.002, 0.002], tokens=[10, 10])
     ar.commit()
     assert ar.floor.ready and ar.floor.value == pytest.approx(0.002)
@@ -102,8 +102,9 @@ def test_floor_is_subtracted_for_sampler_referenced_groups_only():
         warnings.simplefilter("error")  # warned once only
         sel = ar.select(step=4, scorer=scorer)
     assert [g.group_id for g in sel.groups] == ["s"]  # 2.5e-3 - 2e-3 <= 1e-3; "t" (trainer reference) is not helped
-    assert dict(zip(sel.scanned_group_ids, sel.scanned_floor.tolist())) == {"s": pytest.approx(0.002), "t": 0.0}
-    assert dict(zip(sel.scanned_group_ids, sel.scanned_drift.tolist()))["s"] == pytest.approx(0.0005, rel=1e-4)
+    # the gate: Drift <= tau + floor for the sampler-referenced group, Drift <= tau for the other
+    assert dict(zip(sel.scanned_group_ids, sel.scanned_tau.tolist())) == {"s": pytest.approx(0.003), "t": 1e-3}
+    assert dict(zip(sel.scanned_group_ids, sel.scanned_drift.tolist()))["s"] == pytest.approx(0.0025, rel=1e-4)
     m = ar.commit()
     assert m["async/floor"] == pytest.approx(0.002) and m["async/floor_ready"] == 1.0
 
@@ -116,16 +117,20 @@ def test_drift_floor_running_mean_and_bad_input():
     assert f.ready and f.value == pytest.approx(0.5 * 0.25 + 0.5 * 0.05)
     with pytest.raises(ReplayInputError, match="finite numbers >= 0"):
         f.observe([-1.0])
-    with pytest.raises(ReplayInputError):
-        select_replay(ReplayController(ReplayConfig()).buffer, ReplayConfig(), None, step=0, drift_floor=3)
+    with pytest.raises(ReplayInputError, match="tau"):
+        select_replay(ReplayController(ReplayConfig()).buffer, ReplayConfig(), None, step=0, tau="3")
 
 
-def test_negative_floor_is_refused_by_the_scan():
+def test_a_negative_or_missing_per_group_threshold_is_refused_by_the_selection():
     ar = areplay(fresh_bound=0)
     ar.offer(group("a", 0), step=1)
     ar.commit()
-    with pytest.raises(ReplayInputError, match="floors must be >= 0"):
-        ar.controller.select(step=2, scorer=shifted_scorer({}), drift_floor=lambda gs: [-0.1] * len(gs))
+    for bad in (lambda gs: [-0.1] * len(gs), lambda gs: [], lambda gs: [float("nan")] * len(gs)):
+        with pytest.raises(ReplayInputError, match="per-group threshold must return"):
+            ar.controller.select(step=2, scorer=shifted_scorer({}), tau=bad)
+        assert ar.controller._open_step is None  # refused before the step opened
+    with pytest.raises(ReplayInputError, match="per-group callable"):
+        ar.controller.select(step=2, scorer=shifted_scorer({}), tau=0.5)
 
 
 def test_ingest_fresh_stores_fresh_mixed_groups_too():

@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 import hdreplay as H
+import hdreplay.diagnostics as D
 from hdreplay.integrations import layout as L
 from hdreplay_lab.synthetic import TablePolicy, make_group
 from protocol import policy_at
@@ -58,29 +59,31 @@ def pure_cases() -> list[tuple[str, Callable, bool]]:
         "answer_threshold": ["0.9", NAN, INF, True, [0.9]], "truncate_multiple": [0, -1, 2.0, True, "2", 2**24 + 1],
         "scan_chunk": [0, -1, 2.0, True, "8"], "max_scan_chunk": [0, None, 1.5, True],
         "max_scan": [0, -1, 2**24 + 1, 2.0, "8"], "acceptance_ema": [0, 0.0, -0.1, 1.5, NAN, INF, True, "0.5", None],
-        "group_size": [0, -1, 2.0, True, "8"], "diagnose_ungated": [1, 0, "True", None],
-        "counterfactual": [1, "False", None], "adaptive_tau": [{"tau_min": 1e-4}, "x", 1, True],
+        "group_size": [0, -1, 2.0, True, "8"],
     })
+    cases += _over(D.DiagnosticsConfig, {}, {"diagnose_ungated": [1, 0, "True", None], "counterfactual": [1, "False", None],
+                                             "adaptive_tau": ["x", 1, True, "{bad json", {"warmup": NAN}, {"nope": 1}]})
     cases.append(("ReplayConfig(ingress=answer, no threshold)", lambda fx: H.ReplayConfig(ingress="answer"), False))
-    cases.append(("ReplayConfig(tau outside adaptive bounds)",
-                  lambda fx: H.ReplayConfig(tau=1.0, adaptive_tau=H.AdaptiveTau()), False))
+    cases.append(("observers(tau outside adaptive bounds)",
+                  lambda fx: D.observers(D.DiagnosticsConfig(adaptive_tau=D.AdaptiveTau()), H.ReplayConfig(tau=1.0)),
+                  False))
     cases += _over(H.ReplayConfig.from_flat, {"values": {"tau": 0.01}}, {"values": [
-        {"tau": "0.1"}, {"unknown": 1}, [("tau", 1)], None, {"adaptive_tau": "{bad json"},
-        {"adaptive_tau": {"warmup": NAN}}, {"adaptive_tau": {"nope": 1}}, {"k_rep": True}, {1: 2}]})
-    cases += _over(H.AdaptiveTau, {}, {
+        {"tau": "0.1"}, {"unknown": 1}, [("tau", 1)], None, {"adaptive_tau": {"tau_min": 1e-4}}, {"k_rep": True},
+        {1: 2}]})
+    cases += _over(D.AdaptiveTau, {}, {
         "tau_min": [0.0, -1.0, NAN, "1e-4", True, None], "tau_max": [INF, NAN, 1e-5],
         "factor": [1.0, 0.5, NAN, "2"], "accept_low": [1.0, -0.1, NAN], "kl_rise": [0.0, -1, INF],
         "fast": [0.01, 1.5, NAN], "slow": [0.0, 0.5], "patience": [-1, 1.5, NAN, True, 2**53],
         "warmup": [-1, 2.5, NAN, INF, "5", None]})
-    st, at = H.TauState(tau=1e-3), H.AdaptiveTau()
-    cases += _over(H.update_tau, {"state": st, "record": {"accept_rate": 0.5}, "cfg": at}, {
+    st, at = D.TauState(tau=1e-3), D.AdaptiveTau()
+    cases += _over(D.update_tau, {"state": st, "record": {"accept_rate": 0.5}, "cfg": at}, {
         "state": [None, {"tau": 1e-3}], "cfg": [None, {"tau_min": 1}],
         "record": [None, 3, {"accept_rate": NAN}, {"accept_rate": 2.0}, {"replay_kl": -1.0}, {"replay_kl": "x"},
                    {"budget_fill": INF}]})
     # a fixed tau may be 0 (TauState holds it); the multiplicative schedule is what refuses to move it
-    cases += _over(H.advance_tau, {"state": st, "cfg": at, "accept_rate": 0.5, "budget_fill": 0.5, "replay_kl": None},
-                   {"state": [H.TauState(tau=0.0)]})
-    cases += _over(H.TauState, {"tau": 1e-3}, {"tau": [-1.0, -1e-300, NAN, INF, "x", None], "steps": [-1, 1.5, True],
+    cases += _over(D.advance_tau, {"state": st, "cfg": at, "accept_rate": 0.5, "budget_fill": 0.5, "replay_kl": None},
+                   {"state": [D.TauState(tau=0.0)]})
+    cases += _over(D.TauState, {"tau": 1e-3}, {"tau": [-1.0, -1e-300, NAN, INF, "x", None], "steps": [-1, 1.5, True],
                                                 "last_action": ["jump", None], "accept_ema": [NAN, -0.5]})
     cases += _over(H.AnswerBased, {"threshold": 0.9}, {"threshold": ["0.9", NAN, None, True, INF]})
     cases += _over(H.make_ingress_rule, {"rule": "mixed"}, {"rule": [3, None, "x", ["mixed"]]})
@@ -126,7 +129,7 @@ def pure_cases() -> list[tuple[str, Callable, bool]]:
         if fn is H.headroom:
             bad["weighting"] = BAD_NAME
         cases += _over(fn, kw, bad)
-    cases += _over(H.token_headroom, {"logprobs": lp, "advantages": torch.randn(2, 3)},
+    cases += _over(H.scores.token_headroom, {"logprobs": lp, "advantages": torch.randn(2, 3)},
                    {"logprobs": bad_lp, "advantages": [torch.randn(2, 3).numpy(), torch.randn(3), None],
                     "weighting": BAD_NAME})
     gs = [group("a"), group("b")]
@@ -292,7 +295,7 @@ def _bad_controller_metas(meta: dict) -> list[dict]:
         (("last_step",), "abc"), (("last_step",), -1), (("last_step",), 2**53), (("last_step",), None),
         (("last_step",), 1), (("acceptance_rate",), NAN), (("acceptance_rate",), 2.0), (("acceptance_rate",), "1"),
         (("config", "capacity"), 13), (("config", "headroom_weighting"), "advantage"), (("config",), "cfg"),
-        (("tau_state",), {"tau": -1.0}), (("tau_state",), [1]), (("starved_steps",), -1),
+        (("observers",), [1]), (("observers",), {1: {}}), (("starved_steps",), -1),
         (("starved_steps",), 1.5),
     ] + [((k,), _DELETE) for k in ("buffer", "acceptance_rate", "last_step", "config")]
     out = [_edit(meta, p, v) for p, v in edits]

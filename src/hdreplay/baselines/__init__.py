@@ -9,7 +9,7 @@ asks which strategy it holds.
 module             what                                        trainer side (TRL)
 =================  ==========================================  ==============================================
 :mod:`.orders`     uniform FIFO, FreshPER, rollout-level |A|   selectors of the core scan (``replay_selector``),
-                   priority: random orders, registered as      registered when ``hdreplay`` is imported
+                   priority: random orders, registered as      registered when this package is imported
                    selectors
 :mod:`.repo`       RePO's per-prompt stores and retrieval      ``replay_repo``: the batch's prompts before
                                                                selection; replay as a separate loss term
@@ -31,7 +31,6 @@ its ablations (headroom_only, drift_only, recency, the l1 and advantage-weighted
 
 from __future__ import annotations
 
-from . import moved as _moved
 from . import orders as _orders  # noqa: F401  (registers uniform, freshper, adv_priority)
 from .bapo import BapoController, BapoOptions
 from .dapo import DynamicSampling
@@ -39,8 +38,6 @@ from .exgrpo import ExgrpoController, ExgrpoOptions
 from .popo import PopoController, PopoOptions
 from .protocol import Strategy
 from .repo import RepoController, RepoOptions
-
-_moved.install()
 
 __all__ = ["BapoController", "BapoOptions", "DynamicSampling", "ExgrpoController", "ExgrpoOptions", "PopoController",
            "PopoOptions", "RepoController", "RepoOptions", "Strategy"]

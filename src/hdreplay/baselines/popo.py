@@ -37,7 +37,8 @@ import torch
 from ..errors import CheckpointError, ReplayConfigError, ReplayInputError, ReplayProtocolError
 from ..record import GroupRecord
 from ..scores import check_scorer_output
-from ..selectors import Selection, empty_selection, frozen
+from ..rescore import WalkCost
+from ..selectors import Selection, empty_selection
 from ..validate import check_int, check_step, is_real
 from .store import (
     StoredState, check_commit, check_groups, check_options, checked_meta, only_tensors, options_changes, pack,
@@ -147,9 +148,9 @@ class PopoController(StoredState):
             copies = [dataclasses.replace(g, logprobs=p, extras={
                 **g.extras, TOKEN_WEIGHT: decoupled_weights(p, g.logprobs, self.options.is_cap)})
                 for g, p in zip(chosen, prox)]
-            sel = frozen(dataclasses.replace(
-                sel, accepted=np.arange(len(copies), dtype=np.int64), groups=copies,
-                rescored_rows=sum(g.num_responses for g in chosen), rescored_tokens=sum(g.num_tokens for g in chosen)))
+            cost = WalkCost(1, [len(chosen)], sum(g.num_responses for g in chosen), sum(g.num_tokens for g in chosen),
+                            0, 0, len(chosen))
+            sel = dataclasses.replace(sel, accepted=np.arange(len(copies), dtype=np.int64), groups=copies, cost=cost)
         self._selection = sel
         return sel
 

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from .. import baselines as _peers  # noqa: F401  (registers the peers' selectors: every trainer accepts them)
 from ..config import Knob
 from ..controller import ReplayController
 from ..errors import CheckpointError

@@ -1,4 +1,4 @@
-"""The asynchronous pipeline's ledger (``async.jsonl``, :mod:`hdreplay.ledger`) as a report section.
+"""The asynchronous pipeline's ledger (``async.jsonl``, :mod:`hdreplay.staleness.ledger`) as a report section.
 
 Where every generated group of a run went: trained fresh, diverted to the buffer (and later admitted, evicted
 unused, or still buffered), dropped; Drift of diverted groups at their first scan and at admission; the

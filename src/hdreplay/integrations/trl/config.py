@@ -1,12 +1,11 @@
-"""HDRGRPOConfig: GRPOConfig plus ``replay_<knob>`` fields generated from :class:`hdreplay.ReplayConfig`.
+"""HDRGRPOConfig: GRPOConfig plus the replay settings, each declared literally below with its help (TRL's idiom).
 
-Every core knob (:func:`hdreplay.config.knobs`) and every integration knob
-(:data:`hdreplay.integrations.common.INTEGRATION_KNOBS`) becomes one field with the same type, default
-and help, so the settings, their documentation and their validation live in one place.  TRL-specific
-choices (the default of ``replay_k_rep``, the re-scoring batch size, how replay rows enter a micro-step)
-are the only fields written here.  The replay arithmetic (fresh groups per step, truncation unit,
-refusals and warnings) is :func:`.plan.plan_replay`.  Both are worked out once, when the config is built
-(:meth:`HDRGRPOConfig.replay_settings`: one validated :class:`ReplayConfig` and its plan), and handed to the
+The fields are grouped as the method (one-to-one with :class:`hdreplay.ReplayConfig`: same names, defaults and help,
+which ``tests/trl/test_trl_config_fields.py`` holds), the scan's engineering, the peers, the diagnostics
+(:class:`hdreplay.diagnostics.DiagnosticsConfig`) and the trainer's own settings.  The only TRL-specific default is
+``replay_k_rep`` (unset = half the fresh groups of a step).  The replay arithmetic (fresh groups per step,
+truncation unit, refusals and warnings) is :func:`.plan.plan_replay`.  Both are worked out once, when the config is
+built (:meth:`HDRGRPOConfig.replay_settings`: one validated :class:`ReplayConfig` and its plan), and handed to the
 trainer, its strategy and the log callback.
 """
 
@@ -14,93 +13,158 @@ from __future__ import annotations
 
 import json
 import warnings
-from dataclasses import dataclass, field, fields, make_dataclass
-from typing import Any, Literal, Optional
+from dataclasses import dataclass, field, fields
+from typing import Any, Literal, Optional, Union
 
 from trl import GRPOConfig
 
-from ...config import Knob, ReplayConfig, knobs
+from ...config import ReplayConfig, knobs
+from ...diagnostics import DiagnosticsConfig
 from ...errors import ReplayConfigError
-from ..common import INTEGRATION_KNOBS
 from .plan import ReplayPlan, ReplaySettingWarning, plan_replay
 
 PREFIX = "replay_"
 MICRO_STEP_MODES = ("chunk", "grow")
-
-#: TRL-only defaults and help additions for core knobs
-_TRL_OVERRIDES: dict[str, tuple[Any, Any, str]] = {
-    # name: (type, default, help suffix)
-    "k_rep": (Optional[int], None, " Unset = half the fresh groups of one replay step (one optimizer update; the "
-                                   "paper's b + b/2), cut to the truncation unit (refused when that is 0; a config "
-                                   "converted from args=None or a plain GRPOConfig replays one unit then, warned)."),
-}
-_TRL_KNOBS = (
-    Knob("score_batch_size", int, None, True,
-         "rows per forward call when re-scoring replay candidates; unset = per_device_train_batch_size", None),
-    Knob("train_scope", str, "update", False,
-         "which optimizer updates train a replay row: update = only the update whose Drift gate admitted it (every "
-         "replayed token is trained within tau, the paper's guarantee; with steps_per_generation > "
-         "gradient_accumulation_steps its rows fill that update's micro-steps, with num_iterations > 1 a later "
-         "iteration trains them only if it falls in the same update); generation = spread over every micro-step of "
-         "the generation, also in the updates after the gate, without gating them again (the behaviour before 0.2: "
-         "measured Drift above tau in the next update, docs/trl.md)", ("update", "generation")),
-    Knob("micro_step", str, "chunk", False,
-         "how replay rows enter a micro-step: chunk = extra forward/backward passes of at most "
-         "per_device_train_batch_size rows each (activation memory as without replay; the fresh rows form exactly "
-         "plain TRL's micro-batch); grow = one forward/backward over fresh + replay rows (activation memory grows "
-         "by (fresh + replay rows) / fresh rows). Both run under DDP, DeepSpeed ZeRO-2/3 and FSDP2",
-         MICRO_STEP_MODES),
-    Knob("repo", "json", None, True,
-         "RePO's per-prompt replay instead of a selector (replay_selector='none'): a dict / JSON object of "
-         "hdreplay.baselines.repo.RepoOptions fields, e.g. {\"retrieval\": \"recent\"} (retrieval recent | highest | "
-         "max_variance, num_replays 8, min_cache 16, max_cache 16, off_coef 1.0); one process, micro_step chunk, "
-         "a row-mean loss_type", None),
-    Knob("exgrpo", "json", None, True,
-         "ExGRPO's experience pool instead of a selector (replay_selector='none'): a dict / JSON object of "
-         "hdreplay.baselines.exgrpo.ExgrpoOptions fields, e.g. {} for the released recipe (ratio 0.5, start_solved "
-         "0.35, gamma 0.1, sigma 1.0, correct 1.0, lbound 0, rbound n - 1, seed = the run's seed); one process, text only, "
-         "micro_step chunk, loss_type grpo | bnpo | dr_grpo | dapo, beta 0, entropy_coef 0", None),
-    Knob("bapo", "json", None, True,
-         "BAPO's buffer-driven batch construction instead of a selector (replay_selector='none'): a dict / JSON "
-         "object of hdreplay.baselines.bapo.BapoOptions fields, e.g. {\"max_reeval\": 16} (bad_thr 1/8, "
-         "target_range [1/8, 2/8], train_range [1/8, 7/8], reeval_every 2, max_reeval 16, max_uids 128, max_target "
-         "8, stale_steps 3, seed 0); one process, text only, one generation per update", None),
-    Knob("popo", "json", None, True,
-         "POPO's group replay instead of a selector (replay_selector='none'): each fresh group whose rewards are all "
-         "equal is swapped for one of the newest buffered effective groups, trained with decoupled importance "
-         "sampling; a dict / JSON object of hdreplay.baselines.popo.PopoOptions fields, e.g. {} (capacity 64, "
-         "is_cap 2.0); one process, text only, micro_step chunk, one generation per update", None),
-    Knob("dynamic_sampling", bool, False, False,
-         "DAPO's dynamic sampling: drop groups whose rewards are all equal and generate further prompt batches "
-         "until the batch holds only mixed groups (at most dynamic_sampling_max_batches rounds); one process, "
-         "replay_selector='none'", None),
-    Knob("dynamic_sampling_max_batches", int, 10, False,
-         "generation rounds per batch at most with replay_dynamic_sampling (verl's max_num_gen_batches; >= 1); at "
-         "the limit the batch is completed with zero-variance groups (zero advantage) and the shortfall logged",
-         None),
-)
+TRAIN_SCOPES = ("update", "generation")
 
 
-def _field_type(k: Knob):
-    if k.flat == "json":
-        return Optional[dict | str]
-    base = Literal[tuple(k.choices)] if k.choices else k.flat
-    return Optional[base] if k.optional else base
+@dataclass
+class _ReplayFields:
+    """The replay settings of :class:`HDRGRPOConfig` (``--replay_<name>`` in a TrlParser script)."""
+
+    # ---- the method (Algorithm 1), one-to-one with hdreplay.ReplayConfig
+    replay_selector: Literal["headroom_drift", "headroom_only", "drift_only", "recency", "uniform", "freshper",
+                             "adv_priority", "none"] = field(default='headroom_drift', metadata={"help": (
+        'replay rule: headroom_drift (the paper: cached-Headroom order + Drift gate), headroom_only (no gate), '
+        "drift_only (recency order + gate), recency (latest K groups, the paper's 'GRPO + replay'), none "
+        '(on-policy); the peers (registered by importing hdreplay.baselines; the trainers do): uniform (K groups '
+        'uniformly at random), freshper (K groups in proportion to ((mean|r| + eps) exp(-age/age_decay))^alpha), '
+        'adv_priority (k_rep x n single rollouts in proportion to |A|^alpha)')})
+    replay_k_rep: Optional[int] = field(default=None, metadata={"help": (
+        'replay budget K_rep: groups replayed per step (>= 0). Unset = half the fresh groups of one replay step '
+        "(one optimizer update; the paper's b + b/2), cut to the truncation unit (refused when that is 0; a "
+        'config converted from args=None or a plain GRPOConfig replays one unit then, warned).')})
+    replay_tau: float = field(default=0.001, metadata={"help": (
+        'Drift threshold: a scanned group is replayed iff Drift <= tau (>= 0; paper: 1e-3 single-turn reasoning, '
+        '1e-2 agentic search, l2 norm)')})
+    replay_capacity: int = field(default=512, metadata={"help": (
+        'FIFO buffer capacity C in groups (>= 1; paper: 512)')})
+    replay_drift_norm: Literal['l2', 'l1'] = field(default='l2', metadata={"help": (
+        'l2: mean squared log-prob change (paper); l1: mean absolute change')})
+    replay_headroom_weighting: Literal['sign', 'advantage'] = field(default='sign', metadata={"help": (
+        'sign (paper) or advantage (|A_i|-weighted Headroom)')})
+    replay_ingress: Literal['mixed', 'answer', 'all'] = field(default='mixed', metadata={"help": (
+        'ingress rule: mixed (rewards not all equal), answer (1 <= #{r_i >= answer_threshold} <= n-1) or all '
+        '(every group); from Python also a callable GroupRecord -> bool')})
+    replay_answer_threshold: Optional[float] = field(default=None, metadata={"help": (
+        'a_i = 1[r_i >= answer_threshold] for ingress=answer (paper: 0.9 for rewards 0/0.1/0.9/1.0)')})
+    replay_truncate_multiple: int = field(default=1, metadata={"help": (
+        'u: the accepted list is cut to a multiple of u, keeping its highest-priority prefix (1 = no cut)')})
+    # ---- the scan's engineering (ReplayConfig.paper() gives the paper's scan)
+    replay_max_scan: Optional[int] = field(default=None, metadata={"help": (
+        'scan budget: at most this many groups are re-scored per step; unset = min(capacity, 8 * k_rep), so a '
+        'gate that passes fewer than 1 in 8 groups cannot fill the budget, and a tau so tight that nothing passes'
+        ' costs at most 8 * k_rep re-scores per step instead of the whole buffer')})
+    replay_scan_passes: int = field(default=4, metadata={"help": (
+        "exact early rejection: each scanned group's responses are forwarded in at most this many slices (batched"
+        ' across the groups of a scan window) and a group stops being forwarded once the Drift of what was '
+        "forwarded already proves Drift > tau; the gate decisions are the full scan's. 1 = every group forwarded "
+        'whole')})
+    replay_scan_refresh: Literal['slice', 'finish'] = field(default='slice', metadata={"help": (
+        'cached Headroom of a group rejected early: slice (refresh from the responses forwarded), finish (forward'
+        " the rest of the group for its exact Headroom: the paper's refresh, at the full scan's cost for those "
+        'groups)')})
+    replay_scan_chunk: Optional[int] = field(default=None, metadata={"help": (
+        'groups re-scored per scorer call; unset = sized from the remaining budget and the running acceptance '
+        'rate')})
+    replay_max_scan_chunk: int = field(default=1024, metadata={"help": (
+        'upper bound on an automatically sized chunk (memory of one scorer call)')})
+    replay_acceptance_ema: float = field(default=0.5, metadata={"help": (
+        'weight of the newest step in the running acceptance rate that sizes chunks, in (0, 1]')})
+    replay_skip_rejected: int = field(default=0, metadata={"help": (
+        'futile re-scoring: a group the gate rejects with Drift D (or the early-rejection bound of it) is not '
+        "scanned at the next min(skip_rejected, 1 + floor(log2(D / tau))) steps (0 = off, the paper's scan: a "
+        'rejected group may be scanned again at the next step)')})
+    # ---- the peers (hdreplay.baselines): the random orders' settings, then one strategy instead of a selector
+    replay_seed: int = field(default=0, metadata={"help": (
+        'seed of the random orders (uniform, freshper, adv_priority); their generator state is checkpointed, so a'
+        ' resumed run draws what the uninterrupted one draws')})
+    replay_priority_alpha: float = field(default=0.6, metadata={"help": (
+        "freshper / adv_priority: units are drawn in proportion to priority^alpha (>= 0; 0 = uniform; FreshPER's "
+        'priority_exponent 0.6)')})
+    replay_age_decay: Optional[float] = field(default=None, metadata={"help": (
+        "freshper / adv_priority: multiply the priority by exp(-age / age_decay), age in steps (> 0; FreshPER's "
+        'tau_age; unset = no decay, i.e. plain PER)')})
+    replay_is_beta: float = field(default=0.0, metadata={"help": (
+        "freshper / adv_priority: PER importance weights (N P(i))^-beta / max on the replayed rows' loss, in [0, "
+        '1] (0 = off; FreshPER / PER: 0.4)')})
+    replay_max_age: Optional[int] = field(default=None, metadata={"help": (
+        'no unit older than max_age steps is replayed, and units reaching that age are evicted at commit (>= 1; '
+        "unset = FIFO capacity only; adv_priority's tau_max)")})
+    replay_repo: Optional[Union[dict, str]] = field(default=None, metadata={"help": (
+        "RePO's per-prompt replay instead of a selector (replay_selector='none'): a dict / JSON object of "
+        'hdreplay.baselines.repo.RepoOptions fields, e.g. {"retrieval": "recent"} (retrieval recent | highest | '
+        'max_variance, num_replays 8, min_cache 16, max_cache 16, off_coef 1.0); one process, micro_step chunk, a'
+        ' row-mean loss_type')})
+    replay_exgrpo: Optional[Union[dict, str]] = field(default=None, metadata={"help": (
+        "ExGRPO's experience pool instead of a selector (replay_selector='none'): a dict / JSON object of "
+        'hdreplay.baselines.exgrpo.ExgrpoOptions fields, e.g. {} for the released recipe (ratio 0.5, start_solved'
+        " 0.35, gamma 0.1, sigma 1.0, correct 1.0, lbound 0, rbound n - 1, seed = the run's seed); one process, "
+        'text only, micro_step chunk, loss_type grpo | bnpo | dr_grpo | dapo, beta 0, entropy_coef 0')})
+    replay_bapo: Optional[Union[dict, str]] = field(default=None, metadata={"help": (
+        "BAPO's buffer-driven batch construction instead of a selector (replay_selector='none'): a dict / JSON "
+        'object of hdreplay.baselines.bapo.BapoOptions fields, e.g. {"max_reeval": 16} (bad_thr 1/8, target_range'
+        ' [1/8, 2/8], train_range [1/8, 7/8], reeval_every 2, max_reeval 16, max_uids 128, max_target 8, '
+        'stale_steps 3, seed 0); one process, text only, one generation per update')})
+    replay_popo: Optional[Union[dict, str]] = field(default=None, metadata={"help": (
+        "POPO's group replay instead of a selector (replay_selector='none'): each fresh group whose rewards are "
+        'all equal is swapped for one of the newest buffered effective groups, trained with decoupled importance '
+        'sampling; a dict / JSON object of hdreplay.baselines.popo.PopoOptions fields, e.g. {} (capacity 64, '
+        'is_cap 2.0); one process, text only, micro_step chunk, one generation per update')})
+    replay_dynamic_sampling: bool = field(default=False, metadata={"help": (
+        "DAPO's dynamic sampling: drop groups whose rewards are all equal and generate further prompt batches "
+        'until the batch holds only mixed groups (at most dynamic_sampling_max_batches rounds); one process, '
+        "replay_selector='none'")})
+    replay_dynamic_sampling_max_batches: int = field(default=10, metadata={"help": (
+        "generation rounds per batch at most with replay_dynamic_sampling (verl's max_num_gen_batches; >= 1); at "
+        'the limit the batch is completed with zero-variance groups (zero advantage) and the shortfall logged')})
+    # ---- diagnostics and experiments (hdreplay.diagnostics.DiagnosticsConfig): none changes what is replayed but adaptive tau
+    replay_diagnose_ungated: bool = field(default=False, metadata={"help": (
+        'also re-score the groups recency replay picks, so their Drift and replay KL are reported (one forward '
+        'over them)')})
+    replay_counterfactual: bool = field(default=False, metadata={"help": (
+        'also score the subset recency replay would take from the same pre-step buffer and record it beside the '
+        "selection (the paper's same-buffer counterfactual; one forward over the recency groups not scanned "
+        'anyway)')})
+    replay_adaptive_tau: Optional[Union[dict, str]] = field(default=None, metadata={"help": (
+        'move tau within bounds (loosen when replay starves, tighten when replay KL rises); tau is the start. An '
+        'AdaptiveTau, or its fields as a dict / JSON object, e.g. {"tau_min": 1e-4, "tau_max": 0.1}')})
+    # ---- the trainer (this integration)
+    replay_score_batch_size: Optional[int] = field(default=None, metadata={"help": (
+        'rows per forward call when re-scoring replay candidates; unset = per_device_train_batch_size')})
+    replay_train_scope: Literal['update', 'generation'] = field(default='update', metadata={"help": (
+        'which optimizer updates train a replay row: update = only the update whose Drift gate admitted it (every'
+        " replayed token is trained within tau, the paper's guarantee; with steps_per_generation > "
+        "gradient_accumulation_steps its rows fill that update's micro-steps, with num_iterations > 1 a later "
+        'iteration trains them only if it falls in the same update); generation = spread over every micro-step of'
+        ' the generation, also in the updates after the gate, without gating them again (the behaviour before '
+        '0.2: measured Drift above tau in the next update, docs/trl.md)')})
+    replay_micro_step: Literal['chunk', 'grow'] = field(default='chunk', metadata={"help": (
+        'how replay rows enter a micro-step: chunk = extra forward/backward passes of at most '
+        'per_device_train_batch_size rows each (activation memory as without replay; the fresh rows form exactly '
+        "plain TRL's micro-batch); grow = one forward/backward over fresh + replay rows (activation memory grows "
+        'by (fresh + replay rows) / fresh rows). Both run under DDP, DeepSpeed ZeRO-2/3 and FSDP2')})
+    replay_diagnostics_dir: Optional[str] = field(default=None, metadata={"help": (
+        "directory of steps.jsonl / groups.jsonl; unset = the trainer's default (TRL: <output_dir>/replay, verl: "
+        '<default_local_dir>/hdreplay_diagnostics), empty string = off')})
+    replay_resume_without_state: bool = field(default=False, metadata={"help": (
+        'allow resuming from a checkpoint that has no replay state (e.g. written without hdreplay); the buffer '
+        'then starts empty. Off by default: losing the buffer silently changes the run')})
 
 
-def _replay_fields() -> list[tuple[str, Any, Any]]:
-    out = []
-    for k in (*knobs(), *INTEGRATION_KNOBS, *_TRL_KNOBS):
-        typ, default, help_ = _field_type(k), k.default, k.help
-        if k.name in _TRL_OVERRIDES:
-            typ, default, extra = _TRL_OVERRIDES[k.name]
-            help_ += extra
-        out.append((PREFIX + k.name, typ, field(default=default, metadata={"help": help_})))
-    return out
-
-
-_ReplayFields = make_dataclass("_ReplayFields", _replay_fields())
 REPLAY_FIELDS = tuple(f.name for f in fields(_ReplayFields))
+#: the diagnostics' fields (hdreplay.diagnostics.DiagnosticsConfig), the trainer's own, the peers' strategies
+DIAGNOSTIC_FIELDS = tuple(PREFIX + n for n in DiagnosticsConfig.field_names())
 
 
 @dataclass(frozen=True)
@@ -155,6 +219,10 @@ class HDRGRPOConfig(_ReplayFields, GRPOConfig):
                 f"HDRGRPOConfig: replay_dynamic_sampling=True with replay_selector={self.replay_selector!r}: dynamic "
                 "sampling is implemented for on-policy training only; set replay_selector='none' or "
                 "replay_dynamic_sampling=False", field="replay_dynamic_sampling")
+        if self.replay_train_scope not in TRAIN_SCOPES:
+            raise ReplayConfigError(f"HDRGRPOConfig: replay_train_scope must be one of {list(TRAIN_SCOPES)}, got "
+                                    f"{self.replay_train_scope!r}", field="replay_train_scope")
+        self.diagnostics_config()
         settings = self.replay_settings()  # built once: every core replay_* field validated, the plan worked out
         if emit:
             settings.plan.warn()
@@ -200,6 +268,16 @@ class HDRGRPOConfig(_ReplayFields, GRPOConfig):
     @property
     def world(self) -> int:
         return self.generation_batch_size // (self.per_device_train_batch_size * self.steps_per_generation)
+
+    def diagnostics_config(self) -> DiagnosticsConfig:
+        """``replay_diagnose_ungated``, ``replay_counterfactual`` and ``replay_adaptive_tau`` as the
+        :class:`~hdreplay.diagnostics.DiagnosticsConfig` of the run (errors name the field as spelled here)."""
+        try:
+            return DiagnosticsConfig(**{n: getattr(self, PREFIX + n) for n in DiagnosticsConfig.field_names()})
+        except ReplayConfigError as e:
+            name = PREFIX + (e.field or "adaptive_tau")
+            raise ReplayConfigError(f"HDRGRPOConfig: {name}: {e.message.removeprefix(e.field + ': ')}",
+                                    field=name) from None
 
     def replay_values(self) -> dict[str, Any]:
         """The core knobs as set on this config (name without prefix -> value)."""

@@ -36,7 +36,8 @@ import torch
 from ...baselines import BapoController, ExgrpoController, PopoController, RepoController
 from ...baselines.protocol import Strategy
 from ...controller import ReplayController
-from ...noise_floor import DriftFloorWarning, floor_warning, precision_of
+from ...diagnostics import observers
+from ...diagnostics.noise_floor import DriftFloorWarning, floor_warning, precision_of
 from .bapo import BapoSampler, check_bapo
 from .checks import check_exgrpo, check_sharding, check_supported
 from .dynamic import DynamicSampler
@@ -66,14 +67,14 @@ class StrategySeam:
     part_loss: Callable | None = None
 
 
-def warn_drift_floor(config, model, args) -> str | None:
-    """Warn (:class:`hdreplay.noise_floor.DriftFloorWarning`) when the measured Drift floor of the training precision
+def warn_drift_floor(config, model, args, adaptive=None) -> str | None:
+    """Warn (:class:`hdreplay.diagnostics.noise_floor.DriftFloorWarning`) when the measured Drift floor of the training precision
     (the model's parameter dtype, ``args.bf16`` / ``args.fp16`` autocast, ``args.cast_lm_head_to_fp32``) reaches tau/10;
     returns the message."""
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
     autocast = torch.bfloat16 if args.bf16 else (torch.float16 if args.fp16 else None)
     precision = precision_of(dtype, autocast, fp32_head=bool(getattr(args, "cast_lm_head_to_fp32", False)))
-    msg = floor_warning(config, precision)
+    msg = floor_warning(config, precision, adaptive=adaptive)
     if msg:
         warnings.warn(msg, DriftFloorWarning, stacklevel=5)
     return msg
@@ -97,11 +98,13 @@ def _replay(trainer, options, *, active: bool, procs: int, pad: int) -> Strategy
     diag = a.replay_diagnostics_dir
     if diag is None:
         diag = os.path.join(a.output_dir, "replay")
+    diagnostics = a.diagnostics_config()
     seam = StrategySeam(ReplayController(
         trainer.replay_config, diagnostics_dir=diag if (diag and trainer.accelerator.is_main_process and active)
-        else None), active)
+        else None, observers=observers(diagnostics, trainer.replay_config)), active)
     if active:
-        warn_drift_floor(trainer.replay_config, trainer.accelerator.unwrap_model(trainer.model), a)
+        warn_drift_floor(trainer.replay_config, trainer.accelerator.unwrap_model(trainer.model), a,
+                         diagnostics.adaptive_tau)
     return seam
 
 

@@ -234,13 +234,13 @@ def _rollout_correction_problems(config: Any, *, v1: bool) -> list[str]:
     return problems
 
 
-#: verl dtype names -> :data:`hdreplay.noise_floor.PRECISIONS`
+#: verl dtype names -> :data:`hdreplay.diagnostics.noise_floor.PRECISIONS`
 _DTYPES = {"bf16": "bf16_weights", "bfloat16": "bf16_weights", "fp16": "fp16", "float16": "fp16", "half": "fp16",
            "fp32": "fp32", "float32": "fp32", "float": "fp32"}
 
 
 def actor_precision(config: Any) -> str:
-    """The precision of the actor's log-prob forward (a key of :data:`hdreplay.noise_floor.PRECISIONS`): verl's FSDP
+    """The precision of the actor's log-prob forward (a key of :data:`hdreplay.diagnostics.noise_floor.PRECISIONS`): verl's FSDP
     engine casts the parameters to ``fsdp_config.mixed_precision.param_dtype`` (default bf16) for the forward,
     Megatron computes in ``megatron.dtype`` (default bfloat16); either way bf16 parameters, i.e. ``bf16_weights``."""
     if str(_get(config, f"{ACTOR}.strategy", "fsdp")) == "megatron":
@@ -251,9 +251,9 @@ def actor_precision(config: Any) -> str:
 
 
 def warn_drift_floor(config: Any, settings: HDRSettings) -> str | None:
-    """Warn (:class:`hdreplay.noise_floor.DriftFloorWarning`) when the measured Drift floor of the actor's precision
+    """Warn (:class:`hdreplay.diagnostics.noise_floor.DriftFloorWarning`) when the measured Drift floor of the actor's precision
     reaches tau/10; returns the message (None: no warning)."""
-    from ...noise_floor import DriftFloorWarning, floor_warning
+    from ...diagnostics.noise_floor import DriftFloorWarning, floor_warning
 
     msg = floor_warning(settings.replay_config, actor_precision(config)) if settings.active else None
     if msg:

@@ -20,7 +20,7 @@ for ``drift_norm="l2"`` only).  Until ``floor_min_groups`` groups at staleness 0
 ``floor_initial`` (0 unless set, i.e. the stricter gate) and :class:`AsyncReplay` warns once.
 
 :class:`AsyncReplay` wraps a :class:`~hdreplay.ReplayController` with this rule and the ledger
-(:mod:`hdreplay.ledger`); trainers call, per update ``u``::
+(:mod:`hdreplay.staleness.ledger`); trainers call, per update ``u``::
 
     route = areplay.offer(group, step=u, sampler_reference=True)   # each arriving group, in arrival order
     sel = areplay.select(step=u, scorer=score_fn)                    # admitted groups, before or after offers
@@ -40,12 +40,13 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from .controller import ReplayController
-from .errors import ReplayConfigError, ReplayInputError, ReplayProtocolError
+from ..controller import ReplayController
+from ..errors import ReplayConfigError, ReplayInputError, ReplayProtocolError
 from .ledger import LEDGER_FILE, StalenessLedger
-from .record import GroupRecord
-from .selection import Scorer, Selection
-from .validate import check_bool, check_int, check_sequence, check_step, is_int, is_real
+from ..record import GroupRecord
+from ..selection import Scorer
+from ..selectors import Selection
+from ..validate import check_bool, check_int, check_sequence, check_step, is_int, is_real
 
 #: what :func:`route` returns
 ROUTES = ("fresh", "divert", "drop")
@@ -237,14 +238,16 @@ class AsyncReplay:
             warnings.warn(f"hdreplay: the Drift floor is not measured yet ({self.floor.groups} of "
                           f"{self.floor.min_groups} staleness-0 groups seen); gating sampler-referenced groups with "
                           f"floor={self.floor.initial:g} (the stricter gate) until then", FloorWarning, stacklevel=2)
-        sel = self.controller.select(step=step, scorer=scorer, drift_floor=self._floor_of)
+        tau = self.controller.tau  # a sampler-referenced group passes iff Drift <= tau + floor
+        sel = self.controller.select(step=step, scorer=scorer,
+                                     tau=lambda groups: [tau + f for f in self._floor_of(groups)])
         self._step = step
-        drift = dict(zip(sel.scanned_group_ids, sel.scanned_drift.tolist()))
-        exact = dict(zip(sel.scanned_group_ids, [True] * len(drift) if sel.scanned_exact is None
-                         else sel.scanned_exact.tolist()))
+        floored = np.maximum(sel.scanned_drift - (sel.scanned_tau - tau), 0.0)  # max(Drift - floor, 0)
+        drift = dict(zip(sel.scanned_group_ids, floored.tolist()))
+        exact = dict(zip(sel.scanned_group_ids, sel.scanned_exact.tolist()))
         for gid, d in drift.items():
             info = self.tracked.get(gid)
-            # an early-rejected group's Drift is only a lower bound (hdreplay.scan): its first exact scan counts
+            # an early-rejected group's Drift is only a lower bound (hdreplay.rescore): its first exact scan counts
             if info is not None and info["first_drift"] is None and exact[gid]:
                 info["first_drift"] = d
                 self.ledger.on_first_scan(d)

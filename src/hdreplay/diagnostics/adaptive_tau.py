@@ -9,13 +9,13 @@ drive an adaptive schedule (Appendix G.2).  This is that schedule, multiplicativ
             (relative) -> tau = max(tau / factor, tau_min)
 
 A change is followed by ``patience`` steps without another; nothing changes during ``warmup``.
-The update (:func:`advance_tau`) is a pure function of the state and three plain numbers of the
+:class:`AdaptiveTauObserver` runs it beside a :class:`~hdreplay.ReplayController` (an observer: it moves
+``controller.tau`` after each commit and checkpoints its state with the controller's).  The update
+(:func:`advance_tau`) is a pure function of the state and three plain numbers of the
 committed step (gate pass rate, budget fill, replay KL), so it checkpoints as plain numbers and needs
 nothing from the diagnostics; :func:`update_tau` takes the same numbers from a step record.
 
-:class:`TauState` is where the current tau lives, fixed or adaptive: a controller holds one from construction
-(``config.tau`` is only the start) and reads and replaces nothing else (``ReplayController.tau``).  A fixed tau may
-be 0 (only groups whose log-probs are unchanged pass); the multiplicative schedule refuses to move a tau of 0.
+The multiplicative schedule refuses to move a tau of 0.
 
 >>> cfg = AdaptiveTau(tau_min=1e-4, tau_max=1e-2, warmup=0, patience=0)
 >>> s = TauState(tau=1e-3)
@@ -30,8 +30,10 @@ import math
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Mapping
 
-from .errors import ReplayConfigError, ReplayInputError
-from .validate import MAX_STEP, check_real, is_int, is_real
+import json
+
+from ..errors import CheckpointError, ReplayConfigError, ReplayInputError
+from ..validate import MAX_STEP, check_real, is_int, is_real
 
 TAU_ACTIONS = ("hold", "loosen", "tighten")
 
@@ -166,3 +168,65 @@ def advance_tau(state: TauState, cfg: AdaptiveTau, *, accept_rate: float | None,
     elif rising and not starved and s.tau > cfg.tau_min:
         s.tau, s.last_action, s.since_change = max(s.tau / cfg.factor, cfg.tau_min), "tighten", 0
     return s
+
+
+class AdaptiveTauObserver:
+    """Moves ``controller.tau`` by the :class:`AdaptiveTau` schedule after every commit (an observer of
+    :class:`~hdreplay.ReplayController`); adds ``tau_next`` and ``tau_action`` to the step record.  The schedule
+    starts from the controller's tau, which must lie within its bounds."""
+
+    name = "adaptive_tau"
+
+    def __init__(self, schedule: AdaptiveTau) -> None:
+        if not isinstance(schedule, AdaptiveTau):
+            raise ReplayConfigError(f"adaptive_tau: must be an AdaptiveTau, got {schedule!r}", field="adaptive_tau")
+        self.schedule, self.state = schedule, None
+
+    def on_commit(self, controller, record) -> dict:
+        state = self.state or TauState(tau=controller.tau)
+        self.state = advance_tau(state, self.schedule, accept_rate=record.accept_rate,
+                                 budget_fill=record.budget_fill, replay_kl=record.replay_kl)
+        controller.tau = self.state.tau
+        return {"tau_next": self.state.tau, "tau_action": self.state.last_action}
+
+    def state_dict(self) -> dict | None:
+        return None if self.state is None else self.state.to_dict()
+
+    def check_state(self, d: Any) -> TauState | None:
+        """A saved state, clamped into this schedule's bounds (None: none saved, the schedule starts over)."""
+        if d is None:
+            return None
+        try:
+            state = TauState(**d)
+        except (TypeError, ReplayConfigError) as e:
+            raise CheckpointError(f"adaptive_tau: invalid saved state ({e})") from None
+        state.tau = min(max(state.tau, self.schedule.tau_min), self.schedule.tau_max)
+        return state
+
+    def restore(self, controller, state: TauState | None) -> None:
+        self.state = state
+        if state is not None:
+            controller.tau = state.tau
+
+
+def adaptive_tau_from(value: Any) -> AdaptiveTau | None:
+    """An :class:`AdaptiveTau` from None, an AdaptiveTau, a mapping of its fields or a JSON object string."""
+    if value is None or isinstance(value, AdaptiveTau):
+        return value
+    if isinstance(value, str):
+        text = value.strip()
+        if text.lower() in ("", "none", "null"):
+            return None
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ReplayConfigError(f"adaptive_tau: not valid JSON ({e.msg}); pass an object such as "
+                                    '\'{"tau_min": 1e-4, "tau_max": 0.1}\'', field="adaptive_tau") from None
+    if not isinstance(value, Mapping):
+        raise ReplayConfigError(f"adaptive_tau: expected a mapping of AdaptiveTau fields, got {type(value).__name__}",
+                                field="adaptive_tau")
+    valid = {f.name for f in fields(AdaptiveTau)}
+    bad = sorted(set(value) - valid)
+    if bad:
+        raise ReplayConfigError(f"adaptive_tau: unknown field(s) {bad}; valid: {sorted(valid)}", field="adaptive_tau")
+    return AdaptiveTau(**dict(value))

@@ -23,8 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .config import ReplayConfig
-from .selection import SELECTORS
+from ..config import ReplayConfig
+from ..selectors import SELECTORS
 
 #: the compute precisions a trainer can report: fp32; fp32 weights under bf16 autocast (TRL ``bf16=True``), with the
 #: LM head in fp32 outside autocast or not (TRL ``cast_lm_head_to_fp32``); bf16 weights (a model loaded in bf16, or FSDP
@@ -97,18 +97,19 @@ def worst_floor(precision: str, norm: str = "l2") -> FloorMeasurement | None:
     return max(rows, key=lambda m: m.p99(norm), default=None)
 
 
-def gate_tau(config: ReplayConfig) -> float | None:
-    """The smallest tau the gate can use (adaptive tau's lower bound), None for a selector without a gate."""
+def gate_tau(config: ReplayConfig, adaptive=None) -> float | None:
+    """The smallest tau the gate can use (an adaptive schedule's lower bound), None for a selector without a gate."""
     if not SELECTORS[config.selector].gate:
         return None
-    return config.adaptive_tau.tau_min if config.adaptive_tau is not None else config.tau
+    return adaptive.tau_min if adaptive is not None else config.tau
 
 
-def floor_warning(config: ReplayConfig, precision: str) -> str | None:
+def floor_warning(config: ReplayConfig, precision: str, *, adaptive=None) -> str | None:
     """A warning when the largest measured floor of ``precision`` (for ``config.drift_norm``) reaches
-    :data:`WARN_FRACTION` x the smallest tau the gate uses, quoting every measurement of that precision; None when tau
-    >= 10x the floor, without a gate, or when no floor of that precision is measured."""
-    tau = gate_tau(config)
+    :data:`WARN_FRACTION` x the smallest tau the gate uses (``adaptive``: an :class:`AdaptiveTau` moving it),
+    quoting every measurement of that precision; None when tau >= 10x the floor, without a gate, or when no floor of
+    that precision is measured."""
+    tau = gate_tau(config, adaptive)
     m = worst_floor(precision, config.drift_norm)
     if tau is None or m is None:
         return None
@@ -119,7 +120,7 @@ def floor_warning(config: ReplayConfig, precision: str) -> str | None:
     rows = sorted((x for x in MEASURED_FLOORS if x.precision == precision and x.p99(norm) is not None),
                   key=lambda x: x.p99(norm))
     seen = "; ".join(f"p99 {x.p99(norm):.2g} = {x.p99(norm) / tau:.2f} x tau on {x.where}" for x in rows)
-    knob = "adaptive_tau.tau_min" if config.adaptive_tau is not None else "tau"
+    knob = "adaptive_tau.tau_min" if adaptive is not None else "tau"
     return (f"Drift gate at {knob}={tau:g} ({norm}) in {precision}: the Drift floor (groups re-scored at unchanged "
             f"weights in another batch layout than at birth) measured in {precision}: {seen}. The gate's decisions "
             f"near tau partly follow rounding. Raise {knob} to >= {p99 / WARN_FRACTION:.2g} (10x the largest floor; "

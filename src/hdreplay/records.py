@@ -1,4 +1,4 @@
-"""Per-step and per-group replay records, flat ``replay/*`` metrics, and a JSONL writer.
+"""What the method decided, step by step and group by group: records, flat ``replay/*`` metrics, a JSONL writer.
 
 Files written under a diagnostics directory:
     steps.jsonl    one :class:`StepRecord` per committed step
@@ -86,15 +86,6 @@ class StepRecord:
     scan_pass: list[bool] = field(default_factory=list)
     scan_cached_headroom: list[float | None] = field(default_factory=list)
     scan_headroom: list[float | None] = field(default_factory=list)
-    #: same-buffer counterfactual (``ReplayConfig.counterfactual``): recency subset of the same size
-    cf_size: int | None = None
-    cf_drift_selected: float | None = None
-    cf_drift_recency: float | None = None
-    cf_headroom_selected: float | None = None
-    cf_headroom_recency: float | None = None
-    #: adaptive tau (``ReplayConfig.adaptive_tau``): the tau of the next step and the action taken
-    tau_next: float | None = None
-    tau_action: str | None = None
     #: cost of the step, comparable across replay strategies (rows = responses): rows and completion tokens of
     #: stored data forwarded under the current policy to select (re-scoring, entropy picks), rows replayed, and --
     #: when the integration reports it -- fresh responses generated (discarded and re-evaluation ones included)
@@ -115,24 +106,25 @@ class StepRecord:
     scan_exact: list[bool] = field(default_factory=list)
     #: per scanned group, the consecutive scans that had rejected it before this step's
     scan_streak: list[int] = field(default_factory=list)
-    #: the named strategy driving the step (a peer of ``hdreplay.baselines``) and its own counters (name -> number)
-    strategy: str | None = None
-    strategy_counters: dict[str, float] | None = None
+    #: what diagnostics, experiments and peers add beyond the method (:mod:`hdreplay.diagnostics`: the same-buffer
+    #: counterfactual ``cf_*``, adaptive tau ``tau_next`` / ``tau_action``; a peer's ``strategy`` and its
+    #: ``strategy_counters``), written flat beside the method's fields
+    extras: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
-        """The JSON-able dict written to ``steps.jsonl`` (optional sections left out when unset)."""
+        """The JSON-able dict written to ``steps.jsonl`` (``generated_rows`` left out when unknown; extras flat)."""
         d = asdict(self)
-        for k in OPTIONAL_STEP_FIELDS:
-            if d[k] is None:
-                del d[k]
-        return d
+        extras = d.pop("extras")
+        if d["generated_rows"] is None:
+            del d["generated_rows"]
+        return {**d, **{k: v for k, v in extras.items() if k not in d}}
 
 
-#: fields present only when their feature is on (counterfactual, adaptive tau)
-OPTIONAL_STEP_FIELDS = ("cf_size", "cf_drift_selected", "cf_drift_recency", "cf_headroom_selected",
-                        "cf_headroom_recency", "tau_next", "tau_action", "generated_rows", "strategy",
-                        "strategy_counters")
-STEP_FIELDS = tuple(f.name for f in fields(StepRecord))
+#: the method's fields of a step record
+STEP_FIELDS = tuple(f.name for f in fields(StepRecord) if f.name != "extras")
+#: fields diagnostics and peers may add (what ``hdreplay.diagnostics`` and the baselines write)
+EXTRA_STEP_FIELDS = ("cf_size", "cf_drift_selected", "cf_drift_recency", "cf_headroom_selected", "cf_headroom_recency",
+                     "tau_next", "tau_action", "strategy", "strategy_counters")
 
 
 def step_record(
@@ -198,16 +190,12 @@ def step_record(
         rescored_tokens=sel.rescored_tokens,
         replayed_rows=replayed_rows,
         **_waste_fields(sel, gate_ok, replayed_tokens),
-        **_counterfactual_fields(sel, gate_ok),
     )
 
 
 def _waste_fields(sel: Selection, gate_ok: np.ndarray, replayed_tokens: int) -> dict[str, Any]:
-    n = len(sel.scanned)
-    exact = sel.scanned_exact if sel.scanned_exact is not None else np.ones(n, bool)
-    cost = sel.scanned_rescored_tokens if sel.scanned_rescored_tokens is not None else np.zeros(n, np.int64)
-    streak = sel.scanned_streak if sel.scanned_streak is not None else np.zeros(n, np.int64)
-    rejected = ~gate_ok if sel.scored else np.zeros(n, bool)
+    exact, cost, streak = sel.scanned_exact, sel.scanned_rescored_tokens, sel.scanned_streak
+    rejected = ~gate_ok if sel.scored else np.zeros(len(exact), bool)
     return {
         "replayed_tokens": int(replayed_tokens),
         "rescored_tokens_rejected": int(cost[rejected].sum()),
@@ -217,20 +205,6 @@ def _waste_fields(sel: Selection, gate_ok: np.ndarray, replayed_tokens: int) -> 
         "skipped": int(sel.skipped),
         "scan_exact": [bool(x) for x in exact],
         "scan_streak": [int(x) for x in streak],
-    }
-
-
-def _counterfactual_fields(sel: Selection, gate_ok: np.ndarray) -> dict[str, Any]:
-    if sel.cf_ids is None:
-        return {}
-    pos = {int(g): j for j, g in enumerate(sel.scanned.tolist())}
-    idx = [pos[int(g)] for g in sel.accepted.tolist()]
-    return {
-        "cf_size": len(sel.cf_ids),
-        "cf_drift_selected": _f(_mean(sel.scanned_drift[idx])),
-        "cf_drift_recency": _f(_mean(sel.cf_drift)),
-        "cf_headroom_selected": _f(_mean(sel.scanned_headroom[idx])),
-        "cf_headroom_recency": _f(_mean(sel.cf_headroom)),
     }
 
 
@@ -258,7 +232,8 @@ def metrics_from_record(rec: "StepRecord | Mapping[str, Any]", prefix: str = "re
     for k in ("generated_rows",):
         if get(k) is not None:
             out[f"{prefix}{k}"] = float(get(k))
-    for k, v in (get("strategy_counters") or {}).items():
+    extras = get("extras") if not isinstance(rec, Mapping) else rec
+    for k, v in ((extras or {}).get("strategy_counters") or {}).items():
         out[f"{prefix}{k}"] = float(v)
     return out
 
