@@ -122,9 +122,12 @@ class StepRecord:
 
 #: the method's fields of a step record
 STEP_FIELDS = tuple(f.name for f in fields(StepRecord) if f.name != "extras")
-#: fields diagnostics and peers may add (what ``hdreplay.diagnostics`` and the baselines write)
-EXTRA_STEP_FIELDS = ("cf_size", "cf_drift_selected", "cf_drift_recency", "cf_headroom_selected", "cf_headroom_recency",
-                     "tau_next", "tau_action", "strategy", "strategy_counters")
+#: fields diagnostics and peers may add (hdreplay.diagnostics, the baselines), with the types steps.jsonl holds
+EXTRA_STEP_TYPES: dict[str, Any] = {
+    "cf_size": int, "cf_drift_selected": float | None, "cf_drift_recency": float | None,
+    "cf_headroom_selected": float | None, "cf_headroom_recency": float | None, "tau_next": float | None,
+    "tau_action": str | None, "strategy": str | None, "strategy_counters": dict[str, float] | None}
+EXTRA_STEP_FIELDS = tuple(EXTRA_STEP_TYPES)
 
 
 def step_record(

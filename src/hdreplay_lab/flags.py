@@ -2,9 +2,10 @@
 
 * ``CommaStr`` / ``CommaInt`` / ``CommaFloat``: a tuple written as one comma-separated value (``--taus 1e-3,1e-2``),
   or None (a default: "unset").
-* :func:`replay_options`: a ``TypedDict`` with one optional key per :func:`hdreplay.config.knobs` entry; as a field
-  named ``replay`` it is one option ``--replay.<name>`` per ReplayConfig knob (``--replay.<name>`` /
-  ``--replay.no-<name>`` for booleans), and the options left unset stay out of the dict.
+* :func:`replay_options`: a ``TypedDict`` with one optional key per :func:`hdreplay.config.knobs` entry and per
+  :class:`hdreplay.diagnostics.DiagnosticsConfig` field; as a field named ``replay`` it is one option
+  ``--replay.<name>`` per setting (``--replay.<name>`` / ``--replay.no-<name>`` for booleans), and the options left
+  unset stay out of the dict.
 """
 
 from __future__ import annotations
@@ -13,7 +14,11 @@ from typing import Annotated, Literal, TypedDict
 
 import tyro
 
+from dataclasses import fields
+
+import hdreplay.baselines  # noqa: F401  (registers the peers' selectors: the commands accept them)
 from hdreplay.config import knobs
+from hdreplay.diagnostics import DiagnosticsConfig
 
 #: short spellings kept for the replay knobs the README and the paper's sandbox commands use
 KNOB_ALIASES = {"tau": ("--tau",), "capacity": ("--capacity",), "ingress": ("--ingress",),
@@ -46,6 +51,10 @@ def replay_options(exclude: tuple[str, ...] = ()) -> type:
             typ = Literal[tuple(k.choices)] if k.choices else str if k.flat == "json" else k.flat
             keys[k.name] = Annotated[typ, tyro.conf.arg(help=k.help, aliases=KNOB_ALIASES.get(k.name),
                                                         help_behavior_hint=f"(unset: {k.default!r})")]
+    for f in fields(DiagnosticsConfig):
+        if f.name not in exclude:
+            typ = bool if f.default is False else str  # adaptive_tau: a JSON object
+            keys[f.name] = Annotated[typ, tyro.conf.arg(help=f.metadata["help"], help_behavior_hint="(unset: off)")]
     return TypedDict("ReplayOptions", keys, total=False)  # type: ignore[operator]
 
 

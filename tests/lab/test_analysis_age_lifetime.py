@@ -144,4 +144,4 @@ def test_counterfactual_quadrants_and_gains():
     assert c["share_compat_positive"] == pytest.approx(0.4) and c["share_value_positive"] == pytest.approx(0.4)
     assert c["by_interval"]["value_gain"] == pytest.approx({"early": 0.2, "middle": -0.1, "final": -0.3})
     missing = counterfactual(steps_frame(step_rec(1, accepted=2)))
-    assert missing["available"] is False and "counterfactual=True" in missing["reason"]
+    assert missing["available"] is False and "replay_counterfactual" in missing["reason"]

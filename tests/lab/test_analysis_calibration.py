@@ -6,7 +6,8 @@ import json
 import pytest
 
 from analysis_runs import step_rec, steps_frame
-from hdreplay import AdaptiveTau, ReplayConfig, ReplayController
+from hdreplay import ReplayConfig, ReplayController
+from hdreplay.diagnostics import AdaptiveTau, DiagnosticsConfig, observers
 from hdreplay_lab.analysis import (
     AnalysisInputError, CalibrationCriteria, compare_adaptive, diagnose, recommend, run_calibration,
     summarize_calibration,
@@ -226,8 +227,9 @@ def real_train_fn(steps=24):
     """Short runs of the real controller on the moving TablePolicy (everything but tau fixed)."""
     def train(label, tau, adaptive, run_dir):
         ad = AdaptiveTau(tau_min=1e-5, tau_max=1.0, warmup=2, patience=2) if adaptive else None
-        ctrl = ReplayController(ReplayConfig(k_rep=3, tau=tau, capacity=15, adaptive_tau=ad),
-                                diagnostics_dir=run_dir / "replay")
+        cfg = ReplayConfig(k_rep=3, tau=tau, capacity=15)
+        ctrl = ReplayController(cfg, diagnostics_dir=run_dir / "replay",
+                                observers=observers(DiagnosticsConfig(adaptive_tau=ad), cfg))
         pol = TablePolicy(seed=3)
         for t in range(steps):
             pol = pol.perturbed(0.05, seed=500 + t) if t else pol

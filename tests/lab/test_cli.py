@@ -6,8 +6,9 @@ import json
 
 import pytest
 
-from hdreplay import AdaptiveTau, ReplayConfig
-from hdreplay.config import adaptive_tau_from
+from hdreplay import ReplayConfig
+from hdreplay.diagnostics import AdaptiveTau
+from hdreplay.diagnostics.adaptive_tau import adaptive_tau_from
 from hdreplay_lab.cli import CalibrateArgs, CompareArgs, DemoArgs, main, parse
 from hdreplay_lab.sandbox.methods import COMPARE_METHODS, DEMO_METHODS, METHODS
 
@@ -89,7 +90,7 @@ KNOB_VALUES = {
     "headroom_weighting": "advantage", "ingress": "answer", "answer_threshold": 0.5, "truncate_multiple": 2,
     "scan_chunk": 7, "max_scan_chunk": 99, "max_scan": 11, "acceptance_ema": 0.25, "diagnose_ungated": True,
     "counterfactual": True, "adaptive_tau": {"tau_min": 0.01, "tau_max": 0.2}, "seed": 5, "max_age": 3,
-    "priority_alpha": 0.7, "age_decay": 3.5, "is_beta": 0.3, "scan_passes": 2, "scan_refresh": "keep", "skip_rejected": 3,
+    "priority_alpha": 0.7, "age_decay": 3.5, "is_beta": 0.3, "scan_passes": 2, "scan_refresh": "finish", "skip_rejected": 3,
 }
 #: knobs that apply to the proportional selectors only: checked on freshper (the user's value overrides the method's)
 PROPORTIONAL_KNOBS = ("priority_alpha", "age_decay", "is_beta")
@@ -108,7 +109,10 @@ def test_every_replay_knob_reaches_the_runs_trainer_config(tmp_path):
 
     names = [f.name for f in dataclasses.fields(ReplayConfig)]
     derived = [f.name for f in dataclasses.fields(ReplayConfig) if f.metadata.get("derived")]
-    assert derived == ["group_size"] and set(KNOB_VALUES) == set(names) - set(derived)
+    from hdreplay.diagnostics import DiagnosticsConfig
+
+    diag = list(DiagnosticsConfig.field_names())
+    assert derived == ["group_size"] and set(KNOB_VALUES) == set(names) - set(derived) | set(diag)
     base = ["--prompts-per-step", "4", "--generations", "3", "--out", str(tmp_path / "o")]
     for name, value in KNOB_VALUES.items():
         if name == "selector":  # each comparison method sets its own; `calibrate run` picks the gated one
@@ -124,6 +128,9 @@ def test_every_replay_knob_reaches_the_runs_trainer_config(tmp_path):
         got = getattr(args, f"replay_{name}")  # the HDRGRPOConfig field ...
         assert (adaptive_tau_from(got) if name == "adaptive_tau" else got) == want, name
         core = args.to_replay_config()  # ... and the core config the trainer builds from it
+        if name in diag:  # (a diagnostic: the trainer's DiagnosticsConfig)
+            assert getattr(args.diagnostics_config(), name) == want, name
+            continue
         assert getattr(core, name) == want, name
         assert core.group_size == 3  # derived from --generations
     # untouched knobs keep the sandbox defaults: r = b/2 replay groups, tau 1e-2, capacity 2b on the mix task (4b on

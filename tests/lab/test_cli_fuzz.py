@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from hdreplay.diagnostics import STEP_FIELDS
+from hdreplay.records import STEP_FIELDS
 from hdreplay_lab import cli
 from hdreplay_lab.cli import main
 

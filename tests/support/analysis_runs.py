@@ -1,6 +1,6 @@
 """Records and run directories for the analysis tests.
 
-Step records are built from the one schema, :class:`hdreplay.diagnostics.StepRecord` (``step_rec``); real run
+Step records are built from the one schema, :class:`hdreplay.records.StepRecord` (``step_rec``); real run
 directories are written by the core ReplayController driven by the model-free TablePolicy (no trainer), plus
 hand-written trainer logs (run.json, train_log.jsonl, metrics.json)."""
 
@@ -10,15 +10,18 @@ import json
 from pathlib import Path
 
 from hdreplay import ReplayConfig, ReplayController
-from hdreplay.diagnostics import StepRecord
+from hdreplay.diagnostics import DiagnosticsConfig, observers
+from hdreplay.records import EXTRA_STEP_FIELDS, StepRecord
 from hdreplay_lab.analysis.load import group_frame, step_frame
 from hdreplay_lab.synthetic import TablePolicy, make_group
 
 
 def step_rec(step: int, *, selector: str = "headroom_drift", k_rep: int = 2, tau: float | None = 0.01,
              **fields) -> StepRecord:
-    """A StepRecord (unknown field names are a TypeError, so a renamed field breaks the tests that use it)."""
-    return StepRecord(step=step, selector=selector, k_rep=k_rep, tau=tau, **fields)
+    """A StepRecord (unknown field names are a TypeError, so a renamed field breaks the tests that use it); what
+    diagnostics add (``cf_*``, ``tau_next``, ...) goes to its extras, as the observers put it."""
+    extras = {k: fields.pop(k) for k in list(fields) if k in EXTRA_STEP_FIELDS}
+    return StepRecord(step=step, selector=selector, k_rep=k_rep, tau=tau, extras=extras, **fields)
 
 
 def steps_frame(*records: StepRecord):
@@ -55,8 +58,10 @@ def make_real_run(root: Path, name: str, *, steps: int = 30, per_step: int = 5, 
     """RUN_DIR with run.json, train_log.jsonl and replay/{steps,groups}.jsonl from a real controller."""
     run = root / name
     run.mkdir(parents=True)
-    cfg = ReplayConfig(**{"k_rep": 3, "tau": 5e-3, "capacity": 12, "counterfactual": True, **config})
-    ctrl = ReplayController(cfg, diagnostics_dir=run / "replay")
+    diag = {k: config.pop(k) for k in list(config) if k in DiagnosticsConfig.field_names()}
+    cfg = ReplayConfig(**{"k_rep": 3, "tau": 5e-3, "capacity": 12, **config})
+    ctrl = ReplayController(cfg, diagnostics_dir=run / "replay",
+                            observers=observers(DiagnosticsConfig(**{"counterfactual": True, **diag}), cfg))
     pol = TablePolicy(seed=seed)
     for t in range(steps):
         if t:

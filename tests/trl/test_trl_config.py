@@ -1,4 +1,5 @@
-"""HDRGRPOConfig's replay fields are generated from ReplayConfig: every knob settable, parsed, validated once."""
+"""HDRGRPOConfig's replay fields, declared literally, are one-to-one with ReplayConfig and DiagnosticsConfig: every
+setting settable, parsed, validated once."""
 
 import dataclasses
 import json
@@ -18,29 +19,54 @@ BASE = dict(output_dir="/tmp/hdr_cfg", use_cpu=True, bf16=False, report_to="none
 #: a non-default value for every core knob (the test fails if ReplayConfig gains a knob not listed here)
 VALUES = dict(selector="freshper", k_rep=6, tau=0.02, capacity=20, drift_norm="l1", headroom_weighting="advantage",
               ingress="answer", answer_threshold=0.9, truncate_multiple=3, scan_chunk=5, max_scan_chunk=50,
-              acceptance_ema=0.25, diagnose_ungated=True, counterfactual=True, max_scan=30,
-              adaptive_tau='{"tau_min": 0.001, "tau_max": 0.1, "patience": 2}', seed=5, max_age=3,
+              acceptance_ema=0.25, max_scan=30, seed=5, max_age=3,
               priority_alpha=0.7, age_decay=3.5, is_beta=0.3,  # these three need a proportional selector
-              scan_passes=2, scan_refresh="keep", skip_rejected=3)
+              scan_passes=2, scan_refresh="finish", skip_rejected=3)
+#: the same for every diagnostic (hdreplay.diagnostics.DiagnosticsConfig)
+DIAG = dict(diagnose_ungated=True, counterfactual=True, adaptive_tau='{"tau_min": 0.001, "tau_max": 0.1, "patience": 2}')
 
 
-def test_every_replay_knob_is_a_field_with_the_core_help():
+def test_every_replay_field_is_declared_one_to_one_with_the_core_and_the_diagnostics():
+    """The literal replay_* fields: one per ReplayConfig field (same default -- k_rep's unset default is TRL's own --
+    and the core's help), one per DiagnosticsConfig field (same default and help), the peers' strategies and the
+    trainer's settings; nothing else."""
+    from hdreplay.diagnostics import DiagnosticsConfig
+
     exposed = {f.name for f in dataclasses.fields(ReplayConfig)} - {"group_size"}  # derived: num_generations
     assert {k.name for k in knobs()} == exposed
-    assert set(VALUES) == exposed
+    assert set(VALUES) == exposed and set(DIAG) == set(DiagnosticsConfig.field_names())
     fields = {f.name: f for f in dataclasses.fields(HDRGRPOConfig)}
-    for k in knobs():
-        assert f"replay_{k.name}" in REPLAY_FIELDS
-        assert fields[f"replay_{k.name}"].metadata["help"].startswith(k.help)
+    for f in dataclasses.fields(ReplayConfig):
+        if f.name == "group_size":
+            assert "replay_group_size" not in fields
+            continue
+        mine = fields[f"replay_{f.name}"]
+        assert mine.metadata["help"].startswith(f.metadata["help"]), f.name
+        assert mine.default == (None if f.name == "k_rep" else f.default), f.name
+    for f in dataclasses.fields(DiagnosticsConfig):
+        mine = fields[f"replay_{f.name}"]
+        assert (mine.default, mine.metadata["help"]) == (f.default, f.metadata["help"]), f.name
+    own = {"replay_repo", "replay_exgrpo", "replay_bapo", "replay_popo", "replay_dynamic_sampling",
+           "replay_dynamic_sampling_max_batches", "replay_score_batch_size", "replay_train_scope", "replay_micro_step",
+           "replay_diagnostics_dir", "replay_resume_without_state"}
+    assert set(REPLAY_FIELDS) == {f"replay_{n}" for n in (*exposed, *DIAG)} | own
+    import typing
+
+    import hdreplay.baselines  # noqa: F401  (the peers' selectors)
+    from hdreplay import SELECTORS
+
+    hint = typing.get_type_hints(HDRGRPOConfig)["replay_selector"]
+    assert set(typing.get_args(hint)) == set(SELECTORS)  # the literal choices are the registry's
 
 
 def test_every_replay_knob_reaches_the_core_config():
-    args = HDRGRPOConfig(**BASE, **{f"replay_{k}": v for k, v in VALUES.items()})
+    args = HDRGRPOConfig(**BASE, **{f"replay_{k}": v for k, v in {**VALUES, **DIAG}.items()})
     rc = args.to_replay_config()
+    d = args.diagnostics_config()
+    assert d.diagnose_ungated and d.counterfactual
+    assert (d.adaptive_tau.tau_min, d.adaptive_tau.tau_max, d.adaptive_tau.patience) == (1e-3, 0.1, 2)
     for f in dataclasses.fields(ReplayConfig):
-        if f.name == "adaptive_tau":
-            assert (rc.adaptive_tau.tau_min, rc.adaptive_tau.tau_max, rc.adaptive_tau.patience) == (1e-3, 0.1, 2)
-        elif f.name == "group_size":
+        if f.name == "group_size":
             assert rc.group_size == 4
         else:
             assert getattr(rc, f.name) == VALUES[f.name], f.name
@@ -52,20 +78,20 @@ def test_trl_parser_parses_every_knob_from_the_command_line():
     KeyError here, so a new knob cannot go untested)."""
     from trl import TrlParser
 
-    from hdreplay.config import adaptive_tau_from
+    from hdreplay.diagnostics.adaptive_tau import adaptive_tau_from
 
     argv = ["--output_dir=/tmp/hdr_cfg", "--use_cpu", "--bf16=false", "--num_generations=4",
             "--per_device_train_batch_size=8"]
-    argv += [f"--replay_{k.name}={str(VALUES[k.name]).lower() if isinstance(VALUES[k.name], bool) else VALUES[k.name]}"
-             for k in knobs()]
+    argv += [f"--replay_{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in {**VALUES, **DIAG}.items()]
     (args,) = TrlParser((HDRGRPOConfig,)).parse_args_and_config(argv)
     rc = args.to_replay_config()
     for k in knobs():
         want, field, core = VALUES[k.name], getattr(args, f"replay_{k.name}"), getattr(rc, k.name)
-        if k.name == "adaptive_tau":
-            want, field = adaptive_tau_from(json.loads(want)), adaptive_tau_from(field)
         assert field == want and core == want and type(core) is type(want), (k.name, field, core, want)
     assert rc.group_size == 4
+    d = args.diagnostics_config()
+    assert d.diagnose_ungated is True and d.counterfactual is True
+    assert d.adaptive_tau == adaptive_tau_from(json.loads(DIAG["adaptive_tau"]))
 
 
 @pytest.mark.parametrize("over,needle", [

@@ -10,7 +10,7 @@ pytestmark = pytest.mark.trl
 
 import torch  # noqa: E402
 
-from hdreplay.noise_floor import DriftFloorWarning, worst_floor  # noqa: E402
+from hdreplay.diagnostics.noise_floor import DriftFloorWarning, worst_floor  # noqa: E402
 from trl_fixtures import HDRGRPOTrainer, build_tiny_model, load_model, make_args, prompts, reward_digit  # noqa: E402
 
 

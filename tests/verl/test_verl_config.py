@@ -231,19 +231,19 @@ def test_every_replay_knob_is_settable_from_the_verl_config():
                          "hdr.counterfactual=true", "hdr.adaptive_tau.enabled=true", "hdr.adaptive_tau.tau_min=0.001",
                          "hdr.adaptive_tau.patience=2", "hdr.seed=5", "hdr.max_age=3", "hdr.priority_alpha=0.7",
                          "hdr.diagnostics_dir=null", "hdr.resume_without_state=true", "hdr.scan_passes=2",
-                         "hdr.scan_refresh=keep", "hdr.skip_rejected=3")
+                         "hdr.scan_refresh=finish", "hdr.skip_rejected=3")
     s = validate_verl_config(cfg)
     rc = s.replay_config
     want = dict(selector="drift_only", k_rep=6, tau=0.02, capacity=20, drift_norm="l1",
                 headroom_weighting="advantage", ingress="answer", answer_threshold=0.9, truncate_multiple=6,
                 scan_chunk=5, max_scan_chunk=50, max_scan=30, acceptance_ema=0.25, group_size=4, diagnose_ungated=True,
                 counterfactual=True, seed=5, max_age=3, priority_alpha=0.7, age_decay=None, is_beta=0.0,
-                scan_passes=2, scan_refresh="keep", skip_rejected=3)
+                scan_passes=2, scan_refresh="finish", skip_rejected=3)
     for f in dataclasses.fields(ReplayConfig):
-        if f.name == "adaptive_tau":
-            assert (rc.adaptive_tau.tau_min, rc.adaptive_tau.tau_max, rc.adaptive_tau.patience) == (1e-3, 0.1, 2)
-        else:
-            assert getattr(rc, f.name) == want[f.name], f.name  # every field is covered by `want`
+        assert getattr(rc, f.name) == want[f.name], f.name  # every field is covered by `want`
+    d = s.diagnostics
+    assert d.diagnose_ungated and d.counterfactual
+    assert (d.adaptive_tau.tau_min, d.adaptive_tau.tau_max, d.adaptive_tau.patience) == (1e-3, 0.1, 2)
     assert s.resume_without_state is True and s.diagnostics_dir is None
 
 
@@ -286,7 +286,7 @@ def test_trainer_warns_at_start_when_the_bf16_drift_floor_reaches_tau_over_10():
     import warnings
 
     from hdreplay.integrations.verl.settings import actor_precision
-    from hdreplay.noise_floor import DriftFloorWarning, worst_floor
+    from hdreplay.diagnostics.noise_floor import DriftFloorWarning, worst_floor
 
     class NoWorkers:
         pass
@@ -355,7 +355,7 @@ def test_v1_task_runner_builds_the_hdr_trainer_for_each_mode_inside_verls_own_ru
                          v1=True)
     runner_cls = main.task_runner(cfg).__ray_actor_class__
     stock = tb.TRAINER_REGISTRY[mode]
-    from hdreplay.noise_floor import DriftFloorWarning
+    from hdreplay.diagnostics.noise_floor import DriftFloorWarning
 
     with pytest.raises(Built) as e, pytest.warns(DriftFloorWarning, match="tau=0.001"):  # bf16 forward, tau 1e-3
         runner_cls().run(cfg)
@@ -373,3 +373,27 @@ def test_entry_point_composes_the_packaged_config_and_checks_it_before_ray(tmp_p
     assert proc.returncode != 0
     assert f"{ACTOR}.shuffle=true" in out and "set it to false" in out
     assert "Started a local Ray instance" not in out
+
+
+def test_the_hdr_section_is_declared_one_to_one_with_the_replay_config():
+    """hdr.<name> for every ReplayConfig field (same default and help) and every DiagnosticsConfig field, plus the
+    recipe's own keys; nothing else."""
+    import dataclasses
+
+    from hdreplay import ReplayConfig
+    from hdreplay.diagnostics import AdaptiveTau, DiagnosticsConfig
+    from hdreplay.integrations.verl.schema import RECIPE_KEYS, AdaptiveTauSection, HDRSection
+
+    section = {f.name: f for f in dataclasses.fields(HDRSection)}
+    core = {f.name: f for f in dataclasses.fields(ReplayConfig) if not f.metadata.get("derived")}
+    diag = {f.name: f for f in dataclasses.fields(DiagnosticsConfig)}
+    assert set(section) == set(core) | set(diag) | set(RECIPE_KEYS)
+    for name, f in core.items():
+        assert section[name].default == f.default, name
+        assert section[name].metadata["help"] == f.metadata["help"], name
+    for name in ("diagnose_ungated", "counterfactual"):
+        assert section[name].default == diag[name].default and section[name].metadata["help"] == \
+            diag[name].metadata["help"]
+    assert section["adaptive_tau"].metadata["help"].startswith(diag["adaptive_tau"].metadata["help"])
+    at = {f.name: f.default for f in dataclasses.fields(AdaptiveTauSection)}
+    assert at == {"enabled": False, **{f.name: f.default for f in dataclasses.fields(AdaptiveTau)}}

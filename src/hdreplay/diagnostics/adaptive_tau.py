@@ -116,7 +116,7 @@ def _ema(old: float | None, new: float, w: float) -> float:
 
 def update_tau(state: TauState, record: Any, cfg: AdaptiveTau) -> TauState:
     """The next state after a committed step: :func:`advance_tau` with the ``accept_rate``, ``budget_fill`` and
-    ``replay_kl`` of ``record`` (its :class:`~hdreplay.diagnostics.StepRecord`, or the same as a dict read back
+    ``replay_kl`` of ``record`` (its :class:`~hdreplay.records.StepRecord`, or the same as a dict read back
     from ``steps.jsonl``; missing keys are None)."""
     if not isinstance(record, Mapping):
         if not hasattr(record, "__dict__") or isinstance(record, type):

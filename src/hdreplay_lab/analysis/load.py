@@ -5,7 +5,7 @@
                               sandbox and hdreplay.integrations.trl.callback.HDRLogCallback write it; else, in a
                               plain TRL output directory, trainer_state.json's log_history (its own or the newest
                               checkpoint-*'s), else TensorBoard scalars ("train/reward" -> "reward")
-    replay/steps.jsonl        per-step replay records (hdreplay.diagnostics.StepRecord); replay/groups.jsonl: per-group
+    replay/steps.jsonl        per-step replay records (hdreplay.records.StepRecord); replay/groups.jsonl: per-group
                               lifetime records; a bare diagnostics directory (steps.jsonl inside) is a run too
     metrics.json              final evaluation
     fresh_groups.jsonl        per step, the rewards of every fresh group (hdreplay_lab.sandbox.rewardlog)
@@ -25,7 +25,7 @@ from typing import Any, Callable, Iterable
 
 import pandas as pd
 
-from hdreplay.diagnostics import STEP_FIELDS, StepRecord
+from hdreplay.records import EXTRA_STEP_TYPES, STEP_FIELDS, StepRecord
 from hdreplay.errors import ReplayError
 
 ON_BAD_LINE = ("skip", "stop")
@@ -74,8 +74,9 @@ def _type_name(hint: Any) -> str:
     return hint.__name__ if isinstance(hint, type) else str(hint).replace("typing.", "").replace("NoneType", "null")
 
 
-#: the type of every steps.jsonl field (StepRecord's annotations); fields not listed (newer writers) are not checked
-STEP_TYPES = typing.get_type_hints(StepRecord)
+#: the type of every steps.jsonl field (StepRecord's annotations and what diagnostics add); fields not listed (newer
+#: writers) are not checked
+STEP_TYPES = {**{k: v for k, v in typing.get_type_hints(StepRecord).items() if k != "extras"}, **EXTRA_STEP_TYPES}
 
 
 def check_step_record(rec: dict) -> str | None:
@@ -156,7 +157,7 @@ def step_frame(records: pd.DataFrame | Iterable[StepRecord | dict] = ()) -> pd.D
     (a repeated step keeps its last record; missing lists are [], other missing values NaN)."""
     if not isinstance(records, pd.DataFrame):
         records = pd.DataFrame([r.to_json() if isinstance(r, StepRecord) else r for r in records])
-    df = records.reindex(columns=list(dict.fromkeys([*STEP_FIELDS, *records.columns])))
+    df = records.reindex(columns=list(dict.fromkeys([*STEP_FIELDS, *EXTRA_STEP_TYPES, *records.columns])))
     for k in STEP_LISTS:
         df[k] = [v if isinstance(v, list) else [] for v in df[k]]
     return df.drop_duplicates("step", keep="last").sort_values("step", kind="stable").reset_index(drop=True)

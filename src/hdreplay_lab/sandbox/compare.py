@@ -33,6 +33,7 @@ from typing import Annotated, Literal
 from tyro.conf import Suppress, arg
 
 from hdreplay.config import ReplayConfig
+from hdreplay.diagnostics import DiagnosticsConfig, observers
 from hdreplay.errors import ReplayConfigError
 
 from ..flags import CommaStr, ReplayOptions
@@ -173,11 +174,18 @@ class CompareConfig:
                   "group_size": self.generations}
         if isinstance(values["tau"], (int, float)) and not isinstance(values["tau"], bool):
             values["tau"] = values["tau"] * method.tau_scale
+        diag = {k: values.pop(k) for k in DiagnosticsConfig.field_names() if k in values}
         try:
             cfg = ReplayConfig.from_flat(values, label=lambda n: f"--replay.{n}")
+            try:
+                dcfg = DiagnosticsConfig(**diag)
+                observers(dcfg, cfg)  # adaptive tau's bounds must hold tau
+            except ReplayConfigError as e:
+                raise ReplayConfigError(f"--replay.{e.field}: {e.message}", field=f"--replay.{e.field}") from None
         except ReplayConfigError as e:
             raise ValueError(f"{e} (method {method.name})" if method.replay_mult else str(e)) from None
-        return {k: v for k, v in cfg.to_dict().items() if k != "group_size"}
+        out = {k: v for k, v in cfg.to_dict().items() if k != "group_size"}
+        return {**out, **asdict(dcfg)}  # (adaptive_tau: its fields as a dict, or None)
 
     @property
     def tau(self) -> float:

@@ -79,6 +79,7 @@ def trainer_args(spec: RunSpec, method: Method, task: Task, run_dir: Path):
     """The run's HDRGRPOConfig: the sandbox's TRL settings plus one ``replay_<knob>`` per entry of ``spec.replay``."""
     offline_env()
     from hdreplay.config import knobs
+    from hdreplay.diagnostics import DiagnosticsConfig
     from hdreplay.integrations.trl import HDRGRPOConfig
 
     b, n = method.fresh_groups(spec.prompts_per_step), spec.generations
@@ -88,7 +89,8 @@ def trainer_args(spec: RunSpec, method: Method, task: Task, run_dir: Path):
         width = task.completion_width(_train_problems(spec, task))
     else:
         width = max(len(p.answer) for p in _train_problems(spec, task)) + 2
-    replay = {f"replay_{k.name}": spec.replay[k.name] for k in knobs() if k.name in spec.replay}
+    names = [k.name for k in knobs()] + list(DiagnosticsConfig.field_names())
+    replay = {f"replay_{k}": spec.replay[k] for k in names if k in spec.replay}
     return HDRGRPOConfig(
         output_dir=str(run_dir / "trl"), use_cpu=True, bf16=False, activation_checkpointing=False,
         report_to=["tensorboard"], logging_steps=1, save_strategy="no", max_steps=spec.steps,

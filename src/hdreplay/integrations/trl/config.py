@@ -276,7 +276,7 @@ class HDRGRPOConfig(_ReplayFields, GRPOConfig):
             return DiagnosticsConfig(**{n: getattr(self, PREFIX + n) for n in DiagnosticsConfig.field_names()})
         except ReplayConfigError as e:
             name = PREFIX + (e.field or "adaptive_tau")
-            raise ReplayConfigError(f"HDRGRPOConfig: {name}: {e.message.removeprefix(e.field + ': ')}",
+            raise ReplayConfigError(f"HDRGRPOConfig: {name}: {e.message}",
                                     field=name) from None
 
     def replay_values(self) -> dict[str, Any]:

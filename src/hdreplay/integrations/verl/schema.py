@@ -1,63 +1,155 @@
-"""The ``hdr`` config section as an OmegaConf structured config, generated from the core declarations.
+"""The ``hdr`` config section as an OmegaConf structured config, declared literally below.
 
-:func:`hdr_schema` is a dataclass with one field per :func:`hdreplay.config.knobs` entry and per
-:data:`hdreplay.integrations.common.INTEGRATION_KNOBS` entry (same names, types, defaults; the help
-texts are the core's).  :func:`register_hdr_schema` puts it in Hydra's ConfigStore as ``hdr_schema``,
-which ``config/hdr_trainer.yaml`` lists in its defaults, so every knob can be overridden as
-``hdr.<name>=...`` and unknown keys or wrong types are refused by OmegaConf itself.
+:class:`HDRSection` has one field per replay setting, grouped as the method (one-to-one with
+:class:`hdreplay.ReplayConfig`: same names, defaults and help, held by ``tests/verl/test_verl_config.py``), the scan's
+engineering, the peers' random orders, the diagnostics (:class:`hdreplay.diagnostics.DiagnosticsConfig`) and the
+recipe's own settings.  :func:`register_hdr_schema` puts it in Hydra's ConfigStore as ``hdr_schema``, which
+``config/hdr_trainer.yaml`` lists in its defaults, so every setting can be overridden as ``hdr.<name>=...`` and unknown
+keys or wrong types are refused by OmegaConf itself.  Booleans are declared ``Any``: OmegaConf reads any int as a
+bool (``2`` -> true) and 'yes'/'off' strings too; :func:`checked_section` accepts true / false only.
 """
 
 from __future__ import annotations
 
 import functools
-from dataclasses import field, fields, is_dataclass, make_dataclass
-from typing import Any, Mapping, Optional
+from dataclasses import dataclass, field, fields, is_dataclass
+from typing import Any, Mapping, Optional, get_type_hints
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from ...adaptive import AdaptiveTau
-from ...config import Knob, knobs
+from ...diagnostics import AdaptiveTau
 from ...errors import ReplayConfigError
-from ..common import INTEGRATION_KNOBS
 
 SCHEMA_NAME = "hdr_schema"
 
 
-def adaptive_tau_node() -> type:
-    """``hdr.adaptive_tau``: the fields of :class:`~hdreplay.AdaptiveTau` plus ``enabled`` (off by default), so
-    ``hdr.adaptive_tau.enabled=true hdr.adaptive_tau.tau_min=1e-4`` works as ordinary dotted overrides."""
-    specs = [("enabled", Any, field(default=False))]  # a bool, checked strictly (see _node_type)
-    specs += [(f.name, float if f.type in ("float", float) else int, field(default=f.default))
-              for f in fields(AdaptiveTau)]
-    return make_dataclass("AdaptiveTauSection", specs)
+@dataclass
+class AdaptiveTauSection:
+    """``hdr.adaptive_tau``: the fields of :class:`hdreplay.diagnostics.AdaptiveTau` plus ``enabled`` (off by default),
+    so ``hdr.adaptive_tau.enabled=true hdr.adaptive_tau.tau_min=1e-4`` works as ordinary dotted overrides."""
+
+    enabled: Any = False
+    tau_min: float = 0.0001
+    tau_max: float = 0.1
+    factor: float = 2.0
+    accept_low: float = 0.1
+    kl_rise: float = 0.25
+    fast: float = 0.3
+    slow: float = 0.05
+    patience: int = 5
+    warmup: int = 5
 
 
-def _node_type(k: Knob):
-    """The OmegaConf type of a knob.  Booleans are declared ``Any``: OmegaConf reads any int as a bool (``2`` ->
-    true, ``0`` -> false) and 'yes'/'off' strings too; :func:`checked_section` accepts true / false only."""
-    if k.flat == "json":
-        return adaptive_tau_node()
-    if k.flat is bool:
-        return Any
-    return Optional[k.flat] if k.optional else k.flat
+@dataclass
+class HDRSection:
+    """The ``hdr`` section of the recipe's config (``hdr.<name>=...`` overrides)."""
+
+    # ---- the method (Algorithm 1), one-to-one with hdreplay.ReplayConfig
+    selector: str = field(default='headroom_drift', metadata={"help": (
+        'replay rule: headroom_drift (the paper: cached-Headroom order + Drift gate), headroom_only (no gate), '
+        "drift_only (recency order + gate), recency (latest K groups, the paper's 'GRPO + replay'), none "
+        '(on-policy); the peers (registered by importing hdreplay.baselines; the trainers do): uniform (K groups '
+        'uniformly at random), freshper (K groups in proportion to ((mean|r| + eps) exp(-age/age_decay))^alpha), '
+        'adv_priority (k_rep x n single rollouts in proportion to |A|^alpha)')})
+    k_rep: int = field(default=64, metadata={"help": (
+        'replay budget K_rep: groups replayed per step (>= 0)')})
+    tau: float = field(default=0.001, metadata={"help": (
+        'Drift threshold: a scanned group is replayed iff Drift <= tau (>= 0; paper: 1e-3 single-turn reasoning, '
+        '1e-2 agentic search, l2 norm)')})
+    capacity: int = field(default=512, metadata={"help": (
+        'FIFO buffer capacity C in groups (>= 1; paper: 512)')})
+    drift_norm: str = field(default='l2', metadata={"help": (
+        'l2: mean squared log-prob change (paper); l1: mean absolute change')})
+    headroom_weighting: str = field(default='sign', metadata={"help": (
+        'sign (paper) or advantage (|A_i|-weighted Headroom)')})
+    ingress: str = field(default='mixed', metadata={"help": (
+        'ingress rule: mixed (rewards not all equal), answer (1 <= #{r_i >= answer_threshold} <= n-1) or all '
+        '(every group); from Python also a callable GroupRecord -> bool')})
+    answer_threshold: Optional[float] = field(default=None, metadata={"help": (
+        'a_i = 1[r_i >= answer_threshold] for ingress=answer (paper: 0.9 for rewards 0/0.1/0.9/1.0)')})
+    truncate_multiple: int = field(default=1, metadata={"help": (
+        'u: the accepted list is cut to a multiple of u, keeping its highest-priority prefix (1 = no cut)')})
+    # ---- the scan's engineering (ReplayConfig.paper() gives the paper's scan)
+    max_scan: Optional[int] = field(default=None, metadata={"help": (
+        'scan budget: at most this many groups are re-scored per step; unset = min(capacity, 8 * k_rep), so a '
+        'gate that passes fewer than 1 in 8 groups cannot fill the budget, and a tau so tight that nothing passes'
+        ' costs at most 8 * k_rep re-scores per step instead of the whole buffer')})
+    scan_passes: int = field(default=4, metadata={"help": (
+        "exact early rejection: each scanned group's responses are forwarded in at most this many slices (batched"
+        ' across the groups of a scan window) and a group stops being forwarded once the Drift of what was '
+        "forwarded already proves Drift > tau; the gate decisions are the full scan's. 1 = every group forwarded "
+        'whole')})
+    scan_refresh: str = field(default='slice', metadata={"help": (
+        'cached Headroom of a group rejected early: slice (refresh from the responses forwarded), finish (forward'
+        " the rest of the group for its exact Headroom: the paper's refresh, at the full scan's cost for those "
+        'groups)')})
+    scan_chunk: Optional[int] = field(default=None, metadata={"help": (
+        'groups re-scored per scorer call; unset = sized from the remaining budget and the running acceptance '
+        'rate')})
+    max_scan_chunk: int = field(default=1024, metadata={"help": (
+        'upper bound on an automatically sized chunk (memory of one scorer call)')})
+    acceptance_ema: float = field(default=0.5, metadata={"help": (
+        'weight of the newest step in the running acceptance rate that sizes chunks, in (0, 1]')})
+    skip_rejected: int = field(default=0, metadata={"help": (
+        'futile re-scoring: a group the gate rejects with Drift D (or the early-rejection bound of it) is not '
+        "scanned at the next min(skip_rejected, 1 + floor(log2(D / tau))) steps (0 = off, the paper's scan: a "
+        'rejected group may be scanned again at the next step)')})
+    # ---- the peers' random orders (hdreplay.baselines)
+    seed: int = field(default=0, metadata={"help": (
+        'seed of the random orders (uniform, freshper, adv_priority); their generator state is checkpointed, so a'
+        ' resumed run draws what the uninterrupted one draws')})
+    priority_alpha: float = field(default=0.6, metadata={"help": (
+        "freshper / adv_priority: units are drawn in proportion to priority^alpha (>= 0; 0 = uniform; FreshPER's "
+        'priority_exponent 0.6)')})
+    age_decay: Optional[float] = field(default=None, metadata={"help": (
+        "freshper / adv_priority: multiply the priority by exp(-age / age_decay), age in steps (> 0; FreshPER's "
+        'tau_age; unset = no decay, i.e. plain PER)')})
+    is_beta: float = field(default=0.0, metadata={"help": (
+        "freshper / adv_priority: PER importance weights (N P(i))^-beta / max on the replayed rows' loss, in [0, "
+        '1] (0 = off; FreshPER / PER: 0.4)')})
+    max_age: Optional[int] = field(default=None, metadata={"help": (
+        'no unit older than max_age steps is replayed, and units reaching that age are evicted at commit (>= 1; '
+        "unset = FIFO capacity only; adv_priority's tau_max)")})
+    # ---- diagnostics and experiments (hdreplay.diagnostics.DiagnosticsConfig)
+    diagnose_ungated: Any = field(default=False, metadata={"help": (
+        'also re-score the groups recency replay picks, so their Drift and replay KL are reported (one forward '
+        'over them)')})
+    counterfactual: Any = field(default=False, metadata={"help": (
+        'also score the subset recency replay would take from the same pre-step buffer and record it beside the '
+        "selection (the paper's same-buffer counterfactual; one forward over the recency groups not scanned "
+        'anyway)')})
+    adaptive_tau: AdaptiveTauSection = field(default_factory=AdaptiveTauSection, metadata={"help": (
+        'move tau within bounds (loosen when replay starves, tighten when replay KL rises); tau is the start. An '
+        'AdaptiveTau, or its fields as a dict / JSON object, e.g. {"tau_min": 1e-4, "tau_max": 0.1} '
+        '(hdr.adaptive_tau.enabled=true turns it on)')})
+    # ---- the recipe
+    diagnostics_dir: Optional[str] = field(default=None, metadata={"help": (
+        "directory of steps.jsonl / groups.jsonl; unset = the trainer's default (TRL: <output_dir>/replay, verl: "
+        '<default_local_dir>/hdreplay_diagnostics), empty string = off')})
+    resume_without_state: Any = field(default=False, metadata={"help": (
+        'allow resuming from a checkpoint that has no replay state (e.g. written without hdreplay); the buffer '
+        'then starts empty. Off by default: losing the buffer silently changes the run')})
 
 
-def _bool_keys() -> set[str]:
-    return {f"hdr.{k.name}" for k in (*knobs(), *INTEGRATION_KNOBS) if k.flat is bool} | {"hdr.adaptive_tau.enabled"}
+#: the diagnostics' keys (handed to hdreplay.diagnostics.DiagnosticsConfig) and the recipe's own
+DIAGNOSTIC_KEYS = ("diagnose_ungated", "counterfactual", "adaptive_tau")
+RECIPE_KEYS = ("diagnostics_dir", "resume_without_state")
 
 
-@functools.lru_cache(maxsize=None)
+def _bool_keys(schema: type = HDRSection, prefix: str = "hdr") -> set[str]:
+    out = set()
+    for name, typ in get_type_hints(schema).items():
+        if is_dataclass(typ):
+            out |= _bool_keys(typ, f"{prefix}.{name}")
+        elif typ is Any:
+            out.add(f"{prefix}.{name}")
+    return out
+
+
 def hdr_schema() -> type:
-    """The dataclass behind the ``hdr`` section (generated once)."""
-    specs = []
-    for k in (*knobs(), *INTEGRATION_KNOBS):
-        typ = _node_type(k)
-        default = field(default_factory=typ) if k.flat == "json" else field(default=k.default)
-        default.metadata = {"help": k.help + (" (hdr.adaptive_tau.enabled=true turns it on)" if k.flat == "json"
-                                              else "")}
-        specs.append((k.name, typ, default))
-    return make_dataclass("HDRSection", specs)
+    """The dataclass behind the ``hdr`` section."""
+    return HDRSection
 
 
 @functools.lru_cache(maxsize=None)
@@ -67,7 +159,7 @@ def _structured() -> DictConfig:
 
 def knob_help() -> dict[str, str]:
     """``hdr.<name>`` -> help text (for docs and ``--help`` style listings)."""
-    return {f"hdr.{k.name}": k.help for k in (*knobs(), *INTEGRATION_KNOBS)}
+    return {f"hdr.{f.name}": f.metadata["help"] for f in fields(HDRSection)}
 
 
 def register_hdr_schema() -> None:
@@ -81,17 +173,17 @@ def _strict_types(raw: Mapping[str, Any], prefix: str = "hdr", schema: type | No
     """Refuse what OmegaConf would coerce silently: anything but true / false for a bool knob, a bool for an int
     knob, a non-mapping for the adaptive_tau section."""
     bools = _bool_keys()
-    for f in fields(schema or hdr_schema()):
-        if f.name not in raw:
+    for name, typ in get_type_hints(schema or HDRSection).items():
+        if name not in raw:
             continue
-        v, key = raw[f.name], f"{prefix}.{f.name}"
-        if is_dataclass(f.type):
+        v, key = raw[name], f"{prefix}.{name}"
+        if is_dataclass(typ):
             if v is not None and not isinstance(v, Mapping):
                 raise ReplayConfigError(f"{key}: must be a mapping (e.g. {key}.enabled=true), got {v!r}", field=key)
-            _strict_types(v or {}, key, f.type)
+            _strict_types(v or {}, key, typ)
         elif key in bools and not isinstance(v, bool):
             raise ReplayConfigError(f"{key}: must be true or false, got {v!r}", field=key)
-        elif f.type in (int, Optional[int]) and isinstance(v, bool):
+        elif typ in (int, Optional[int]) and isinstance(v, bool):
             raise ReplayConfigError(f"{key}: must be an int, got {v!r}", field=key)
 
 
@@ -111,7 +203,7 @@ def checked_section(hdr: Any) -> dict[str, Any]:
         values = OmegaConf.to_container(node, resolve=True)
     except OmegaConfBaseException as e:
         key = getattr(e, "full_key", None) or getattr(e, "key", None) or "?"
-        valid = sorted(k.name for k in (*knobs(), *INTEGRATION_KNOBS))
+        valid = sorted(f.name for f in fields(HDRSection))
         raise ReplayConfigError(f"hdr.{key}: {e.msg if hasattr(e, 'msg') else e} (valid hdr keys: {valid})",
                                 field=f"hdr.{key}") from None
     node = dict(values.get("adaptive_tau") or {})

@@ -19,7 +19,9 @@ from omegaconf import ListConfig
 
 from ...config import ReplayConfig
 from ...errors import ReplayConfigError
-from ..common import INTEGRATION_KNOBS
+from ... import baselines as _peers  # noqa: F401  (registers the peers' selectors)
+from ...diagnostics import DiagnosticsConfig, observers
+from .schema import DIAGNOSTIC_KEYS, RECIPE_KEYS
 from .schema import checked_section
 
 #: verl advantage estimators whose advantages are not one value per response (token-level or
@@ -98,6 +100,7 @@ class HDRSettings:
     """
 
     replay_config: ReplayConfig
+    diagnostics: DiagnosticsConfig
     unit: int
     diagnostics_dir: str | None
     resume_without_state: bool
@@ -124,7 +127,12 @@ class HDRSettings:
         mbs = _typed(config, f"{ACTOR}.ppo_mini_batch_size", 1)
         v1 = _typed(config, "trainer.use_v1", True)
         unit = 1 if v1 else verl_truncate_multiple(ppo_mini_batch_size=mbs, n=n, dp=dp)
-        recipe = {k.name: values.pop(k.name) for k in INTEGRATION_KNOBS}
+        recipe = {k: values.pop(k) for k in RECIPE_KEYS}
+        diag = {k: values.pop(k) for k in DIAGNOSTIC_KEYS}
+        try:
+            diagnostics = DiagnosticsConfig(**diag)
+        except ReplayConfigError as e:
+            raise ReplayConfigError(f"hdr.{e.field}: {e.message}", field=f"hdr.{e.field}") from None
         user_u = values.get("truncate_multiple", 1)
         if isinstance(user_u, int) and not isinstance(user_u, bool) and user_u >= 1:
             values["truncate_multiple"] = math.lcm(user_u, unit)
@@ -136,8 +144,9 @@ class HDRSettings:
                 f"{'single-rollout replay (selector adv_priority)' if rc.unit != 'group' else 'PER loss weights'} "
                 "yet; use the TRL integration, or another selector / hdr.is_beta=0",
                 field="selector" if rc.unit != "group" else "is_beta")
-        diag = recipe["diagnostics_dir"]
-        return cls(replay_config=rc, unit=unit, diagnostics_dir=str(diag) if diag else None,
+        observers(diagnostics, rc)  # checked here: adaptive tau's bounds must hold tau
+        out = recipe["diagnostics_dir"]
+        return cls(replay_config=rc, diagnostics=diagnostics, unit=unit, diagnostics_dir=str(out) if out else None,
                    resume_without_state=bool(recipe["resume_without_state"]), v1=v1)
 
 
@@ -255,7 +264,8 @@ def warn_drift_floor(config: Any, settings: HDRSettings) -> str | None:
     reaches tau/10; returns the message (None: no warning)."""
     from ...diagnostics.noise_floor import DriftFloorWarning, floor_warning
 
-    msg = floor_warning(settings.replay_config, actor_precision(config)) if settings.active else None
+    msg = floor_warning(settings.replay_config, actor_precision(config),
+                        adaptive=settings.diagnostics.adaptive_tau) if settings.active else None
     if msg:
         warnings.warn(msg, DriftFloorWarning, stacklevel=3)
     return msg

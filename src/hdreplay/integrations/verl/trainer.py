@@ -30,6 +30,7 @@ from verl.protocol import pad_dataproto_to_divisor, unpad_dataproto
 from verl.trainer.ppo.ray_trainer import RayPPOTrainer
 
 from ...controller import ReplayController
+from ...diagnostics import observers
 from .settings import validate_verl_config, verl_truncate_multiple, warn_drift_floor
 from .actor_batch import build_actor_batch
 from .checkpoints import ReplayCheckpoints
@@ -50,6 +51,7 @@ class HDRRayPPOTrainer(ReplayCheckpoints, RayPPOTrainer):
         self.replay = ReplayController(
             self.hdr.replay_config,
             diagnostics_dir=self.hdr.diagnostics_dir if self.replay_active else None,
+            observers=observers(self.hdr.diagnostics, self.hdr.replay_config),
         )
         #: what the last replay step did (rows, layout, selection) - for logging and tests
         self.last_replay: dict | None = None

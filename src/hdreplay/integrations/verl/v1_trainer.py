@@ -49,6 +49,7 @@ from ...controller import ReplayController
 from ...record import GroupRecord
 from .checkpoints import ReplayCheckpoints
 from .minibatches import actor_order, layout_metrics, padding_needed
+from ...diagnostics import observers
 from .settings import validate_verl_config, warn_drift_floor
 from .mm import POSITIONS
 from .v1_rows import fresh_groups, padding_rows, replay_rows, score_fields, scoring_rows
@@ -76,7 +77,8 @@ class HDRTrainerMixin(ReplayCheckpoints):
         super().__init__(config)
         self.replay_active = self.hdr.active
         self.replay = ReplayController(self.hdr.replay_config,
-                                       diagnostics_dir=self.hdr.diagnostics_dir if self.replay_active else None)
+                                       diagnostics_dir=self.hdr.diagnostics_dir if self.replay_active else None,
+                                       observers=observers(self.hdr.diagnostics, self.hdr.replay_config))
         #: what the last replay step did (selection, keys, layout) - for logging and tests
         self.last_replay: dict | None = None
         #: the staleness rule (hdreplay's async sampler / bypass mode), else None (:mod:`.v1_async`)
