@@ -123,7 +123,8 @@ def test_floor_measured_and_gate_floor_corrected(decoupled, bypass):
     for run, _ in (decoupled, bypass):
         ar = run.trainer.async_seam.areplay
         assert ar.floor.groups > 0 and ar.floor.value > 0  # the perturbed sampler's mismatch
-        floors = [s["selection"].scanned_floor for s in run.trainer.steps if s["selection"].scanned_floor is not None]
+        tau = run.trainer.replay.tau  # a sampler-referenced group is gated on tau + the floor
+        floors = [s["selection"].scanned_tau - tau for s in run.trainer.steps]
         assert any(len(f) and f.max() > 0 for f in floors)
     dec = decoupled[0].trainer.async_seam.areplay
     assert all(str(g).startswith("stale") for g in dec.sampler_ref)  # decoupled: fresh groups keep trainer log-probs
