@@ -195,7 +195,7 @@ def write_checkpoint_dir(
         FS.replace(mtmp, d / MANIFEST_FILE)  # the commit point
         committed = True
         _fsync_dir(d)
-    except CheckpointLockedError:
+    except CheckpointError:  # the lock is held by another writer, or its name is not a lock file
         _abandon(lock, tmp, final, mtmp)
         raise
     except (ValueError, TypeError) as e:  # a streamed tensor whose pieces do not match its declaration
