@@ -156,7 +156,7 @@ def _read(path: Path, fs: Any) -> tuple[bytes, float] | None:
     try:
         st = os.lstat(path)
         if stat.S_ISREG(st.st_mode):
-            fd = fs.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
+            fd = fs.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOFOLLOW", 0))
             try:
                 st = os.fstat(fd)  # (what was opened: it may have been replaced since the lstat)
                 if stat.S_ISREG(st.st_mode):
@@ -249,7 +249,7 @@ class DirLock:
             return
         raw, mtime = found
         holder, problem = parse(raw)
-        stale, why = _judge(holder, time.time() - mtime)
+        stale, why = _judge(holder, max(0.0, time.time() - mtime))
         if not stale:
             raise CheckpointLockedError(self._refusal(holder, problem, why))
         aside = self.dir / f"{LOCK_FILE}.stale-{self.token}"
