@@ -59,7 +59,7 @@ import torch
 
 from . import tensorfile
 from .dirlock import LOCK_FILE, DirLock
-from .errors import CheckpointError, CheckpointLockedError
+from .errors import CheckpointError
 
 TENSORS_FILE = "tensors.safetensors"
 STATE_FILE = "state.json"

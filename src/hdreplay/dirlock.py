@@ -188,8 +188,8 @@ class DirLock:
 
     # ------------------------------------------------------------------ acquire / release
     def acquire(self) -> None:
-        """Take the lock or raise CheckpointLockedError naming its holder (CheckpointError: no lock file at the lock's
-        name; OSError: the file system refused)."""
+        """Take the lock or raise CheckpointLockedError naming its holder (CheckpointError: something other than a
+        regular file at the lock's name; OSError: the file system refused)."""
         data = json.dumps(self._identity()).encode()
         with _HELD_LOCK:
             _HELD.add(self.token)
