@@ -31,6 +31,11 @@ Writes benchmarks/results/core.json with
                                       the selection workload above (completions median 48 tokens); ``long``: the
                                       storage workload's lengths (median 350, the issue's 2.45 GB).  "before" was
                                       measured by running this file against the src/ of the commit named there.
+    load_memory                       ``--only load_memory [--workload select|long] [--label L]``: the same checkpoint
+                                      loaded by a fresh ReplayController (the saved one dropped first): peak RSS
+                                      during the load minus RSS before it, with and without the loaded buffer's own
+                                      bytes (load_extra_ram_mb excludes them), load wall time, and a sha256 of the
+                                      loaded state_dict (equal before / after: the same state is loaded).
 """
 
 from __future__ import annotations
@@ -241,12 +246,8 @@ def _proc_status(key: str) -> int:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key))
 
 
-def save_memory(workload: str, groups: int = 65536, batch: int = 256) -> dict:
-    """Extra RAM and wall time of one controller save at ``groups`` groups (Linux: peak RSS reset before the save)."""
-    import gc
-    import subprocess
-    import tempfile
-
+def _filled(workload: str, groups: int, batch: int) -> tuple[ReplayController, float]:
+    """A controller holding ``groups`` groups of the ``workload``'s lengths, and the seconds it took to fill."""
     rng = np.random.default_rng(0)
     shape = (dict(len_median=48, len_max=256, prompt_range=(16, 64)) if workload == "select"
              else dict(len_median=350, len_max=2048, prompt_range=(64, 512)))
@@ -258,25 +259,82 @@ def save_memory(workload: str, groups: int = 65536, batch: int = 256) -> dict:
         del batch_groups
         step += 1
     ctrl.last_step = step - 1
-    build_s = time.perf_counter() - t0
+    return ctrl, time.perf_counter() - t0
+
+
+def _code() -> str | None:
+    import subprocess
+    return subprocess.run(["git", "-C", str(Path(__file__).resolve().parents[1]), "rev-parse", "--short", "HEAD"],
+                          capture_output=True, text=True).stdout.strip() or None
+
+
+def _reset_peak() -> int:
+    """Reset the peak RSS (VmHWM) to the current RSS, which is returned."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    return _proc_status("VmRSS")
+
+
+def save_memory(workload: str, groups: int = 65536, batch: int = 256) -> dict:
+    """Extra RAM and wall time of one controller save at ``groups`` groups (Linux: peak RSS reset before the save)."""
+    import gc
+    import tempfile
+
+    ctrl, build_s = _filled(workload, groups, batch)
     gc.collect()
     with tempfile.TemporaryDirectory() as tmp:
         ReplayController(ReplayConfig(capacity=4)).save(Path(tmp) / "warm")  # first-use costs are not the save's
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # reset the peak RSS (VmHWM) to the current RSS
-        rss = _proc_status("VmRSS")
+        rss = _reset_peak()
         t0 = time.perf_counter()  # wall: a save waits for fsync
         ctrl.save(Path(tmp) / "ck")
         save_s = time.perf_counter() - t0
         peak = _proc_status("VmHWM")
         size = sum(f.stat().st_size for f in (Path(tmp) / "ck").rglob("*") if f.is_file())
-    commit = subprocess.run(["git", "-C", str(Path(__file__).resolve().parents[1]), "rev-parse", "--short", "HEAD"],
-                            capture_output=True, text=True).stdout.strip() or None
     extra = peak - rss
     return {"groups": len(ctrl.buffer), "stored_response_tokens": ctrl.buffer.stored_response_tokens(),
             "buffer_mb": ctrl.buffer.nbytes() / 2**20, "checkpoint_mb": size / 2**20, "rss_before_save_mb": rss / 2**20,
             "save_extra_ram_mb": extra / 2**20, "save_extra_ram_fraction_of_checkpoint": extra / size,
-            "save_s": save_s, "build_s": build_s, "code": commit, "torch": torch.__version__}
+            "save_s": save_s, "build_s": build_s, "code": _code(), "torch": torch.__version__}
+
+
+def load_memory(workload: str, groups: int = 65536, batch: int = 256) -> dict:
+    """Extra RAM and wall time of one ReplayController.load of a checkpoint of ``groups`` groups: the checkpoint is
+    saved, the saved controller dropped, then the peak RSS reset and a fresh controller loads it.  ``load_extra_ram``
+    is the peak RSS during the load minus the RSS before it minus the loaded buffer's own bytes (what the load needs
+    beyond the state it builds); ``load_peak_minus_rss_before`` includes the loaded state."""
+    import ctypes
+    import gc
+    import hashlib
+    import tempfile
+
+    ctrl, build_s = _filled(workload, groups, batch)
+    cfg, tokens = ctrl.config, ctrl.buffer.stored_response_tokens()
+    with tempfile.TemporaryDirectory() as tmp:
+        ReplayController(cfg).save(Path(tmp) / "warm")
+        ReplayController(cfg).load(Path(tmp) / "warm")  # first-use costs are not the load's
+        ctrl.save(Path(tmp) / "ck")
+        del ctrl
+        gc.collect()
+        ctypes.CDLL(None).malloc_trim(0)  # (glibc) return the dropped buffer's freed heap: the load must not reuse it
+        size = sum(f.stat().st_size for f in (Path(tmp) / "ck").rglob("*") if f.is_file())
+        fresh = ReplayController(cfg)
+        rss = _reset_peak()
+        t0 = time.perf_counter()
+        fresh.load(Path(tmp) / "ck")
+        load_s = time.perf_counter() - t0
+        peak, after = _proc_status("VmHWM"), _proc_status("VmRSS")
+    state = fresh.buffer.nbytes()
+    tensors, meta = fresh.state_dict()  # (after the measurement) a digest of the loaded state, to compare before/after
+    h = hashlib.sha256(json.dumps(meta, sort_keys=True).encode())
+    for k in sorted(tensors):
+        h.update(k.encode())
+        h.update(tensors[k].contiguous().reshape(-1).view(torch.uint8).numpy())
+    return {"groups": len(fresh.buffer), "stored_response_tokens": tokens, "checkpoint_mb": size / 2**20,
+            "loaded_buffer_mb": state / 2**20, "rss_before_load_mb": rss / 2**20,
+            "load_peak_minus_rss_before_mb": (peak - rss) / 2**20, "rss_after_minus_before_mb": (after - rss) / 2**20,
+            "load_extra_ram_mb": (peak - rss - state) / 2**20,
+            "load_extra_ram_fraction_of_checkpoint": (peak - rss - state) / size, "load_s": load_s,
+            "loaded_state_sha256": h.hexdigest(), "build_s": build_s, "code": _code(), "torch": torch.__version__}
 
 
 def main() -> None:
@@ -286,18 +344,19 @@ def main() -> None:
     ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                     help="cpu: time with this process's CPU time (process_time), robust on a machine shared with "
                          "other jobs; wall: perf_counter")
-    ap.add_argument("--only", choices=("image_bytes", "save_memory"), default=None,
+    ap.add_argument("--only", choices=("image_bytes", "save_memory", "load_memory"), default=None,
                     help="run one section and update its entry in an existing --out file")
-    ap.add_argument("--workload", choices=("select", "long"), default="select", help="save_memory: group lengths")
-    ap.add_argument("--label", default="after", help="save_memory: the entry to write (e.g. before / after)")
+    ap.add_argument("--workload", choices=("select", "long"), default="select",
+                    help="save_memory / load_memory: group lengths")
+    ap.add_argument("--label", default="after", help="save_memory / load_memory: the entry to write (before / after)")
     args = ap.parse_args()
-    if args.only == "save_memory":
+    if args.only in ("save_memory", "load_memory"):
         torch.set_num_threads(1)
         out = Path(args.out)
         result = json.loads(out.read_text()) if out.exists() else {}
-        got = save_memory(args.workload)
-        entry = result.setdefault("save_memory", {"target": "extra RAM <= max(10 % of the checkpoint, a few "
-                                                            "hundred MB)"}).setdefault(args.workload, {})
+        got = (save_memory if args.only == "save_memory" else load_memory)(args.workload)
+        entry = result.setdefault(args.only, {"target": "extra RAM <= max(10 % of the checkpoint, a few "
+                                                        "hundred MB)"}).setdefault(args.workload, {})
         entry[args.label] = got
         out.write_text(json.dumps(result, indent=2) + "\n")
         print(json.dumps(got, indent=2))

@@ -27,7 +27,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from .checkpoint import read_checkpoint_dir, write_checkpoint_dir
+from .checkpoint import open_checkpoint_dir, write_checkpoint_dir
 from .checkpoint_schema import BufferState, parse_buffer_state
 from .errors import CheckpointError, ReplayConfigError, ReplayInputError
 from .multimodal import Schema, schema_difference, schema_of, schema_to_json
@@ -410,14 +410,13 @@ class ReplayBuffer:
                                        slot_fields=self._SLOT_FIELDS, where="buffer state"))
 
     def _apply(self, state: BufferState) -> None:
-        """Install a validated state (cut into small blocks that own their memory)."""
-        blocks = state.block.chunks(BLOCK_GROUPS) if state.block is not None else []
+        """Install a validated state (its blocks own their memory)."""
         L = min(self.capacity, max(INITIAL_SLOTS, state.size))
         slots = self._new_slots(L)
         ids = np.arange(state.next_id - state.size, state.next_id, dtype=np.int64)
         for k, a in state.slots.items():
             slots[k][ids % L] = a
-        self._install(blocks, slots, state.next_id, state.size, state.extras_keys, state.mm_schema)
+        self._install(state.blocks, slots, state.next_id, state.size, state.extras_keys, state.mm_schema)
 
     def save(self, directory: str | os.PathLike) -> None:
         """Write the buffer to ``directory`` crash-safely (see :mod:`hdreplay.checkpoint`)."""
@@ -430,10 +429,10 @@ class ReplayBuffer:
     def load(cls, directory: str | os.PathLike) -> "ReplayBuffer":
         """A buffer restored from ``directory`` (with the saved capacity and group size)."""
         check_path("load", directory)
-        tensors, meta = read_checkpoint_dir(directory, format_name=BUFFER_FORMAT, versions=BUFFER_VERSIONS)
-        try:
-            buf = cls(meta.get("capacity"), group_size=meta.get("group_size"))
-        except ReplayConfigError as e:
-            raise CheckpointError(f"{directory}: buffer state holds an invalid {e.field}: {e.message}") from None
-        buf.load_state_dict(tensors, meta)
+        with open_checkpoint_dir(directory, format_name=BUFFER_FORMAT, versions=BUFFER_VERSIONS) as (tensors, meta):
+            try:
+                buf = cls(meta.get("capacity"), group_size=meta.get("group_size"))
+            except ReplayConfigError as e:
+                raise CheckpointError(f"{directory}: buffer state holds an invalid {e.field}: {e.message}") from None
+            buf.load_state_dict(tensors, meta)  # (the groups are read block by block)
         return buf

@@ -17,8 +17,7 @@ Save (:func:`write_checkpoint_dir`), a crash at any file-system call included:
    writer is refused with :class:`~hdreplay.errors.CheckpointLockedError` naming the first);
 3. write both files into a new hidden directory ``D/.tmp-v-...`` -- the tensors streamed block by block from
    the caller's storage (:mod:`hdreplay.tensorfile`: no copy of the whole state is ever built) -- fsync each and
-   the directory, and rename it to ``D/v-...`` (not referenced by the manifest yet: invisible to
-   :func:`read_checkpoint_dir`);
+   the directory, and rename it to ``D/v-...`` (not referenced by the manifest yet: invisible to a load);
 4. write the new manifest to a hidden temporary file, fsync it, check the lock is still this save's, and rename
    the manifest over ``D/manifest.json`` -- the single commit point (``rename`` replaces atomically) -- then fsync
    ``D``;
@@ -33,9 +32,10 @@ lock is stale: its process is gone).  A disk-full or permission error before the
 :class:`~hdreplay.errors.CheckpointError` naming the path and leaves the previous checkpoint intact.  A load
 that runs while a save deletes the previous version may fail with ``CheckpointError`` (retry it).
 
-Load (:func:`read_checkpoint_dir`) follows the manifest only, verifies its own checksum, then reads
-each file's bytes once, checks size and sha256 of exactly those bytes and parses them: nothing
-stays memory-mapped.  Any mismatch raises ``CheckpointError`` saying what is wrong.
+Load (:func:`open_checkpoint_dir`) follows the manifest only, verifies its own checksum, opens each file (only a
+regular file, never waited on), checks its size and streams its sha256 before parsing it; the tensors are then read
+from that same open file on demand (:class:`~hdreplay.tensorfile.FileTensor`), so a buffer is built block by block,
+with little memory beyond the state it builds.  Any mismatch raises ``CheckpointError`` saying what is wrong.
 
 Legacy layout 1 (hdreplay 0.1: ``D/state.json`` holding the tensors file's sha256, and
 ``D/tensors.safetensors``, no manifest) is still loaded -- its ``state.json`` has no checksum of
@@ -45,21 +45,21 @@ converts it.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import re
+import stat
 import uuid
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any, BinaryIO, Iterable, Iterator, Mapping
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load as load_tensors
 
 from . import tensorfile
 from .dirlock import LOCK_FILE, DirLock
-from .errors import CheckpointError, CheckpointLockedError
+from .errors import CheckpointError
 
 TENSORS_FILE = "tensors.safetensors"
 STATE_FILE = "state.json"
@@ -90,8 +90,10 @@ class _FS:
     is_dir = staticmethod(lambda p: os.path.isdir(p) and not os.path.islink(p))
 
     @staticmethod
-    def read_bytes(path: Path) -> bytes:
-        with open(path, "rb") as f:
+    def read_bytes(path: Path, limit: int = 1 << 62) -> bytes:
+        with _open(path) as f:
+            if os.fstat(f.fileno()).st_size > limit:
+                raise CheckpointError(f"{path}: larger than {limit} bytes, far too large for a {path.name}; corrupted")
             return f.read()
 
 
@@ -195,7 +197,7 @@ def write_checkpoint_dir(
         FS.replace(mtmp, d / MANIFEST_FILE)  # the commit point
         committed = True
         _fsync_dir(d)
-    except CheckpointLockedError:
+    except CheckpointError:  # the lock is held by another writer, or its name is not a lock file
         _abandon(lock, tmp, final, mtmp)
         raise
     except (ValueError, TypeError) as e:  # a streamed tensor whose pieces do not match its declaration
@@ -268,36 +270,50 @@ def _legacy_format(d: Path) -> str | None:
     return fmt if isinstance(fmt, str) and fmt.startswith("hdreplay.") and state.get("version") == 1 else None
 
 
-def read_checkpoint_dir(
+@contextlib.contextmanager
+def open_checkpoint_dir(
     directory: str | os.PathLike, *, format_name: str, versions: tuple[int, ...]
-) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """Read and verify the current version of a directory written by :func:`write_checkpoint_dir`
-    (or a legacy layout-1 directory).  Returns ``(tensors, meta)``; tensors own their memory."""
+) -> Iterator[tuple[dict[str, tensorfile.FileTensor], dict[str, Any]]]:
+    """Verify the current version of a directory written by :func:`write_checkpoint_dir` (or a legacy layout-1
+    directory) and yield ``(tensors, meta)``: the tensors as :class:`~hdreplay.tensorfile.FileTensor` of the verified
+    file, read on demand inside the ``with`` block (an OSError there becomes CheckpointError)."""
     d = Path(directory)
     try:
         if not d.is_dir():
             raise CheckpointError(_missing(d, format_name))
         if os.path.lexists(d / MANIFEST_FILE):
-            state, tbytes, where = _read_manifest_layout(d, format_name)
+            state, f, where = _read_manifest_layout(d, format_name)
         elif os.path.lexists(d / STATE_FILE):
-            state, tbytes, where = _read_legacy_layout(d, format_name)
+            state, f, where = _read_legacy_layout(d, format_name)
         else:
             leftovers = sorted(e for e in os.listdir(d) if _OURS.fullmatch(e))
             hint = f" (leftovers of an interrupted first save: {leftovers})" if leftovers else ""
             raise CheckpointError(f"{d}: holds no complete hdreplay checkpoint{hint}; expected {MANIFEST_FILE}")
     except OSError as e:
         raise CheckpointError(f"{d}: cannot read the checkpoint ({_describe(e)})") from e
-    if state.get("version") not in versions:
-        raise CheckpointError(
-            f"{where}: {format_name} version {state.get('version')!r} is not supported (supported: {list(versions)})")
-    meta = state.get("meta")
-    if not isinstance(meta, dict):
-        raise CheckpointError(f"{where}: missing 'meta' section")
-    try:
-        tensors = load_tensors(tbytes)
-    except (SafetensorError, ValueError, RuntimeError, TypeError) as e:
-        raise CheckpointError(f"{d}: cannot read tensors ({e})") from e
-    return tensors, meta
+    with f:
+        if state.get("version") not in versions:
+            raise CheckpointError(f"{where}: {format_name} version {state.get('version')!r} is not supported "
+                                  f"(supported: {list(versions)})")
+        meta = state.get("meta")
+        if not isinstance(meta, dict):
+            raise CheckpointError(f"{where}: missing 'meta' section")
+        try:
+            tensors = tensorfile.index(f, os.fstat(f.fileno()).st_size)
+        except (ValueError, OSError) as e:
+            raise CheckpointError(f"{d}: cannot read tensors ({e})") from None
+        try:
+            yield tensors, meta
+        except OSError as e:
+            raise CheckpointError(f"{d}: cannot read the checkpoint ({_describe(e)})") from e
+
+
+def read_checkpoint_dir(
+    directory: str | os.PathLike, *, format_name: str, versions: tuple[int, ...]
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """:func:`open_checkpoint_dir`'s ``(tensors, meta)`` with every tensor read into memory it owns."""
+    with open_checkpoint_dir(directory, format_name=format_name, versions=versions) as (tensors, meta):
+        return {k: v.read() for k, v in tensors.items()}, meta
 
 
 def _json(data: bytes, where: Path) -> Any:
@@ -312,12 +328,33 @@ def _check_format(found: Any, format_name: str, d: Path) -> None:
         raise CheckpointError(f"{d}: holds format {found!r}, expected {format_name!r}; wrong directory?")
 
 
-def _read_manifest_layout(d: Path, format_name: str) -> tuple[dict, bytes, Path]:
+def _open(path: Path) -> BinaryIO:
+    """``path`` opened for reading; CheckpointError unless it is a regular file (a FIFO is never waited on)."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise CheckpointError(f"{path}: not a regular file; the checkpoint directory was modified")
+    return open(fd, "rb", buffering=0)
+
+
+def _verified(path: Path, entry: dict, why: str) -> BinaryIO:
+    """``path`` opened, after checking its size (unless ``entry["bytes"]`` is None) and sha256 against ``entry``."""
+    f = _open(path)
+    h, n, buf, size = hashlib.sha256(), 0, bytearray(tensorfile.CHUNK_BYTES), os.fstat(f.fileno()).st_size
+    if entry.get("bytes") in (None, size):
+        while k := f.readinto(buf):
+            h.update(memoryview(buf)[:k])
+            n += k
+    if entry.get("bytes") not in (None, n) or n != size or h.hexdigest() != entry.get("sha256"):
+        f.close()
+        raise CheckpointError(f"{path}: checksum mismatch ({why}); the file is truncated or was modified")
+    f.seek(0)
+    return f
+
+
+def _read_manifest_layout(d: Path, format_name: str) -> tuple[dict, BinaryIO, Path]:
     mpath = d / MANIFEST_FILE
-    raw = FS.read_bytes(mpath)
-    if len(raw) > _MAX_MANIFEST_BYTES:
-        raise CheckpointError(f"{mpath}: {len(raw)} bytes is far too large for a manifest; corrupted")
-    man = _json(raw, mpath)
+    man = _json(FS.read_bytes(mpath, _MAX_MANIFEST_BYTES), mpath)
     if not isinstance(man, dict) or set(man) != {"format", "layout", "dir", "files", "sha256"}:
         raise CheckpointError(f"{mpath}: not an hdreplay manifest (entries {sorted(man) if isinstance(man, dict) else type(man).__name__})")
     if man["sha256"] != _manifest_digest(man):
@@ -325,26 +362,22 @@ def _read_manifest_layout(d: Path, format_name: str) -> tuple[dict, bytes, Path]
     _check_format(man["format"], format_name, d)
     files = man["files"]
     if man["layout"] != LAYOUT or not isinstance(man["dir"], str) or not _VERSION_DIR.fullmatch(man["dir"]) \
-            or not isinstance(files, dict) or set(files) != {STATE_FILE, TENSORS_FILE}:
+            or not isinstance(files, dict) or set(files) != {STATE_FILE, TENSORS_FILE} \
+            or not all(isinstance(e, dict) for e in files.values()):
         raise CheckpointError(f"{mpath}: unsupported manifest (layout {man['layout']!r}); written by a newer hdreplay?")
-    data = {}
-    for name, entry in files.items():
-        path = d / man["dir"] / name
+    paths, why = {name: d / man["dir"] / name for name in files}, f"size or sha256 differ from {MANIFEST_FILE}"
+    for path in paths.values():
         if not path.is_file():
             raise CheckpointError(f"{path}: missing; the checkpoint directory was modified")
-        blob = FS.read_bytes(path)
-        if not isinstance(entry, dict) or len(blob) != entry.get("bytes") or _sha256(blob) != entry.get("sha256"):
-            raise CheckpointError(f"{path}: checksum mismatch (size or sha256 differ from {MANIFEST_FILE}); "
-                                  "the file is truncated or was modified")
-        data[name] = blob
-    state = _json(data[STATE_FILE], d / man["dir"] / STATE_FILE)
+    with _verified(paths[STATE_FILE], files[STATE_FILE], why) as f:
+        state = _json(f.read(), paths[STATE_FILE])
     if not isinstance(state, dict):
         raise CheckpointError(f"{d}: state.json is not an object")
     _check_format(state.get("format"), format_name, d)
-    return state, data[TENSORS_FILE], d / man["dir"] / STATE_FILE
+    return state, _verified(paths[TENSORS_FILE], files[TENSORS_FILE], why), paths[STATE_FILE]
 
 
-def _read_legacy_layout(d: Path, format_name: str) -> tuple[dict, bytes, Path]:
+def _read_legacy_layout(d: Path, format_name: str) -> tuple[dict, BinaryIO, Path]:
     spath, tpath = d / STATE_FILE, d / TENSORS_FILE
     if not tpath.is_file():
         raise CheckpointError(f"{d}: missing {TENSORS_FILE}; this is not a complete hdreplay checkpoint")
@@ -355,10 +388,7 @@ def _read_legacy_layout(d: Path, format_name: str) -> tuple[dict, bytes, Path]:
     if state.get("version") != 1:
         raise CheckpointError(f"{spath}: a checkpoint without {MANIFEST_FILE} must be layout version 1, "
                               f"got {state.get('version')!r}")
-    blob = FS.read_bytes(tpath)
-    if _sha256(blob) != state.get("sha256"):
-        raise CheckpointError(f"{tpath}: checksum mismatch; the tensor file is truncated or was modified")
-    return state, blob, spath
+    return state, _verified(tpath, {"bytes": None, "sha256": state.get("sha256")}, "differs from state.json"), spath
 
 
 def _missing(d: Path, format_name: str) -> str:

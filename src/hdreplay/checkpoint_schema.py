@@ -30,7 +30,8 @@ import torch
 from .errors import CheckpointError
 from .multimodal import Schema, schema_from_json
 from .sampling import rng_from_state
-from .storage import PAYLOAD_DTYPES, SLOT_FIELDS, Block
+from .storage import PAYLOAD_DTYPES, SLOT_FIELDS, Block, bulk
+from .tensorfile import FileTensor
 from .validate import MAX_COUNT, MAX_STEP, is_int, is_real
 
 #: configuration fields whose change at resume is refused / reported with a warning
@@ -46,7 +47,7 @@ _TORCH = {np.int64: torch.int64, np.float64: torch.float64}
 
 @dataclass
 class BufferState:
-    block: Block | None  # all live groups (a view of the checkpoint tensors), None when empty
+    blocks: list[Block]  # all live groups, in blocks of at most BLOCK_GROUPS that own their memory
     slots: dict[str, np.ndarray]  # name -> (size,) values, oldest first
     next_id: int
     size: int
@@ -71,14 +72,14 @@ def _int(x: Any, lo: int, hi: int) -> bool:
 
 def parse_buffer_state(tensors: Any, meta: Any, *, capacity: int, group_size: int | None,
                        slot_fields: Mapping[str, type], where: str) -> BufferState:
-    """Validate a buffer's ``(tensors, meta)`` for a buffer of ``capacity`` / ``group_size``."""
+    """Validate a buffer's ``(tensors, meta)`` for a buffer of ``capacity`` / ``group_size`` (tensors: torch tensors,
+    or the :class:`~hdreplay.tensorfile.FileTensor` of a checkpoint being loaded, its bulk read block by block)."""
     def bad(msg: str) -> CheckpointError:
         return CheckpointError(f"{where}: {msg}")
 
-    if not isinstance(tensors, Mapping) or not all(isinstance(k, str) and isinstance(v, torch.Tensor)
+    if not isinstance(tensors, Mapping) or not all(isinstance(k, str) and isinstance(v, (torch.Tensor, FileTensor))
                                                    for k, v in tensors.items()):
         raise bad("tensors must be a mapping name -> torch.Tensor")
-    tensors = {k: v.detach().cpu() for k, v in tensors.items()}  # (a programmatic state may need grad / a GPU)
     if not isinstance(meta, Mapping):
         raise bad(f"meta must be a mapping, got {type(meta).__name__}")
     missing = [k for k in BUFFER_META_KEYS if k not in meta]
@@ -115,6 +116,8 @@ def parse_buffer_state(tensors: Any, meta: Any, *, capacity: int, group_size: in
     unexpected = sorted(set(tensors) - allowed)
     if unexpected:
         raise bad(f"unexpected tensors {unexpected[:5]}")
+    tensors = {k: v.detach().cpu() if isinstance(v, torch.Tensor) else v if bulk(k) else v.read()  # (a programmatic
+               for k, v in tensors.items()}                                        # state may need grad / a GPU)
     slots = {}
     for k, dt in slot_fields.items():
         t = tensors.get(f"slot.{k}")
@@ -138,18 +141,18 @@ def parse_buffer_state(tensors: Any, meta: Any, *, capacity: int, group_size: in
         raise bad("refresh steps out of range")
     if (slots["reject_streak"] < 0).any() or ((slots["skip_until"] < 0) | (slots["skip_until"] > MAX_STEP)).any():
         raise bad("negative reject streaks or skip steps out of range")
-    block = None
+    blocks = []
     if size:
-        block = Block.from_tensors(tensors, first_id=int(ids[0]), group_ids=gids, birth_steps=births,
-                                   extras_keys=ek, where=where, mm_schema=mm)
-        if not np.array_equal(block.loss_tokens(), slots["num_loss_tokens"]):
+        blocks = Block.from_tensors(tensors, first_id=int(ids[0]), group_ids=gids, birth_steps=births,
+                                    extras_keys=ek, where=where, mm_schema=mm)
+        if not np.array_equal(np.concatenate([b.loss_tokens() for b in blocks]), slots["num_loss_tokens"]):
             raise bad("slot.num_loss_tokens differs from the stored loss masks")
-        n = np.diff(block.resp_off)
+        n = np.concatenate([np.diff(b.resp_off) for b in blocks])
         for label, gs in (("saved", saved_gs), ("configured", group_size)):
             if gs is not None and (n != gs).any():
                 raise bad(f"stored groups have {sorted(set(n.tolist()))} responses but the {label} group_size "
                           f"is {gs}; resume with the saved group size")
-    return BufferState(block, slots, nid, size, None if ek is None else tuple(ek), mm)
+    return BufferState(blocks, slots, nid, size, None if ek is None else tuple(ek), mm)
 
 
 def parse_controller_state(tensors: Any, meta: Any, *, config: Any, where: str = "controller state"
@@ -181,7 +184,7 @@ def parse_controller_state(tensors: Any, meta: Any, *, config: Any, where: str =
     buf = parse_buffer_state(tensors, meta["buffer"], capacity=config.unit_capacity,
                              group_size=1 if config.unit == "rollout" else config.group_size,
                              slot_fields=SLOT_FIELDS, where=f"{where} (buffer)")
-    if buf.size and (last is None or max(buf.block.birth_steps) > last or buf.slots["refresh_step"].max() > last):
+    if buf.size and (last is None or buf.slots["birth_step"].max() > last or buf.slots["refresh_step"].max() > last):
         raise bad(f"stored groups were born or refreshed after last_step {last!r}")
     observers = meta.get("observers", {})
     if not isinstance(observers, Mapping) or not all(isinstance(k, str) for k in observers):

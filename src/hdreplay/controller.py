@@ -34,7 +34,7 @@ import torch
 
 from . import sampling
 from .buffer import ReplayBuffer
-from .checkpoint import read_checkpoint_dir, write_checkpoint_dir
+from .checkpoint import open_checkpoint_dir, write_checkpoint_dir
 from .checkpoint_schema import ControllerState, parse_buffer_state, parse_controller_state
 from .config import ReplayConfig
 from .records import DiagnosticsWriter, StepRecord, metrics_from_record, step_record
@@ -387,11 +387,11 @@ class ReplayController:
         check_path("load", directory)
         if self._open_step is not None:
             raise ReplayProtocolError(f"load() while step {self._open_step} is open; commit() first")
-        tensors, meta = read_checkpoint_dir(directory, format_name=CONTROLLER_FORMAT, versions=CONTROLLER_VERSIONS)
-        try:
-            self.load_state_dict(tensors, meta)
-        except CheckpointError as e:
-            raise CheckpointError(f"{directory}: {e}") from None
+        with open_checkpoint_dir(directory, format_name=CONTROLLER_FORMAT, versions=CONTROLLER_VERSIONS) as (t, meta):
+            try:
+                self.load_state_dict(t, meta)  # (the groups are read block by block)
+            except CheckpointError as e:
+                raise CheckpointError(f"{directory}: {e}") from None
 
     @staticmethod
     def verify(directory: str | os.PathLike) -> int | None:
@@ -401,15 +401,15 @@ class ReplayController:
         Raises CheckpointError saying what is missing or wrong (used to pick the newest complete
         checkpoint when resuming)."""
         check_path("verify", directory)
-        tensors, meta = read_checkpoint_dir(directory, format_name=CONTROLLER_FORMAT, versions=CONTROLLER_VERSIONS)
-        bmeta = meta.get("buffer")
-        cap = bmeta.get("capacity") if isinstance(bmeta, dict) else None
-        try:
-            ReplayBuffer(cap)
-        except ReplayConfigError:
-            raise CheckpointError(f"{directory}: buffer state holds an invalid capacity {cap!r}") from None
-        parse_buffer_state(tensors, bmeta, capacity=cap, group_size=None, slot_fields=ReplayBuffer._SLOT_FIELDS,
-                           where=f"{directory}: buffer state")
+        with open_checkpoint_dir(directory, format_name=CONTROLLER_FORMAT, versions=CONTROLLER_VERSIONS) as (t, meta):
+            bmeta = meta.get("buffer")
+            cap = bmeta.get("capacity") if isinstance(bmeta, dict) else None
+            try:
+                ReplayBuffer(cap)
+            except ReplayConfigError:
+                raise CheckpointError(f"{directory}: buffer state holds an invalid capacity {cap!r}") from None
+            parse_buffer_state(t, bmeta, capacity=cap, group_size=None, slot_fields=ReplayBuffer._SLOT_FIELDS,
+                               where=f"{directory}: buffer state")
         last = meta.get("last_step")
         if last is not None:
             try:

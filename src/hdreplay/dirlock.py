@@ -1,49 +1,70 @@
 """One writer per checkpoint directory: a lock file taken for the length of a save.
 
-``D/.hdreplay.lock`` holds the writer's identity as JSON: ``{"host", "boot_id", "pid", "pid_start", "started",
-"token"}``.  It is created atomically and complete: the content is written and fsynced into a unique temporary
-file ``D/.hdreplay.lock.tmp-<token>`` first, which is then hard-linked to the lock name.  ``link`` fails if the
-name exists, on local disks and on NFS and Lustre alike (the ``O_EXCL`` + link count recipe of ``open(2)``: when a
-reply is lost, the temporary file's link count says whether the link happened); a file system without hard links
-falls back to ``O_CREAT | O_EXCL``.
+``D/.hdreplay.lock`` holds the writer's identity as JSON: ``{"host", "boot_id", "pid_ns", "pid", "pid_start",
+"started", "token"}`` (``token``: unique per save, checked before its commit point).  It is created atomically and
+complete: the content is written and fsynced into a unique temporary file ``D/.hdreplay.lock.tmp-<token>`` first,
+which is then hard-linked to the lock name.  ``link`` fails if the name exists, on local disks and on NFS and Lustre
+alike (the ``O_EXCL`` + link count recipe of ``open(2)``: when a reply is lost, the temporary file's link count says
+whether the link happened); a file system without hard links falls back to ``O_CREAT | O_EXCL``.
 
-A second writer finds the lock and is refused (:class:`~hdreplay.errors.CheckpointLockedError` naming the holder's
-host, pid and start time) unless the lock is *stale*:
+A second writer finds the lock and is refused (:class:`~hdreplay.errors.CheckpointLockedError` naming the holder and
+the fix) unless the lock is *stale*:
 
-* same host (hostname and boot id): the holder's pid is gone, or is a different process now (its start time in
-  ``/proc`` differs), or it is this very process but no save of it holds that token (an abandoned save);
-* another host, or an unreadable lock: the lock file was not touched for :data:`STALE_AFTER_S` seconds (a save
-  refreshes its lock's mtime at least every :data:`HEARTBEAT_S` seconds while it writes, so only a dead writer's
-  lock ages; clocks of the hosts are assumed to agree to well within that).
+* same host, boot and pid namespace (hostname, boot id, ``/proc/self/ns/pid``): the holder's pid is gone, or is a
+  different process now (its start time in ``/proc`` differs), or is this very process but no save of it holds that
+  token (an abandoned save).  A live pid whose start time is unknown falls under the age rule;
+* anything else -- another host, another container's pid namespace (two containers' writers may both be pid 1), a
+  lock file that is not a valid lock: the lock was not touched for :data:`STALE_AFTER_S` seconds (a save refreshes its
+  lock's mtime at least every :data:`HEARTBEAT_S` seconds while it writes, so only a dead writer's lock ages; clocks
+  of the hosts are assumed to agree to well within that).
 
-A stale lock is renamed to a unique name (``rename`` is atomic: of two writers breaking it at once, one wins),
-checked to be the lock judged stale, and deleted.  Before its commit point a save checks that the lock still holds
-its token (:meth:`DirLock.verify`), so a writer whose lock was broken under it fails instead of committing.
+Something other than a regular file at the lock's name (a FIFO, a directory, a symbolic link) is refused with
+:class:`~hdreplay.errors.CheckpointError` naming it; it is never opened in blocking mode, nor read past
+:data:`MAX_LOCK_BYTES`.  A stale lock is renamed to a unique name (``rename`` is atomic: of two writers breaking it at
+once, one wins), checked to be the lock judged stale, and deleted.  Before its commit point a save checks that the
+lock still holds its token (:meth:`DirLock.verify`), so a writer whose lock was broken under it fails instead of
+committing.
 """
 
 from __future__ import annotations
 
 import errno
 import json
+import math
 import os
 import socket
+import stat
+import sys
 import threading
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
-from .errors import CheckpointLockedError
+from .errors import CheckpointError, CheckpointLockedError
 
 LOCK_FILE = ".hdreplay.lock"
-#: a lock of another host (or an unreadable one) not touched for this long is stale
+#: a lock whose writer cannot be checked from here (or an invalid one) not touched for this long is stale
 STALE_AFTER_S = 600.0
 #: a save refreshes its lock's mtime at least this often while it writes
 HEARTBEAT_S = 10.0
+#: a lock file is read up to this size (a larger one is invalid)
+MAX_LOCK_BYTES = 4096
 
 _HELD: set[str] = set()  # tokens of the locks this process holds now
 _HELD_LOCK = threading.Lock()
 _NO_LINK = {errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV, errno.ENOSYS, errno.EMLINK}
+_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
+          (stat.S_ISLNK, "a symbolic link"), (lambda m: True, "a device or other special file"))
+#: field -> (check, what it must be)
+_SCHEMA = {
+    "host": (lambda v: isinstance(v, str), "a string"), "boot_id": (lambda v: isinstance(v, str), "a string"),
+    "pid_ns": (lambda v: v is None or isinstance(v, str), "a string (or absent)"),
+    "pid": (lambda v: type(v) is int and 0 < v < 1 << 31, "a pid (an int >= 1)"),
+    "pid_start": (lambda v: v is None or type(v) is int and v >= 0, "null or clock ticks (an int >= 0)"),
+    "started": (lambda v: type(v) in (int, float) and math.isfinite(v) and 0 <= v < 1e11, "a time in s since 1970"),
+    "token": (lambda v: isinstance(v, str) and 0 < len(v) <= 64, "a non-empty string"),
+}
 
 
 def boot_id() -> str:
@@ -54,11 +75,23 @@ def boot_id() -> str:
         return ""
 
 
-def pid_start(pid: int) -> int | None:
-    """The start time of process ``pid`` in clock ticks since boot (Linux), None if unknown or gone."""
+def pid_ns() -> str:
+    """This process's pid namespace (Linux, e.g. ``pid:[4026531836]``), '' elsewhere: a pid is only meaningful
+    within its namespace."""
     try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-        return int(stat[stat.rindex(")") + 2:].split()[19])
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:  # pragma: no cover - not Linux
+        return ""
+
+
+def pid_start(pid: int) -> int | None:
+    """The start time of process ``pid`` in clock ticks since boot (Linux), None if unknown or gone (or if the
+    ``/proc`` mounted here is not this pid namespace's)."""
+    try:
+        if os.readlink("/proc/self") != str(os.getpid()):
+            return None
+        stat_ = Path(f"/proc/{pid}/stat").read_text()
+        return int(stat_[stat_.rindex(")") + 2:].split()[19])
     except (OSError, ValueError, IndexError):
         return None
 
@@ -66,19 +99,75 @@ def pid_start(pid: int) -> int | None:
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
     except PermissionError:  # another user's process
         return True
-    except (OverflowError, ValueError):
+    except (ProcessLookupError, OverflowError, ValueError):
         return False
     return True
 
 
+def parse(raw: bytes) -> tuple[dict | None, str]:
+    """(holder, '') for a valid lock file's content, (None, what is wrong) otherwise."""
+    if len(raw) > MAX_LOCK_BYTES:
+        return None, f"more than {MAX_LOCK_BYTES} bytes, far more than a lock holds"
+    try:
+        holder = json.loads(raw)
+    except RecursionError:
+        return None, "JSON nested too deeply"
+    except (ValueError, UnicodeDecodeError):
+        return None, "not JSON"
+    if not isinstance(holder, dict):
+        return None, "not a JSON object"
+    for k, (ok, what) in _SCHEMA.items():
+        if not ok(holder.get(k)) or (k != "pid_ns" and k not in holder):
+            return None, f"field {k!r} is {str(holder.get(k, 'missing'))[:40]}, expected {what}"
+    return holder, ""
+
+
 def describe(holder: dict) -> str:
-    started = holder.get("started")
-    when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(started)) if isinstance(started, (int, float)) else "?"
-    return f"host {holder.get('host')!r}, pid {holder.get('pid')}, started {when}"
+    """A valid holder (see :func:`parse`) in words."""
+    when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(holder["started"]))
+    return f"host {holder['host']!r}, pid {holder['pid']}, started {when}"
+
+
+def _judge(holder: dict | None, age: float) -> tuple[bool, str]:
+    """(stale?, why) of a lock with ``holder`` (None: invalid) untouched for ``age`` seconds."""
+    ns = pid_ns()
+    if holder is not None and (holder["host"], holder["boot_id"], holder.get("pid_ns")) == (
+            socket.gethostname(), boot_id(), ns) and (ns or not sys.platform.startswith("linux")):
+        pid, start = holder["pid"], holder["pid_start"]
+        if pid == os.getpid():
+            with _HELD_LOCK:
+                held = holder["token"] in _HELD
+            return (False, "a save of this process holds it") if held else (True, "left by an abandoned save")
+        if not _alive(pid):
+            return True, f"pid {pid} is gone"
+        now = pid_start(pid)
+        if start is not None and now is not None:
+            return (False, f"pid {pid} is alive") if now == start else (True, f"pid {pid} is another process now")
+    if age > STALE_AFTER_S:
+        return True, f"untouched for {age:.0f} s"
+    return False, f"last touched {age:.0f} s ago; broken automatically once untouched for {STALE_AFTER_S:.0f} s"
+
+
+def _read(path: Path, fs: Any) -> tuple[bytes, float] | None:
+    """(content, mtime) of the lock file ``path`` (at most MAX_LOCK_BYTES + 1 bytes), None if there is none;
+    CheckpointError if something other than a regular file is there."""
+    try:
+        st = os.lstat(path)
+        if stat.S_ISREG(st.st_mode):
+            fd = fs.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOFOLLOW", 0))
+            try:
+                st = os.fstat(fd)  # (what was opened: it may have been replaced since the lstat)
+                if stat.S_ISREG(st.st_mode):
+                    return os.read(fd, MAX_LOCK_BYTES + 1), st.st_mtime
+            finally:
+                fs.close(fd)
+    except FileNotFoundError:
+        return None
+    kind = next(what for test, what in _KINDS if test(st.st_mode))
+    raise CheckpointError(f"{path} is {kind}, not an hdreplay lock file (a save writes a regular file there); "
+                          f"remove {path} to save into {path.parent}")
 
 
 class DirLock:
@@ -94,12 +183,13 @@ class DirLock:
 
     def _identity(self) -> dict:
         pid = os.getpid()
-        return {"host": socket.gethostname(), "boot_id": boot_id(), "pid": pid, "pid_start": pid_start(pid),
-                "started": time.time(), "token": self.token}
+        return {"host": socket.gethostname(), "boot_id": boot_id(), "pid_ns": pid_ns(), "pid": pid,
+                "pid_start": pid_start(pid), "started": time.time(), "token": self.token}
 
     # ------------------------------------------------------------------ acquire / release
     def acquire(self) -> None:
-        """Take the lock or raise CheckpointLockedError naming its holder (OSError: the file system refused)."""
+        """Take the lock or raise CheckpointLockedError naming its holder (CheckpointError: something other than a
+        regular file at the lock's name; OSError: the file system refused)."""
         data = json.dumps(self._identity()).encode()
         with _HELD_LOCK:
             _HELD.add(self.token)
@@ -153,62 +243,51 @@ class DirLock:
             self.fs.close(fd)
         return True
 
-    def _read(self) -> tuple[dict | None, float] | None:
-        """(holder or None if unreadable, mtime), or None when there is no lock file."""
-        try:
-            mtime = os.stat(self.path).st_mtime
-            raw = self.fs.read_bytes(self.path)
-        except FileNotFoundError:
-            return None
-        try:
-            holder = json.loads(raw)
-        except (ValueError, UnicodeDecodeError):
-            return None, mtime
-        return (holder if isinstance(holder, dict) else None), mtime
-
     def _break_if_stale(self) -> None:
-        found = self._read()
+        found = _read(self.path, self.fs)
         if found is None:  # released meanwhile
             return
-        holder, mtime = found
-        why = stale_reason(holder, mtime)
-        if why is None:
-            raise CheckpointLockedError(self._refusal(holder, mtime))
+        raw, mtime = found
+        holder, problem = parse(raw)
+        stale, why = _judge(holder, max(0.0, time.time() - mtime))
+        if not stale:
+            raise CheckpointLockedError(self._refusal(holder, problem, why))
         aside = self.dir / f"{LOCK_FILE}.stale-{self.token}"
         try:
             self.fs.rename(self.path, aside)
         except FileNotFoundError:  # another writer broke it first
             return
-        moved = self._read_file(aside)
-        if holder is not None and moved != holder:  # a live lock taken meanwhile: put it back
+        moved = _read(aside, self.fs)
+        if moved is not None and moved[0] != raw:  # a live lock taken meanwhile: put it back
             try:
                 self.fs.link(aside, self.path)
             except OSError:
                 pass  # its holder finds its token gone and fails before committing
         self.fs.unlink(aside)
 
-    def _read_file(self, path: Path) -> dict | None:
-        try:
-            holder = json.loads(self.fs.read_bytes(path))
-        except (OSError, ValueError, UnicodeDecodeError):
-            return None
-        return holder if isinstance(holder, dict) else None
+    def _refusal(self, holder: dict | None, problem: str, why: str) -> str:
+        if holder is None:
+            return (f"{self.dir}: the checkpoint lock {self.path} is not a valid hdreplay lock ({problem}; {why}). If "
+                    f"no other process writes here, delete {self.path}")
+        return (f"{self.dir}: another save is writing this checkpoint directory ({describe(holder)}; lock file "
+                f"{self.path}, {why}). Two jobs (or a restarted job while the old one still runs) must not write the "
+                f"same checkpoint: give each its own output directory, or stop the other writer. If you are sure no "
+                f"other process writes here, delete {self.path}")
 
-    def _refusal(self, holder: dict | None, mtime: float) -> str:
-        age = max(0.0, time.time() - mtime)
-        who = describe(holder) if holder is not None else "an unreadable lock file"
-        return (f"{self.dir}: another save is writing this checkpoint directory ({who}; lock file {self.path}, last "
-                f"touched {age:.0f} s ago). Two jobs (or a restarted job while the old one still runs) must not write "
-                f"the same checkpoint: give each its own output directory, or stop the other writer. If you are sure "
-                f"no other process writes here, delete {self.path}")
+    def _holder(self) -> dict | None:
+        try:
+            found = _read(self.path, self.fs)
+        except (OSError, CheckpointError):
+            return None
+        return None if found is None else parse(found[0])[0]
 
     def verify(self) -> None:
         """Raise CheckpointLockedError unless the lock file still holds this save's token (called before committing)."""
-        holder = self._read_file(self.path)
-        if holder is None or holder.get("token") != self.token:
+        holder = self._holder()
+        if holder is None or holder["token"] != self.token:
             raise CheckpointLockedError(
                 f"{self.dir}: this save's lock {self.path} was taken over by another writer "
-                f"({describe(holder) if holder else 'no lock file'}); nothing was committed")
+                f"({describe(holder) if holder else 'no valid lock file'}); nothing was committed")
 
     def heartbeat(self) -> None:
         """Refresh the lock's mtime (at most every HEARTBEAT_S / 2 seconds; best effort)."""
@@ -223,8 +302,8 @@ class DirLock:
     def release(self) -> None:
         """Remove the lock if it is still this save's (best effort; a leftover of this process is stale)."""
         self._forget()
-        holder = self._read_file(self.path)
-        if holder is not None and holder.get("token") == self.token:
+        holder = self._holder()
+        if holder is not None and holder["token"] == self.token:
             self.fs.unlink(self.path)
 
     def _forget(self) -> None:
@@ -238,24 +317,3 @@ def _links(path: Path) -> int:
         return os.stat(path).st_nlink
     except OSError:
         return 0
-
-
-def stale_reason(holder: dict | None, mtime: float, *, now: Callable[[], float] = time.time) -> str | None:
-    """Why a lock with ``holder`` (None: unreadable) and ``mtime`` is stale, or None if it may be live."""
-    age = now() - mtime
-    if holder is None:
-        return f"unreadable and untouched for {age:.0f} s" if age > STALE_AFTER_S else None
-    pid = holder.get("pid")
-    same_host = holder.get("host") == socket.gethostname() and holder.get("boot_id") == boot_id()
-    if same_host and isinstance(pid, int) and not isinstance(pid, bool) and pid > 0:
-        if pid == os.getpid():
-            with _HELD_LOCK:
-                held = holder.get("token") in _HELD
-            return None if held else "left by an abandoned save of this process"
-        if not _alive(pid):
-            return f"pid {pid} is gone"
-        start = holder.get("pid_start")
-        if start is not None and pid_start(pid) not in (None, start):
-            return f"pid {pid} is another process now"
-        return None
-    return f"untouched for {age:.0f} s" if age > STALE_AFTER_S else None

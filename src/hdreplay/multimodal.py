@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from .errors import ReplayInputError
+from .tensorfile import FileTensor, rows
 
 DTYPES = (torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16,
           torch.bfloat16, torch.float32, torch.float64)
@@ -133,7 +134,7 @@ class Ragged:
 
     def slice(self, start: int, stop: int) -> "Ragged":
         """Groups ``start..stop-1`` as a Ragged owning copies."""
-        return Ragged({k: t[int(self.off[k][start]):int(self.off[k][stop])].clone() for k, t in self.data.items()},
+        return Ragged({k: rows(t, int(self.off[k][start]), int(self.off[k][stop])) for k, t in self.data.items()},
                       {k: o[start:stop + 1] - o[start] for k, o in self.off.items()})
 
     def to_tensors(self) -> dict[str, torch.Tensor]:
@@ -144,11 +145,12 @@ class Ragged:
     @classmethod
     def from_tensors(cls, tensors: Mapping[str, torch.Tensor], schema: Schema | None, k: int,
                      bad: Callable[[str], Exception]) -> "Ragged":
-        """Validate checkpoint tensors ``mm.*`` / ``mm_off.*`` of k groups against ``schema``."""
+        """Validate the shapes of checkpoint tensors ``mm.*`` / ``mm_off.*`` of k groups against ``schema`` (the values
+        are checked block by block, :meth:`Block.from_tensors <hdreplay.storage.Block.from_tensors>`)."""
         data, off = {}, {}
         for name, (dtype, trailing) in (schema or {}).items():
             t, o = tensors.get(f"mm.{name}"), tensors.get(f"mm_off.{name}")
-            if not isinstance(t, torch.Tensor) or not isinstance(o, torch.Tensor):
+            if not isinstance(t, (torch.Tensor, FileTensor)) or not isinstance(o, torch.Tensor):
                 raise bad(f"missing tensor 'mm.{name}' or 'mm_off.{name}'")
             if t.dtype != dtype or t.dim() < 1 or tuple(t.shape[1:]) != trailing:
                 raise bad(f"tensor 'mm.{name}' is {t.dtype} of shape {tuple(t.shape)}, expected {dtype} of shape "
@@ -158,7 +160,5 @@ class Ragged:
             a = o.numpy()
             if a.size != k + 1 or a[0] != 0 or a[-1] != t.shape[0] or (np.diff(a) < 0).any():
                 raise bad(f"offsets 'mm_off.{name}' do not describe {k} groups of 'mm.{name}'")
-            if t.is_floating_point() and t.numel() and not bool(torch.isfinite(t).all()):
-                raise bad(f"'mm.{name}' holds non-finite values")
             data[name], off[name] = t, a.copy()
         return cls(data, off)

@@ -29,7 +29,7 @@ import torch
 from .errors import CheckpointError
 from .multimodal import Ragged, Schema
 from .record import LOGPROB_POSITIVE_TOLERANCE, GroupRecord
-from .tensorfile import Streamed
+from .tensorfile import FileTensor, Streamed, rows
 
 #: checkpoint tensors of the group payload and their dtypes (``extra.<name>``: float32 each)
 PAYLOAD_DTYPES = {
@@ -49,6 +49,11 @@ SLOT_FIELDS: dict[str, type] = {
     # consecutive scans that rejected the group; the first step the scan may consider it again (skip_rejected)
     "reject_streak": np.int64, "skip_until": np.int64,
 }
+
+
+def bulk(name: str) -> bool:
+    """Whether checkpoint tensor ``name`` is the size of the tokens or images (read one block at a time on load)."""
+    return name in ("prompt", "tokens", "logprobs", "loss_mask") or name.startswith(("extra.", "mm."))
 
 
 def _record(group_id, birth_step, prompt, tokens, resp_len, mask, logprobs, advantages, rewards,
@@ -174,27 +179,23 @@ class Block:
             first_id=self.first_id + start,
             group_ids=self.group_ids[start:stop],
             birth_steps=self.birth_steps[start:stop],
-            prompt=self.prompt[p0:p1].clone(),
+            prompt=rows(self.prompt, p0, p1),
             prompt_off=self.prompt_off[start:stop + 1] - p0,
-            tokens=self.tokens[t0:t1].clone(),
-            logprobs=self.logprobs[t0:t1].clone(),
-            loss_mask=None if self.loss_mask is None else self.loss_mask[t0:t1].clone(),
+            tokens=rows(self.tokens, t0, t1),
+            logprobs=rows(self.logprobs, t0, t1),
+            loss_mask=None if self.loss_mask is None else rows(self.loss_mask, t0, t1),
             tok_off=self.tok_off[start:stop + 1] - t0,
-            resp_len=self.resp_len[r0:r1].clone(),
-            advantages=self.advantages[r0:r1].clone(),
-            rewards=self.rewards[r0:r1].clone(),
+            resp_len=rows(self.resp_len, r0, r1),
+            advantages=rows(self.advantages, r0, r1),
+            rewards=rows(self.rewards, r0, r1),
             resp_off=self.resp_off[start:stop + 1] - r0,
-            extras={k: v[t0:t1].clone() for k, v in self.extras.items()},
+            extras={k: rows(v, t0, t1) for k, v in self.extras.items()},
             mm=self.mm.slice(start, stop),
         )
 
     def tail(self, start: int) -> "Block":
         """A compacted copy holding groups ``start..count-1`` (the front ones evicted)."""
         return self.slice(start, self.count)
-
-    def chunks(self, size: int) -> list["Block"]:
-        """This block cut into blocks of at most ``size`` groups, each owning its memory."""
-        return [self.slice(s, min(s + size, self.count)) for s in range(0, self.count, size)]
 
     # ------------------------------------------------------------------ checkpoint form
     def to_tensors(self) -> dict[str, torch.Tensor]:
@@ -214,15 +215,15 @@ class Block:
         """(count,) int64 loss-mask tokens per group."""
         if self.loss_mask is None:
             return np.diff(self.tok_off)
-        c = np.concatenate([[0], np.cumsum(self.loss_mask.numpy(), dtype=np.int64)])
-        return c[self.tok_off[1:]] - c[self.tok_off[:-1]]
+        return np.add.reduceat(self.loss_mask.numpy(), self.tok_off[:-1], dtype=np.int64)  # (>= 1 token per group)
 
     @classmethod
-    def from_tensors(cls, tensors: Mapping[str, torch.Tensor], *, first_id: int, group_ids: list,
-                     birth_steps: list, extras_keys: Sequence[str], where: str,
-                     mm_schema: Schema | None = None) -> "Block":
-        """Validate checkpoint tensors of ``len(group_ids) >= 1`` groups (multimodal ones against
-        ``mm_schema``); the block views ``tensors`` (cut it with :meth:`chunks` to own the memory)."""
+    def from_tensors(cls, tensors: Mapping[str, "torch.Tensor | FileTensor"], *, first_id: int, group_ids: list,
+                     birth_steps: list, extras_keys: Sequence[str], where: str, mm_schema: Schema | None = None,
+                     size: int = BLOCK_GROUPS) -> list["Block"]:
+        """Validate checkpoint tensors of ``len(group_ids) >= 1`` groups (multimodal ones against ``mm_schema``), cut
+        into blocks of at most ``size`` groups that own their memory.  The :func:`bulk` tensors may be
+        :class:`~hdreplay.tensorfile.FileTensor`: they are read (and checked) one block at a time."""
         k = len(group_ids)
 
         def bad(msg: str) -> CheckpointError:
@@ -232,7 +233,7 @@ class Block:
         t = {}
         for name, dtype in want.items():
             v = tensors.get(name)
-            if not isinstance(v, torch.Tensor):
+            if not isinstance(v, (torch.Tensor, FileTensor)):
                 raise bad(f"missing tensor {name!r}")
             if v.dtype != dtype or v.dim() != 1:
                 raise bad(f"tensor {name!r} is {v.dtype} of shape {tuple(v.shape)}, expected a 1-D {dtype}")
@@ -249,40 +250,46 @@ class Block:
         ends = np.concatenate([[0], np.cumsum(t["resp_len"].numpy(), dtype=np.int64)])[off["resp_off"]]
         if not np.array_equal(ends, off["tok_off"]):
             raise bad("response lengths do not add up to each group's completion tokens")
-        for name in ("prompt", "tokens"):
-            if t[name].numel() and int(t[name].min()) < 0:
-                raise bad(f"{name!r} holds a negative token id")
-        m, lp = t["loss_mask"], t["logprobs"]
         for name in ("logprobs", "loss_mask", *(f"extra.{e}" for e in extras_keys)):
             if t[name].numel() != t["tokens"].numel():
                 raise bad(f"{name!r} has {t[name].numel()} entries for {t['tokens'].numel()} completion tokens "
                           "(log-probs / loss mask must match the completion tokens)")
-        if m.numel() and int(m.max()) > 1:
-            raise bad("'loss_mask' holds values other than 0/1")
-        mask = m.bool()
-        on = lp[mask]
-        if not bool(torch.isfinite(on).all()) or (on.numel() and float(on.max()) > LOGPROB_POSITIVE_TOLERANCE):
-            raise bad("'logprobs' holds a non-finite or positive value at a loss-mask position")
-        if bool((lp[~mask] != 0).any()):
-            raise bad("'logprobs' is not 0 off the loss mask")
-        for e in extras_keys:
-            x = t[f"extra.{e}"]
-            if not bool(torch.isfinite(x[mask]).all()) or bool((x[~mask] != 0).any()):
-                raise bad(f"extra {e!r} holds non-finite values, or values off the loss mask")
         for name in ("advantages", "rewards"):
             if t[name].numel() != t["resp_len"].numel() or not bool(torch.isfinite(t[name]).all()):
                 raise bad(f"{name!r} has the wrong length or non-finite values")
-        blk = cls(
-            first_id=first_id, group_ids=list(group_ids), birth_steps=list(birth_steps), prompt=t["prompt"],
-            prompt_off=off["prompt_off"].copy(), tokens=t["tokens"], logprobs=lp,
-            loss_mask=None if bool(mask.all()) else mask, tok_off=off["tok_off"].copy(), resp_len=t["resp_len"],
-            advantages=t["advantages"], rewards=t["rewards"], resp_off=off["resp_off"].copy(),
-            extras={e: t[f"extra.{e}"] for e in extras_keys},
-            mm=Ragged.from_tensors(tensors, mm_schema, k, bad),
-        )
-        if (blk.loss_tokens() < 1).any():
+        whole = cls(first_id=first_id, group_ids=list(group_ids), birth_steps=list(birth_steps), prompt=t["prompt"],
+                    prompt_off=off["prompt_off"], tokens=t["tokens"], logprobs=t["logprobs"], loss_mask=t["loss_mask"],
+                    tok_off=off["tok_off"], resp_len=t["resp_len"], advantages=t["advantages"], rewards=t["rewards"],
+                    resp_off=off["resp_off"], extras={e: t[f"extra.{e}"] for e in extras_keys},
+                    mm=Ragged.from_tensors(tensors, mm_schema, k, bad))  # (a view, its loss mask uint8)
+        return [whole.slice(s, min(s + size, k))._checked(bad) for s in range(0, k, size)]
+
+    def _checked(self, bad) -> "Block":
+        """This block read from a checkpoint (its loss mask uint8), its values checked and its mask made bool."""
+        for name in ("prompt", "tokens"):
+            if getattr(self, name).numel() and int(getattr(self, name).min()) < 0:
+                raise bad(f"{name!r} holds a negative token id")
+        m, lp = self.loss_mask, self.logprobs
+        if m.numel() and int(m.max()) > 1:
+            raise bad("'loss_mask' holds values other than 0/1")
+        mask = m.view(torch.bool)  # (0/1 bytes: a view)
+        for a in range(0, lp.numel(), 1 << 16):  # (in pieces: small temporaries do not fragment the heap)
+            k, x = ~mask[a:a + (1 << 16)], lp[a:a + (1 << 16)]
+            if not bool((torch.isfinite(x) & (x <= LOGPROB_POSITIVE_TOLERANCE) | k).all()):
+                raise bad("'logprobs' holds a non-finite or positive value at a loss-mask position")
+            if bool(((x != 0) & k).any()):
+                raise bad("'logprobs' is not 0 off the loss mask")
+            for e, v in self.extras.items():
+                x = v[a:a + (1 << 16)]
+                if not bool((torch.isfinite(x) | k).all()) or bool(((x != 0) & k).any()):
+                    raise bad(f"extra {e!r} holds non-finite values, or values off the loss mask")
+        for k, x in self.mm.data.items():
+            if x.is_floating_point() and x.numel() and not bool(torch.isfinite(x).all()):
+                raise bad(f"'mm.{k}' holds non-finite values")
+        self.loss_mask = None if bool(mask.all()) else mask
+        if (self.loss_tokens() < 1).any():
             raise bad("a group has no loss-mask token")
-        return blk
+        return self
 
 
 def checkpoint_tensors(blocks: Sequence[Block]) -> dict[str, Streamed]:

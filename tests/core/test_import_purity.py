@@ -13,7 +13,7 @@ def test_import_hdreplay_pulls_in_no_framework_or_lab_module():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     loaded = set(eval(out))
     assert not loaded & set(FORBIDDEN), loaded & set(FORBIDDEN)
-    assert "torch" in loaded and "safetensors" in loaded  # the declared dependencies
+    assert "torch" in loaded  # (safetensors files are written and read by hdreplay.tensorfile, without the package)
 
 
 def test_importing_the_core_changes_no_environment_variable():

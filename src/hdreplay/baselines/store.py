@@ -95,9 +95,9 @@ def unpack(tensors: Mapping[str, torch.Tensor], meta: Any, prefix: str, where: s
                                                                       for p in ("mm", "mm_off")}
     if set(own) - allowed:
         raise bad(f"unexpected tensors {sorted(set(own) - allowed)[:3]}")
-    blk = Block.from_tensors(own, first_id=0, group_ids=ids, birth_steps=births, extras_keys=keys, where=where,
-                             mm_schema=mm)
-    out = [blk.view(j).clone() for j in range(blk.count)]
+    out = [b.view(j).clone() for b in Block.from_tensors(own, first_id=0, group_ids=ids, birth_steps=births,
+                                                          extras_keys=keys, where=where, mm_schema=mm)
+           for j in range(b.count)]
     if single and any(r.num_responses != 1 for r in out):
         raise bad("a stored record holds more than one response; this store keeps single responses")
     return out
