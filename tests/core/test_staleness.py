@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from hdreplay import GroupRecord, ReplayConfig, ReplayController, ReplayInputError, ReplayProtocolError
-from hdreplay.errors import ReplayConfigError
+from hdreplay.errors import CheckpointError, ReplayConfigError
 from hdreplay.selection import select_replay
 from hdreplay.staleness import AsyncReplay, DriftFloor, FloorWarning, StalenessConfig, plan_problems, route
 
@@ -191,9 +191,8 @@ def test_state_dict_round_trip_and_ledger_file(tmp_path):
     other.load_state_dict(state)
     assert other.tracked == ar.tracked and other.floor.state_dict() == ar.floor.state_dict()
     assert other.ledger.totals == ar.ledger.totals and other.sampler_ref == {1}
-    with pytest.raises(ReplayInputError):
-        other.load_state_dict({"floor": {"estimate": -1, "groups": 1}, "totals": {}, "tracked": [],
-                               "sampler_ref": []})
+    with pytest.raises(CheckpointError, match="floor must hold estimate"):
+        other.load_state_dict({**state, "floor": {"estimate": -1, "groups": 1, "last_step_mean": None}})
     assert other.floor.state_dict() == ar.floor.state_dict()  # a refused load changed nothing
     rec = json.loads((tmp_path / "async.jsonl").read_text().splitlines()[0])
     assert rec["step"] == 2 and rec["diverted_groups"] == 1 and rec["ages"]["diverted"] == {"2": 1}

@@ -43,6 +43,7 @@ import numpy as np
 from ..controller import ReplayController
 from ..errors import ReplayConfigError, ReplayInputError, ReplayProtocolError
 from .ledger import LEDGER_FILE, StalenessLedger
+from .state import STATE_NAME, StalenessState, install, parse, snapshot
 from ..record import GroupRecord
 from ..selection import Scorer
 from ..selectors import Selection
@@ -161,10 +162,18 @@ class AsyncReplay:
         controller: the replay controller (its ingress rule decides "mixed"; its buffer holds diverted groups).
         config: the :class:`StalenessConfig`.
         diagnostics_dir: if given, one ledger record per commit is appended to ``async.jsonl`` there.
+        resume_without_state: accept a controller checkpoint that holds no staleness state (the rule then starts
+            empty); off: such a load is refused with an error naming ``resume_option`` (:mod:`.state`).
+        resume_option: how the front end spells ``resume_without_state`` (named in that error).
+
+    Checkpointing: the rule registers itself (:class:`.state.StalenessState`) as an observer of ``controller``, so
+    ``controller.save`` / ``controller.load`` write and read its state with the buffer's, crash-safely and
+    all-or-nothing; ``routing`` (JSON, the integration's) rides along, parsed on load by ``routing_parser``.
     """
 
     def __init__(self, controller: ReplayController, config: StalenessConfig, *,
-                 diagnostics_dir: str | os.PathLike | None = None) -> None:
+                 diagnostics_dir: str | os.PathLike | None = None, resume_without_state: bool = False,
+                 resume_option: str = "resume_without_state") -> None:
         if not isinstance(controller, ReplayController):
             raise ReplayConfigError(f"controller: must be a ReplayController, got {type(controller).__name__}",
                                     field="controller")
@@ -174,7 +183,18 @@ class AsyncReplay:
             raise ReplayConfigError(f"selector={controller.config.selector!r} stores single rollouts; the staleness "
                                     "rule diverts whole groups: use a group selector such as headroom_drift",
                                     field="selector")
+        resume_without_state = check_bool("resume_without_state", resume_without_state, err=ReplayConfigError)
+        if not isinstance(resume_option, str) or not resume_option:
+            raise ReplayConfigError(f"resume_option: must be the option's name, got {resume_option!r}",
+                                    field="resume_option")
+        if any(getattr(o, "name", None) == STATE_NAME for o in controller.observers):
+            raise ReplayConfigError(f"controller: already has an observer named {STATE_NAME!r} (one AsyncReplay per "
+                                    "controller)", field="controller")
         self.controller, self.config = controller, config
+        self.resume_without_state, self.resume_option = resume_without_state, resume_option
+        #: the integration's routing state (JSON-able), saved with the rule; ``routing_parser`` validates it on load
+        self.routing: Any = None
+        self.routing_parser = None
         self.floor = DriftFloor(initial=config.floor_initial, ema=config.floor_ema, min_groups=config.floor_min_groups)
         self.ledger = StalenessLedger()
         #: group id -> how it is referenced and what the ledger needs of it, for every diverted group still tracked
@@ -187,6 +207,8 @@ class AsyncReplay:
         self.path = None if diagnostics_dir is None else Path(diagnostics_dir) / LEDGER_FILE
         if self.path is not None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._committed = snapshot(self)
+        controller.observers.append(StalenessState(self))
 
     # ------------------------------------------------------------------ the rule
     def _open(self, step: int, what: str) -> int:
@@ -284,6 +306,7 @@ class AsyncReplay:
                 self.ledger.on_evict_unused(info, age=step - info["birth"])
         self.sampler_ref &= live
         self._pending, self._step = [], None
+        self._committed = snapshot(self)
         rec = self.ledger.close_step(step, floor=self.floor.value, floor_ready=self.floor.ready,
                                      floor_groups=self.floor.groups, floor_step=self.floor.last_step_mean,
                                      buffered_diverted=len(self.tracked))
@@ -295,27 +318,17 @@ class AsyncReplay:
 
     # ------------------------------------------------------------------ checkpointing
     def state_dict(self) -> dict[str, Any]:
-        """JSON-able state beside the controller's (floor, ledger totals, tracked diverted groups)."""
+        """JSON-able state beside the controller's (floor, ledger totals, tracked diverted groups); what
+        ``controller.save`` writes for the rule (:mod:`.state`) is this state as of the last commit."""
         if self._step is not None:
             raise ReplayProtocolError(f"state_dict() while step {self._step} is open; commit() first")
-        return {"config": asdict(self.config), "floor": self.floor.state_dict(), "totals": dict(self.ledger.totals),
-                "tracked": [[gid, info] for gid, info in self.tracked.items()],
-                "sampler_ref": sorted(self.sampler_ref, key=str), "warned_floor": self._warned_floor}
+        return {"config": asdict(self.config), **snapshot(self)}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore :meth:`state_dict` (validated first; a refused load changes nothing)."""
-        if not isinstance(state, Mapping) or not {"floor", "totals", "tracked", "sampler_ref"} <= set(state):
-            raise ReplayInputError("async replay state: expected a mapping with floor, totals, tracked, sampler_ref")
-        tracked = check_sequence("async replay state: tracked", state["tracked"])
-        if not all(isinstance(t, (list, tuple)) and len(t) == 2 and isinstance(t[1], Mapping) for t in tracked):
-            raise ReplayInputError("async replay state: tracked must hold [group_id, info] pairs")
-        floor = DriftFloor(initial=self.floor.initial, ema=self.floor.ema, min_groups=self.floor.min_groups)
-        floor.load_state_dict(state["floor"])
-        totals = {k: check_int(f"totals[{k!r}]", v, hi=2**62) for k, v in dict(state["totals"]).items()}
-        self.floor, self.ledger.totals = floor, totals
-        self.tracked = {gid: dict(info) for gid, info in tracked}
-        self.sampler_ref = set(state["sampler_ref"])
-        self._warned_floor = bool(state.get("warned_floor", False))
+        """Restore :meth:`state_dict` (validated first: CheckpointError, and a refused load changes nothing)."""
+        if self.is_open:
+            raise ReplayProtocolError("load_state_dict() while an update is open; commit() first")
+        install(self, parse(state))
 
 
 def plan_problems(*, capacity: int, k_rep: int, groups_per_step: int, supply_groups: int | None,

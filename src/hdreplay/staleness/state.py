@@ -1,0 +1,171 @@
+"""The staleness rule's state inside the controller's checkpoint (crash-safe, all-or-nothing, like the buffer).
+
+:class:`~.rule.AsyncReplay` registers a :class:`StalenessState` as an observer of its controller, so
+``ReplayController.save`` writes the rule's state into the same checkpoint directory, under the same single commit
+point, as the buffer, and ``ReplayController.load`` validates both before changing either.  What is saved is the
+state *as of the last commit* (the floor estimate, the ledger's cumulative totals, the diverted groups still tracked,
+which groups are sampler-referenced, whether the floor warning was given), the counterpart of the controller's
+committed buffer; plus ``AsyncReplay.routing``, the integration's own JSON state of its routing (what it had queued
+when it saved), which the rule never reads and the integration parses (``AsyncReplay.routing_parser``).
+
+A checkpoint without this state (written without the staleness rule, or by hdreplay before it was saved) is
+refused with an error naming the front end's option that accepts an empty start (``resume_option``); with that
+option set, the rule starts empty (a :class:`~hdreplay.ReplayResumeWarning` says so).
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from typing import TYPE_CHECKING, Any, Mapping
+
+from ..atomic import atomic_write_text
+from ..errors import CheckpointError, ReplayProtocolError, ReplayResumeWarning
+from ..validate import is_int, is_real
+from .ledger import StalenessLedger
+
+if TYPE_CHECKING:
+    from .rule import AsyncReplay
+
+#: the observer name (the key of this state in the controller checkpoint's ``observers``)
+STATE_NAME = "staleness"
+_INFO = {"birth": "int", "tokens": "int", "length": "number", "admitted": "bool", "first_drift": "number or null"}
+
+
+def snapshot(ar: "AsyncReplay") -> dict[str, Any]:
+    """The rule's JSON state now (call it with no update open: it is what the next update starts from)."""
+    f = ar.floor
+    return {"step": ar.controller.last_step,
+            "floor": {"estimate": f.estimate, "groups": f.groups, "last_step_mean": f.last_step_mean},
+            "totals": dict(ar.ledger.totals),
+            "tracked": [[gid, dict(info)] for gid, info in ar.tracked.items()],
+            "sampler_ref": sorted(ar.sampler_ref, key=lambda g: (isinstance(g, str), g)),
+            "warned_floor": bool(ar._warned_floor)}
+
+
+def _gid(x: Any) -> bool:
+    return isinstance(x, str) or is_int(x)
+
+
+def _number(x: Any, *, null: bool = False) -> bool:
+    return (null and x is None) or (is_real(x) and math.isfinite(x) and x >= 0)
+
+
+def parse(d: Any) -> dict[str, Any]:
+    """A validated copy of a :func:`snapshot` (CheckpointError naming the first bad field; nothing is changed)."""
+    def bad(msg: str) -> CheckpointError:
+        return CheckpointError(f"staleness state: {msg}")
+
+    keys = {"step", "floor", "totals", "tracked", "sampler_ref", "warned_floor"}
+    if not isinstance(d, Mapping) or not keys <= set(d):
+        raise bad(f"expected a mapping with {sorted(keys)}, got {sorted(d) if isinstance(d, Mapping) else d!r:.80}")
+    if d["step"] is not None and not (is_int(d["step"]) and d["step"] >= 0):
+        raise bad(f"step must be a step (int >= 0) or null, got {d['step']!r:.40}")
+    fl = d["floor"]
+    if not (isinstance(fl, Mapping) and _number(fl.get("estimate"), null=True) and is_int(fl.get("groups"))
+            and fl["groups"] >= 0 and _number(fl.get("last_step_mean"), null=True)):
+        raise bad(f"floor must hold estimate (number >= 0 or null), groups (int >= 0) and last_step_mean, got "
+                  f"{fl!r:.120}")
+    want = set(StalenessLedger().totals)
+    tot = d["totals"]
+    if not isinstance(tot, Mapping) or set(tot) != want or not all(is_int(v) and 0 <= v < 2**62 for v in tot.values()):
+        raise bad(f"totals must map exactly {sorted(want)} to ints >= 0, got {tot!r:.120}")
+    tracked = d["tracked"]
+    if not isinstance(tracked, list):
+        raise bad(f"tracked must be a list of [group_id, info] pairs, got {type(tracked).__name__}")
+    out_tracked = {}
+    for t in tracked:
+        if not (isinstance(t, list) and len(t) == 2 and _gid(t[0]) and isinstance(t[1], Mapping)):
+            raise bad(f"tracked must hold [group_id, info] pairs, got {t!r:.80}")
+        info = t[1]
+        ok = (set(info) == set(_INFO) and is_int(info["birth"]) and info["birth"] >= 0 and is_int(info["tokens"])
+              and info["tokens"] >= 0 and _number(info["length"]) and isinstance(info["admitted"], bool)
+              and (info["first_drift"] is None or (is_real(info["first_drift"]) and math.isfinite(info["first_drift"]))))
+        if not ok or t[0] in out_tracked:
+            raise bad(f"tracked group {t[0]!r}: info must be {_INFO} (each group once), got {dict(info)!r:.120}")
+        out_tracked[t[0]] = dict(info)
+    refs = d["sampler_ref"]
+    if not isinstance(refs, list) or not all(_gid(g) for g in refs):
+        raise bad(f"sampler_ref must be a list of group ids, got {refs!r:.80}")
+    if not isinstance(d["warned_floor"], bool):
+        raise bad(f"warned_floor must be a bool, got {d['warned_floor']!r:.20}")
+    return {"step": d["step"], "floor": dict(fl), "totals": {k: int(v) for k, v in tot.items()},
+            "tracked": out_tracked, "sampler_ref": set(refs), "warned_floor": d["warned_floor"]}
+
+
+def install(ar: "AsyncReplay", parsed: dict[str, Any] | None) -> None:
+    """Put a :func:`parse`d state (None: the empty state) into ``ar`` (nothing here can fail)."""
+    from .rule import DriftFloor
+
+    ar.floor = DriftFloor(initial=ar.floor.initial, ema=ar.floor.ema, min_groups=ar.floor.min_groups)
+    ar.ledger = StalenessLedger()
+    ar.tracked, ar.sampler_ref, ar._warned_floor = {}, set(), False
+    if parsed is not None:
+        fl = parsed["floor"]
+        ar.floor.estimate = None if fl["estimate"] is None else float(fl["estimate"])
+        ar.floor.groups = int(fl["groups"])
+        ar.floor.last_step_mean = None if fl["last_step_mean"] is None else float(fl["last_step_mean"])
+        ar.ledger.totals.update(parsed["totals"])
+        ar.tracked = {gid: dict(info) for gid, info in parsed["tracked"].items()}
+        ar.sampler_ref, ar._warned_floor = set(parsed["sampler_ref"]), parsed["warned_floor"]
+    ar._pending, ar._step = [], None
+    ar._committed = snapshot(ar)
+
+
+def rewind_ledger(ar: "AsyncReplay", step: int | None) -> None:
+    """Drop the ledger file's records written after ``step`` (a resumed run writes them again)."""
+    import json
+
+    if ar.path is None or not ar.path.exists():
+        return
+    kept = []
+    for line in ar.path.read_text().splitlines():
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a torn last line from a crash
+        if step is not None and isinstance(rec, dict) and is_int(rec.get("step")) and rec["step"] <= step:
+            kept.append(line + "\n")
+    atomic_write_text(ar.path, "".join(kept))
+
+
+class StalenessState:
+    """The controller observer that saves and restores an :class:`~.rule.AsyncReplay` (see the module doc)."""
+
+    name = STATE_NAME
+
+    def __init__(self, ar: "AsyncReplay") -> None:
+        self.ar = ar
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**self.ar._committed, "routing": self.ar.routing}
+
+    def check_state(self, d: Any) -> tuple[dict | None, Any]:
+        ar = self.ar
+        if ar._step is not None:
+            raise ReplayProtocolError(f"load() while the staleness rule's step {ar._step} is open; commit() first")
+        if d is None:
+            if not ar.resume_without_state:
+                raise CheckpointError(
+                    "it holds no staleness state (the floor estimate, the ledger, which buffered groups were diverted "
+                    "and are sampler-referenced, the routing): it was written without the asynchronous staleness "
+                    f"rule, or by an hdreplay that did not save it. Resume from a checkpoint written by this "
+                    f"trainer, or set {ar.resume_option}=True to start the staleness rule empty (its history is "
+                    "lost and buffered diverted groups are gated without the floor)")
+            warnings.warn(f"hdreplay: the checkpoint holds no staleness state; the floor, the ledger and the routing "
+                          f"start empty ({ar.resume_option}=True)", ReplayResumeWarning, stacklevel=4)
+            return None, None
+        parsed = parse(d)
+        routing = d.get("routing") if isinstance(d, Mapping) else None
+        if routing is not None and ar.routing_parser is not None:
+            try:
+                routing = ar.routing_parser(routing)
+            except CheckpointError as e:
+                raise CheckpointError(f"staleness state: routing: {e}") from None
+        rewind_ledger(ar, parsed["step"])  # last, once everything parsed (the controller rewinds its own logs first)
+        return parsed, routing
+
+    def restore(self, controller, parsed: tuple[dict | None, Any]) -> None:
+        state, routing = parsed
+        install(self.ar, state)
+        self.ar.routing = routing

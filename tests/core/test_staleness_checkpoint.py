@@ -1,0 +1,154 @@
+"""The staleness rule's state saved with the controller (hdreplay.staleness.state): a resumed rule decides what the
+uninterrupted one decides; a checkpoint without the state, or with a malformed one, is refused and changes nothing."""
+
+import json
+import math
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+from hdreplay import (CheckpointError, GroupRecord, ReplayConfig, ReplayController, ReplayProtocolError,
+                      ReplayResumeWarning)
+from hdreplay.staleness import AsyncReplay, StalenessConfig
+
+pytestmark = pytest.mark.filterwarnings("ignore::hdreplay.staleness.FloorWarning")
+
+FLOOR, DRIFT = 0.04, 0.045  # a diverted group passes tau = 0.01 only with the floor subtracted
+
+
+def group(gid, birth, *, mixed=True, n=4):
+    rewards = [float(i % 2) for i in range(n)] if mixed else [1.0] * n
+    comps = [[3 + (i + j) % 5 for j in range(3 + i % 2)] for i in range(n)]
+    return GroupRecord.from_responses(group_id=gid, prompt_ids=[5, 6, 7], completion_ids=comps,
+                                      logprobs=[[-1.0] * len(c) for c in comps], rewards=rewards, birth_step=birth,
+                                      advantages=[r - float(np.mean(rewards)) for r in rewards])
+
+
+def make(diag=None, **kw):
+    ctrl = ReplayController(ReplayConfig(k_rep=2, capacity=6, tau=0.01, scan_passes=1), diagnostics_dir=diag)
+    return AsyncReplay(ctrl, StalenessConfig(fresh_bound=1, floor_min_groups=4), diagnostics_dir=diag, **kw)
+
+
+def scorer(groups):  # every stored log-prob moved by sqrt(DRIFT): Drift (l2) = DRIFT on every group
+    return [g.logprobs + math.sqrt(DRIFT) * g.loss_mask.float() for g in groups]
+
+
+def update(ar, u, log):
+    """Update u the TRL way: the groups that arrived are offered, the update is committed, then the next update's
+    replay is selected (left open, like a checkpoint taken after the update)."""
+    for i in range(3):  # 2 diverted (3 versions late, one of them zero-variance: dropped), 1 fresh
+        ar.offer(group(f"u{u}-{i}", max(u - 3 + 2 * (i == 2), 0), mixed=i != 1), step=u)
+    ar.observe_floor([FLOOR] * 2, [5, 5])
+    log.append({"metrics": ar.commit(num_fresh_groups=1)})
+    sel = ar.select(step=u + 1, scorer=scorer)
+    log.append({"step": u + 1, "selected": [g.group_id for g in sel.groups], "pass": sel.scanned_pass.tolist(),
+                "drift": sel.scanned_drift.tolist()})
+
+
+def state(ar):
+    t, meta = ar.controller.state_dict(allow_open_step=True)
+    return {k: v.clone() for k, v in t.items()}, json.loads(json.dumps(meta))
+
+
+def same_metrics(a, b):
+    assert a.keys() == b.keys()
+    for k in a:
+        assert (a[k] == b[k]) or (a[k] != a[k] and b[k] != b[k]), k
+
+
+def test_resumed_rule_selects_what_the_uninterrupted_one_selects(tmp_path):
+    first, log = make(tmp_path / "a"), []
+    for u in range(3, 6):
+        update(first, u, log)
+    assert any(e.get("selected") for e in log) and first.floor.ready
+    first.controller.save(tmp_path / "ckpt", allow_open_step=True)  # after update 5, update 6's selection open
+    saved = state(first)
+    update(first, 6, log)  # the interrupted run got one update further (its ledger records included) ...
+    shutil.copytree(tmp_path / "a", tmp_path / "b")  # ... and the resumed run starts from its diagnostics
+    for u in range(7, 9):
+        update(first, u, log)
+    resumed, rlog = make(tmp_path / "b"), []
+    resumed.controller.load(tmp_path / "ckpt")
+    t, meta = state(resumed)
+    assert meta == saved[1] and all(torch.equal(t[k], saved[0][k]) for k in t)
+    assert resumed.floor.ready and resumed.sampler_ref and resumed.tracked
+    sel = resumed.select(step=6, scorer=scorer)  # the open selection, re-made from the restored state
+    assert [g.group_id for g in sel.groups] == log[5]["selected"] and sel.scanned_pass.tolist() == log[5]["pass"]
+    rlog.extend(log[:6])
+    for u in range(6, 9):
+        update(resumed, u, rlog)
+    assert [e.get("selected") for e in rlog] == [e.get("selected") for e in log]
+    np.testing.assert_array_equal(np.concatenate([e.get("drift", []) for e in rlog]),
+                                  np.concatenate([e.get("drift", []) for e in log]))
+    for a, b in zip(log, rlog):
+        if "metrics" in a:
+            same_metrics(a["metrics"], b["metrics"])
+    ta, ma = state(first)
+    tb, mb = state(resumed)
+    assert ma == mb and ta.keys() == tb.keys() and all(torch.equal(ta[k], tb[k]) for k in ta)
+    assert first.ledger.totals == resumed.ledger.totals and first.tracked == resumed.tracked
+    for name in ("async.jsonl", "steps.jsonl"):  # the resumed run's logs: rewound to the checkpoint, then continued
+        assert (tmp_path / "a" / name).read_text() == (tmp_path / "b" / name).read_text(), name
+
+
+def test_checkpoint_without_staleness_state_is_refused_naming_the_option(tmp_path):
+    plain = ReplayController(make().controller.config)
+    plain.stage([group("g", 0)], step=0)
+    plain.commit()
+    plain.save(tmp_path / "ckpt")
+    ar = make(resume_option="hdr.resume_without_state")
+    with pytest.raises(CheckpointError, match=r"no staleness state .* set hdr.resume_without_state=True"):
+        ar.controller.load(tmp_path / "ckpt")
+    assert len(ar.controller.buffer) == 0 and ar.controller.last_step is None  # nothing changed
+    ok = make(resume_without_state=True)
+    with pytest.warns(ReplayResumeWarning, match=r"start empty \(resume_without_state=True\)"):
+        ok.controller.load(tmp_path / "ckpt")
+    assert len(ok.controller.buffer) == 1 and not ok.tracked and ok.ledger.totals["generated_groups"] == 0
+
+
+def _corrupt(meta, how):
+    s = meta["observers"]["staleness"]
+    if how == "tracked":
+        s["tracked"][0][1].pop("birth")
+    elif how == "totals":
+        s["totals"]["extra_groups"] = 1
+    elif how == "floor":
+        s["floor"]["estimate"] = -1.0
+    elif how == "sampler_ref":
+        s["sampler_ref"] = "all"
+    elif how == "step":
+        s["step"] = "five"
+    elif how == "missing":
+        del s["warned_floor"]
+
+
+@pytest.mark.parametrize("how", ["tracked", "totals", "floor", "sampler_ref", "step", "missing"])
+def test_malformed_staleness_state_is_refused_and_changes_nothing(how, tmp_path):
+    ar, log = make(), []
+    for u in range(3, 5):
+        update(ar, u, log)
+    ar.commit()
+    t, meta = state(ar)
+    _corrupt(meta, how)
+    other, olog = make(tmp_path), []
+    update(other, 3, olog)
+    other.commit()
+    before = state(other)
+    with pytest.raises(CheckpointError, match="staleness state"):
+        other.controller.load_state_dict(t, meta)
+    after = state(other)
+    assert after[1] == before[1] and all(torch.equal(after[0][k], before[0][k]) for k in after[0])
+
+
+def test_load_while_the_rule_has_an_open_update_is_refused(tmp_path):
+    ar, log = make(), []
+    update(ar, 3, log)
+    ar.commit()
+    ar.controller.save(tmp_path / "ckpt")
+    other = make()
+    other.offer(group("late", 0), step=4)  # opens the rule's update 4 (the controller opens it at commit)
+    with pytest.raises(ReplayProtocolError, match="staleness rule's step 4 is open"):
+        other.controller.load(tmp_path / "ckpt")
+    assert other.controller.last_step is None and other._pending
