@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 from transformers import Trainer  # noqa: E402
 
-import hdreplay.integrations.trl.trainer as trainer_mod  # noqa: E402
+import hdreplay.integrations.trl.checkpoints as checkpoints_mod  # noqa: E402
 from hdreplay import ReplayController  # noqa: E402
 from hdreplay_lab.sandbox.model import load_model  # noqa: E402
 from trl_fixtures import RecordingTrainer, buffer_hash, make_args, prompts, reward_digit  # noqa: E402
@@ -63,13 +63,13 @@ def install(kill_at: str, kill_step: int, trainer) -> None:
             return orig_save(self, directory, **kw)
         ReplayController.save = save
     elif kill_at == "rotate":
-        orig_rotate = trainer_mod.rotate_checkpoints
+        orig_rotate = checkpoints_mod.rotate_checkpoints
 
         def rotate(**kw):
             if at():
                 die()
             return orig_rotate(**kw)
-        trainer_mod.rotate_checkpoints = rotate
+        checkpoints_mod.rotate_checkpoints = rotate
     elif kill_at == "train":
         orig_loss = RecordingTrainer._compute_loss
 

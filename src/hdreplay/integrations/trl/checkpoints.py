@@ -22,7 +22,7 @@ import warnings
 from contextlib import contextmanager
 from pathlib import Path
 
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
 from ...errors import CheckpointError
 from ..common import STATE_DIR
@@ -119,3 +119,22 @@ def refuse_incomplete(checkpoint: str | os.PathLike) -> None:
         hint = f"resume from {newest}" if newest else "no complete checkpoint is left beside it"
         raise CheckpointError(f"{problem}. It cannot be resumed: {hint} (resume_from_checkpoint=True picks the "
                               "newest complete checkpoint).")
+
+
+def save_with_replay(trainer, model, trial, *, save_trainer, write_state) -> None:
+    """``Trainer._save_checkpoint`` with the replay state, in the order of the module doc: the pending marker,
+    the Trainer's files (``save_trainer(model, trial)``, rotation held back), ``write_state(<checkpoint>/hdreplay)``
+    on the main process (crash-safe: ``ReplayController.save``), the marker removed, then the rotation."""
+    run_dir = trainer._get_output_dir(trial=trial)
+    ckpt = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{trainer.state.global_step}")
+    if trainer.accelerator.is_main_process:
+        mark_pending(ckpt)
+    with rotation_held(trainer.args) as limit:
+        save_trainer(model, trial)
+    if trainer.accelerator.is_main_process:  # every rank holds the same replay state
+        write_state(os.path.join(ckpt, STATE_DIR))
+        clear_pending(ckpt)
+    trainer.accelerator.wait_for_everyone()
+    if trainer.args.should_save:
+        rotate_checkpoints(output_dir=run_dir, save_total_limit=limit,
+                           best_model_checkpoint=trainer.state.best_model_checkpoint, use_mtime=True)

@@ -49,7 +49,7 @@ from .agreement import check_rank_agreement, selection_digest
 from .batch import (ReplayStep, check_keys, gather_objects, gather_rows, generation_groups, ingress_rows,
                     replay_rows)
 from .checks import check_padding_drift
-from .checkpoints import clear_pending, mark_pending, refuse_incomplete, resume_target, rotation_held
+from .checkpoints import refuse_incomplete, resume_target, save_with_replay
 from .config import as_replay_config
 from .exgrpo import split_off
 from .positions import install_position_ids, padding_drift
@@ -434,19 +434,8 @@ class HDRGRPOTrainer(GRPOTrainer):
     def _save_checkpoint(self, model, trial):
         if not self.replay_active:
             return super()._save_checkpoint(model, trial)
-        run_dir = self._get_output_dir(trial=trial)
-        ckpt = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
-        if self.accelerator.is_main_process:
-            mark_pending(ckpt)
-        with rotation_held(self.args) as limit:
-            super()._save_checkpoint(model, trial)
-        if self.accelerator.is_main_process:  # every rank holds the same buffer
-            self.replay.save(os.path.join(ckpt, STATE_DIR), allow_open_step=True)
-            clear_pending(ckpt)
-        self.accelerator.wait_for_everyone()
-        if self.args.should_save:
-            rotate_checkpoints(output_dir=run_dir, save_total_limit=limit,
-                               best_model_checkpoint=self.state.best_model_checkpoint, use_mtime=True)
+        save_with_replay(self, model, trial, save_trainer=super()._save_checkpoint,
+                         write_state=lambda path: self.replay.save(path, allow_open_step=True))
 
     def _load_optimizer_and_scheduler(self, checkpoint):
         super()._load_optimizer_and_scheduler(checkpoint)
