@@ -163,6 +163,8 @@ def test_protocol_and_input_checks_change_nothing():
         ar.controller.stage([group("late", 9)], step=8, born_earlier=True)
     with pytest.raises(ReplayConfigError, match="max_divert_age"):
         StalenessConfig(fresh_bound=2, max_divert_age=2)
+    import hdreplay.baselines  # noqa: F401  (registers adv_priority; the test must not rely on another having run)
+
     with pytest.raises(ReplayConfigError, match="single rollouts"):
         AsyncReplay(ReplayController(ReplayConfig(selector="adv_priority", group_size=4)), StalenessConfig())
 
