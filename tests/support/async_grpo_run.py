@@ -36,15 +36,18 @@ def digit_reward(text: str, answer: str) -> float:
     return float(any(c.isdigit() for c in text[:3]))
 
 
-def make_trainer(out_dir, model_dir, *, worker_kw=None, **over):
-    """(trainer, worker); rank 0 owns the worker, the other ranks pass None."""
+def make_trainer(out_dir, model_dir, *, worker_kw=None, worker_cls=None, worker_state=None, **over):
+    """(trainer, worker); rank 0 owns the worker, the other ranks pass None.  ``worker_cls``: the worker's class
+    (default ``CPURolloutWorker``); ``worker_state``: what to restore it from (a resumed lock-step worker)."""
     import torch.distributed as dist
 
     rank0 = not dist.is_available() or not dist.is_initialized() or dist.get_rank() == 0
     model, tok = load_model(model_dir)
-    worker = cpu.CPURolloutWorker(model, tok, PROMPTS, ANSWERS, n=4, max_new_tokens=5, reward=digit_reward,
-                                  **{"fresh_per_version": 4, "slow_per_version": 1, "slow_lag": 3,
-                                     **(worker_kw or {})}) if rank0 else None
+    worker = (worker_cls or cpu.CPURolloutWorker)(
+        model, tok, PROMPTS, ANSWERS, n=4, max_new_tokens=5, reward=digit_reward,
+        **{"fresh_per_version": 4, "slow_per_version": 1, "slow_lag": 3, **(worker_kw or {})}) if rank0 else None
+    if worker is not None and worker_state is not None:
+        worker.restore(worker_state)
     kw = dict(output_dir=str(out_dir), use_cpu=True, report_to="none", max_steps=6, per_device_train_batch_size=8,
               gradient_accumulation_steps=2, num_generations=4, max_completion_length=5, learning_rate=1e-3,
               logging_steps=1, save_strategy="no", bf16=False, token_budget=0, max_staleness=1, disable_tqdm=True,

@@ -4,7 +4,8 @@
 ``staleness_<field>``: the :class:`hdreplay.staleness.StalenessConfig` fields except ``fresh_bound`` (that is TRL's
 own ``max_staleness``) and ``ingest_fresh`` (not offered here: with TRL's one-micro-batch prefetch a fresh group
 could be replayed in the step that trains it); ``replay_supply_warn_s`` / ``replay_supply_timeout_s``: the
-supply watchdog (:mod:`.async_queue`); ``replay_diagnostics_dir``: where ``steps.jsonl`` / ``async.jsonl`` go.
+supply watchdog (:mod:`.async_queue`); ``replay_diagnostics_dir``: where ``steps.jsonl`` / ``async.jsonl`` go;
+``replay_resume_without_state``: accept a checkpoint without the replay state (an empty start).
 """
 
 from __future__ import annotations
@@ -50,6 +51,10 @@ def _fields() -> list[tuple[str, Any, Any]]:
                     "warning)"})),
         ("replay_diagnostics_dir", Optional[str], field(default=None, metadata={
             "help": "directory for steps.jsonl / groups.jsonl / async.jsonl (unset: <output_dir>/hdreplay)"})),
+        ("replay_resume_without_state", bool, field(default=False, metadata={
+            "help": "allow resuming from a checkpoint without the replay and staleness state (written without "
+                    "hdreplay, or by a version that did not save it); the buffer, the floor, the ledger and the routing "
+                    "then start empty. Off by default: losing them silently changes the run"})),
     ]
     return out
 
@@ -66,6 +71,9 @@ class HDRAsyncGRPOConfig(_AsyncReplayFields, AsyncGRPOConfig):
         super().__post_init__()
         self.to_replay_config()
         self.to_staleness_config()
+        if not isinstance(self.replay_resume_without_state, bool):
+            raise ReplayConfigError(f"HDRAsyncGRPOConfig: replay_resume_without_state must be true or false, got "
+                                    f"{self.replay_resume_without_state!r}", field="replay_resume_without_state")
         for name in ("replay_supply_warn_s", "replay_supply_timeout_s"):
             v = getattr(self, name)
             if v is None and name.endswith("timeout_s"):

@@ -46,6 +46,7 @@ class Routed:
     route: str  # fresh | divert | drop
     staleness: int
     version: int  # the version at routing
+    step: int  # the controller's step at routing (``version - 1 - version_shift``)
     steps: list = field(default_factory=list)  # global steps its samples landed in (fresh only)
 
 
@@ -60,6 +61,11 @@ class GroupRoutingQueue:
         mixed_fn: GroupRecord -> bool, the controller's ingress rule.
         samples_per_step: samples one optimizer step consumes (per_device_train_batch_size x GA x processes).
         max_divert_age: staleness beyond which a mixed group is dropped too (None: no limit).
+
+    ``version_shift``: TRL's version minus the update count plus one (0 in a run started from scratch; a resumed
+    run's versions count on from where TRL restarts them), so a group's ``birth_step`` and the controller's step are
+    ``version - 1 - version_shift``.  Resume (:mod:`.async_resume`): the samples TRL already pulled for the coming
+    step (``sent``; its dataloader prefetch, lost with the process) are handed out again first (``resend``).
     """
 
     def __init__(self, inner, *, n: int, fresh_bound: int, version_fn: Callable[[], int],
@@ -69,23 +75,27 @@ class GroupRoutingQueue:
         self.version_fn, self.mixed_fn, self.samples_per_step = version_fn, mixed_fn, samples_per_step
         self.max_divert_age, self.warn_after_s, self.timeout_s = max_divert_age, warn_after_s, timeout_s
         self._out: collections.deque = collections.deque()  # (sample, kind, group_id)
-        self._replay: collections.deque = collections.deque()
+        self._replay: collections.deque = collections.deque()  # (sample, "replay", group_id, selection number)
+        self._resend: collections.deque = collections.deque()  # (sample, kind, group_id): pulled before a resume
+        self.sent: list = []  # (index, sample, kind, group_id) handed to TRL and not trained in a finished step
+        self.selections = 0  # enqueue_replay calls so far
+        self.version_shift = 0
         self._partial: dict[Any, list] = {}
         self._template = None
         self.emitted = 0
         self.routed: list[Routed] = []  # since the last drain
         self.landed: dict[Any, list] = {}  # group_id -> [(kind, global step)] since the last drain
-        self.kind_of: dict[Any, tuple[str, int]] = {}  # group_id -> (kind, generation version) of the last emission
+        self.kind_of: dict[Any, tuple[str, int]] = {}  # group_id -> (kind, birth step) of the last emission
         self._last_sample = time.monotonic()
         self._warned_at = 0.0
 
     # ------------------------------------------------------------------ what TRL's dataset calls
     def qsize(self) -> int:
-        return self.inner.qsize() + len(self._out) + len(self._replay)
+        return self.inner.qsize() + len(self._out) + len(self._replay) + len(self._resend)
 
     def get(self, timeout: float | None = None):
         deadline = None if timeout is None else time.monotonic() + timeout
-        while not (self._replay or self._out):
+        while not (self._resend or self._replay or self._out):
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
                 self._check_supply()
@@ -97,10 +107,14 @@ class GroupRoutingQueue:
                 raise
             self._last_sample = time.monotonic()
             self._add(sample)
-        sample, kind, gid = (self._replay or self._out).popleft()
-        step = self.emitted // self.samples_per_step + 1
+        if self._resend:  # pulled before the resume: its landing was recorded then
+            sample, kind, gid = self._resend.popleft()
+            sample.model_version = int(self.version_fn())  # TRL re-checks staleness; its loss never reads it
+        else:
+            sample, kind, gid = (self._replay or self._out).popleft()[:3]
+            self.landed.setdefault(gid, []).append((kind, self.emitted // self.samples_per_step + 1))
+        self.sent.append((self.emitted, sample, kind, gid))
         self.emitted += 1
-        self.landed.setdefault(gid, []).append((kind, step))
         return sample
 
     # ------------------------------------------------------------------ routing
@@ -122,26 +136,29 @@ class GroupRoutingQueue:
                                "dispatched with one policy version")
         now = int(self.version_fn())
         k = now - versions.pop()
-        group = group_from_samples(samples)
+        group = group_from_samples(samples, birth_step=now - k - 1 - self.version_shift)
         r = route(staleness=k, fresh_bound=self.fresh_bound, mixed=bool(self.mixed_fn(group)),
                   max_divert_age=self.max_divert_age)
-        self.routed.append(Routed(group, r, k, now))
+        self.routed.append(Routed(group, r, k, now, now - 1 - self.version_shift))
         if r == "fresh":
             self._out.extend((s, "fresh", s.group_id) for s in samples)
-            self.kind_of[group.group_id] = ("fresh", now - k)
+            self.kind_of[group.group_id] = ("fresh", group.birth_step)
 
     def enqueue_replay(self, groups) -> None:
         """Emit these groups' samples next, before any fresh sample (stamped with the current version)."""
         v = int(self.version_fn())
+        self.selections += 1
         for g in groups:
-            self._replay.extend((s, "replay", g.group_id) for s in samples_from_group(g, template=self._template,
-                                                                                      version=v))
-            self.kind_of[g.group_id] = ("replay", g.birth_step + 1)
+            self._replay.extend((s, "replay", g.group_id, self.selections)
+                                for s in samples_from_group(g, template=self._template, version=v))
+            self.kind_of[g.group_id] = ("replay", g.birth_step)
 
-    def drain(self) -> tuple[list[Routed], dict]:
-        """The groups routed and the samples landed since the last call (and forget them)."""
+    def drain(self, step: int) -> tuple[list[Routed], dict]:
+        """The groups routed and the samples landed since the last call (and forget them); ``step``: the optimizer
+        steps finished (samples handed out for them leave :attr:`sent`)."""
         routed, landed = self.routed, self.landed
         self.routed, self.landed = [], {}
+        self.sent = [x for x in self.sent if x[0] >= step * self.samples_per_step]
         return routed, landed
 
     @property

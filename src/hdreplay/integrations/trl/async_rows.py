@@ -60,8 +60,9 @@ def check_sampler_logprobs(samples: Sequence) -> None:
             "log-probs, so neither TRL's ratio nor hdreplay's Drift can be computed; request logprobs from the server")
 
 
-def group_from_samples(samples: Sequence, *, gid=None) -> GroupRecord:
-    """The group of ``samples`` (one prompt, n completions) as a GroupRecord born at ``model_version - 1``."""
+def group_from_samples(samples: Sequence, *, gid=None, birth_step: int | None = None) -> GroupRecord:
+    """The group of ``samples`` (one prompt, n completions) as a GroupRecord born at ``birth_step`` (default
+    ``model_version - 1``)."""
     first = samples[0]
     P = prompt_length(first)
     prompt = np.asarray(first.input_ids[:P])
@@ -77,12 +78,14 @@ def group_from_samples(samples: Sequence, *, gid=None) -> GroupRecord:
         rewards.append(float(s.metrics.get("reward", s.advantage)))
     rows = rows_from_responses(torch.as_tensor(prompt), comps, lps, loss_masks=masks, advantages=adv,
                                rewards=rewards)
-    return one_group(rows, step=int(first.model_version) - 1, group_id=first.group_id if gid is None else gid)
+    birth = int(first.model_version) - 1 if birth_step is None else birth_step
+    return one_group(rows, step=birth, group_id=first.group_id if gid is None else gid)
 
 
 def samples_from_group(group: GroupRecord, *, template, version: int) -> list:
-    """The group's n completions as ``RolloutSample``s (``template``: any sample, for the dataclass and its
-    prompt / completion message fields), stamped with ``version``."""
+    """The group's n completions as ``RolloutSample``s (``template``: any sample, for its dataclass; None: TRL's
+    ``RolloutSample``), stamped with ``version``."""
+    template = template or _blank_sample()
     P = group.prompt_ids.numel()
     prompt = group.prompt_ids.long().numpy()
     out = []
@@ -94,6 +97,72 @@ def samples_from_group(group: GroupRecord, *, template, version: int) -> list:
             advantage=float(group.advantages[i]), model_version=int(version), group_id=group.group_id,
             metrics={"reward": float(group.rewards[i])}, enqueued_at=None))
     return out
+
+
+def _blank_sample():
+    from trl.experimental.async_grpo.async_rollout_worker import RolloutSample
+
+    z = np.zeros(0, dtype=np.int64)
+    return RolloutSample(prompt=[], completion=[], input_ids=z, completion_mask=z, old_log_probs=z.astype(np.float32),
+                         advantage=0.0, model_version=0, group_id=0, metrics={})
+
+
+#: the array fields of a RolloutSample kept in a checkpoint, with the dtypes they may have
+_ARRAYS = {"input_ids": ("int64", "int32"), "completion_mask": ("int64", "int32", "bool"),
+           "old_log_probs": ("float32", "float64")}
+
+
+def _float(x: float):
+    return x if np.isfinite(x) else repr(float(x))  # JSON has no NaN / inf: "nan", "inf", "-inf"
+
+
+def sample_to_json(sample) -> dict:
+    """What TRL's dataset reads of a ``RolloutSample`` (prompt / completion messages are not kept), as JSON."""
+    out = {k: [np.asarray(getattr(sample, k)).dtype.name, np.asarray(getattr(sample, k)).tolist()] for k in _ARRAYS}
+    out["old_log_probs"][1] = [_float(x) for x in out["old_log_probs"][1]]
+    out.update(advantage=_float(float(sample.advantage)), model_version=int(sample.model_version),
+               group_id=sample.group_id, enqueued_at=sample.enqueued_at,
+               metrics={str(k): _float(float(v)) for k, v in dict(sample.metrics).items()})
+    return out
+
+
+def sample_from_json(d, *, template=None):
+    """The ``RolloutSample`` of :func:`sample_to_json` (CheckpointError saying what is malformed)."""
+    from ...errors import CheckpointError
+
+    def real(x):
+        if isinstance(x, str) and x in ("nan", "inf", "-inf"):
+            return float(x)
+        if isinstance(x, bool) or not isinstance(x, (int, float)):
+            raise CheckpointError(f"routed sample: {x!r:.40} is not a number")
+        return float(x)
+
+    keys = {*_ARRAYS, "advantage", "model_version", "group_id", "enqueued_at", "metrics"}
+    if not isinstance(d, dict) or set(d) != keys:
+        raise CheckpointError(f"routed sample: expected the fields {sorted(keys)}, got {d!r:.80}")
+    arrays = {}
+    for k, dtypes in _ARRAYS.items():
+        v = d[k]
+        if not (isinstance(v, list) and len(v) == 2 and v[0] in dtypes and isinstance(v[1], list)):
+            raise CheckpointError(f"routed sample: {k} must be [dtype in {dtypes}, values], got {v!r:.80}")
+        vals = [real(x) for x in v[1]] if k == "old_log_probs" else v[1]
+        if k != "old_log_probs" and not all(isinstance(x, int) and not isinstance(x, bool) for x in vals):
+            raise CheckpointError(f"routed sample: {k} must hold ints")
+        arrays[k] = np.asarray(vals, dtype=v[0])
+    if len({a.shape for a in arrays.values()}) != 1 or arrays["input_ids"].ndim != 1:
+        raise CheckpointError(f"routed sample: input_ids, completion_mask and old_log_probs must be 1-D and of one "
+                              f"length, got {[a.shape for a in arrays.values()]}")
+    mv, gid, at, met = d["model_version"], d["group_id"], d["enqueued_at"], d["metrics"]
+    if isinstance(mv, bool) or not isinstance(mv, int) or isinstance(gid, bool) or not isinstance(gid, (int, str)):
+        raise CheckpointError(f"routed sample: model_version must be an int and group_id an int or str, got "
+                              f"{mv!r:.20} / {gid!r:.20}")
+    if at is not None:
+        at = real(at)
+    if not isinstance(met, dict):
+        raise CheckpointError(f"routed sample: metrics must be a mapping, got {met!r:.40}")
+    return dataclasses.replace(template or _blank_sample(), prompt=[], completion=[], **arrays,
+                               advantage=real(d["advantage"]), model_version=mv, group_id=gid,
+                               metrics={k: real(v) for k, v in met.items()}, enqueued_at=at)
 
 
 def _row(groups: Sequence[GroupRecord]):

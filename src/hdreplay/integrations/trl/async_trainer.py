@@ -17,10 +17,16 @@ that stream and keeps everything else of TRL's (dataset, batcher, tree packing, 
    (:func:`~.async_rows.tree_logprobs`, TRL's own packing and model call) and gathering the results; rank 0 hands
    the admitted groups to the proxy.  ``async/*`` (the ledger) and ``replay/*`` metrics join TRL's log.
 
+4. Checkpoints (``_save_checkpoint``, ``_load_optimizer_and_scheduler``, ``train``): the controller, the staleness
+   rule's state and rank 0's routing state go into ``checkpoint-N/hdreplay`` in the synchronous trainer's crash-safe
+   order (:func:`.checkpoints.save_with_replay`); a resume restores them (a checkpoint without them is refused unless
+   ``replay_resume_without_state``) and, at train begin, re-makes the selection the interrupted run had made for the
+   next update (:mod:`.async_resume` says what is saved and what TRL's rollout stream loses).
+
 Steps: the controller's step of the update at global step u is ``u - 1`` (the updates its policy has seen), a
-sample's ``birth_step`` is ``model_version - 1``, so ages are TRL's staleness.  TRL's dataloader prefetches one
-micro-batch, so replay selected after update u lands in update u + 1 only when the rest of that step has room
-(gradient_accumulation_steps >= 2); ``async/replay_landing_delay_mean`` reports it.
+sample's ``birth_step`` is ``model_version - 1`` (less the version shift of a resumed run), so ages are TRL's
+staleness.  TRL's dataloader prefetches one micro-batch, so replay selected after update u lands in update u + 1 only
+when the rest of that step has room (gradient_accumulation_steps >= 2); ``async/replay_landing_delay_mean`` reports it.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from __future__ import annotations
 import os
 import warnings
 from collections import defaultdict
+from functools import partial
 
 import torch
 from accelerate import PartialState
@@ -36,11 +43,14 @@ from transformers import TrainerCallback
 from trl.experimental.async_grpo import AsyncGRPOTrainer
 
 from ...controller import ReplayController
-from ...errors import ReplayConfigError
+from ...errors import ReplayConfigError, ReplayResumeWarning
 from ...staleness import AsyncReplay, plan_problems
+from ..common import restore
 from .async_config import HDRAsyncGRPOConfig
 from .async_queue import GroupRoutingQueue
+from .async_resume import apply_routing, parse_routing, routing_state
 from .async_rows import tree_logprobs
+from .checkpoints import refuse_incomplete, resume_target, save_with_replay
 
 SEGMENT_KEY = "hdr_segment_group"
 
@@ -48,6 +58,9 @@ SEGMENT_KEY = "hdr_segment_group"
 class _AfterWeightSync(TrainerCallback):
     def __init__(self, trainer: "HDRAsyncGRPOTrainer"):
         self.trainer = trainer
+
+    def on_train_begin(self, args, state, control, **kwargs):  # after TRL's: the weights are synced
+        self.trainer._begin()
 
     def on_step_end(self, args, state, control, **kwargs):
         self.trainer._after_update()
@@ -106,9 +119,15 @@ class HDRAsyncGRPOTrainer(AsyncGRPOTrainer):
         diag = args.replay_diagnostics_dir or os.path.join(args.output_dir, "hdreplay")
         rc = args.to_replay_config()
         self.areplay = AsyncReplay(ReplayController(rc, diagnostics_dir=diag if main else None),
-                                   args.to_staleness_config(), diagnostics_dir=diag if main else None)
+                                   args.to_staleness_config(), diagnostics_dir=diag if main else None,
+                                   resume_without_state=args.replay_resume_without_state,
+                                   resume_option="replay_resume_without_state")
         self.samples_per_step = (args.per_device_train_batch_size * args.gradient_accumulation_steps
                                  * self.accelerator.num_processes)
+        self.areplay.routing_parser = partial(parse_routing, samples_per_step=self.samples_per_step)
+        self._resuming = False  # a checkpoint was restored: train begin re-makes its open selection
+        #: the resumed run's first selection (for update N + 1 after checkpoint N), for logging and tests
+        self.resume_selection: list | None = None
         if main:
             self.rollout_queue = GroupRoutingQueue(
                 self.rollout_queue, n=args.num_generations, fresh_bound=args.max_staleness,
@@ -186,9 +205,9 @@ class HDRAsyncGRPOTrainer(AsyncGRPOTrainer):
         self._drift_log = []
         kinds = self.rollout_queue.kind_of
         out = {"floor": ([], []), "drift": defaultdict(lambda: [0.0, 0.0]), "delays": []}
-        for gid, (sq, cnt) in per.items():  # trained in this update, at version global_step
-            kind, v = kinds.get(gid, ("fresh", -1))
-            label = "replay" if kind == "replay" else ("fresh0" if v == self.state.global_step else "fresh")
+        for gid, (sq, cnt) in per.items():  # trained in this update, by the policy after update global_step - 1
+            kind, birth = kinds.get(gid, ("fresh", -1))
+            label = "replay" if kind == "replay" else ("fresh0" if birth == self.state.global_step - 1 else "fresh")
             out["drift"][label][0] += sq
             out["drift"][label][1] += cnt
             if label == "fresh0" and cnt:
@@ -207,16 +226,16 @@ class HDRAsyncGRPOTrainer(AsyncGRPOTrainer):
         main, u = self.accelerator.is_main_process, self.state.global_step
         payload = None
         if main:
-            routed, landed = self.rollout_queue.drain()
+            routed, landed = self.rollout_queue.drain(u)
             payload = {"routed": routed, "landed": landed, **self._measurements(landed)}
         if self.accelerator.num_processes > 1:
             payload = broadcast_object_list([payload], from_process=0)[0]
         ar = self.areplay
         for r in payload["routed"]:
-            got = ar.offer(r.group, step=r.version - 1, sampler_reference=True)
+            got = ar.offer(r.group, step=r.step, sampler_reference=True)
             if got != r.route:  # one rule, two evaluations: they cannot differ unless versions were mislabelled
                 raise RuntimeError(f"group {r.group.group_id}: routed {r.route!r} at version {r.version} but the "
-                                   f"staleness rule says {got!r} at step {r.version - 1}")
+                                   f"staleness rule says {got!r} at step {r.step}")
         ar.observe_floor(*payload["floor"])
         metrics = ar.commit(num_fresh_groups=payload["fresh_groups"]) if ar.is_open else {}
         sel = ar.select(step=u, scorer=self._scorer)
@@ -235,3 +254,52 @@ class HDRAsyncGRPOTrainer(AsyncGRPOTrainer):
         self.replay_log.append({"step": u, "routed": routed,
                                 "selected": [g.group_id for g in sel.groups], "delays": payload["delays"],
                                 "metrics": metrics, "landed": payload["landed"]})
+
+    # ------------------------------------------------------------------ checkpoints (see the module doc, 4.)
+    def _save_checkpoint(self, model, trial):
+        def write_state(path):
+            self.areplay.routing = routing_state(self.rollout_queue, step=self.state.global_step,
+                                                 intended=self._intended)
+            try:
+                self.areplay.controller.save(path, allow_open_step=True)  # the state as of the last commit
+            finally:
+                self.areplay.routing = None
+
+        save_with_replay(self, model, trial, save_trainer=super()._save_checkpoint, write_state=write_state)
+
+    def _load_optimizer_and_scheduler(self, checkpoint):
+        super()._load_optimizer_and_scheduler(checkpoint)
+        if checkpoint is not None:
+            refuse_incomplete(checkpoint)
+            restore(self.areplay.controller, checkpoint, allow_missing=self.args.replay_resume_without_state,
+                    option="replay_resume_without_state")
+            self._resuming = True
+
+    def train(self, resume_from_checkpoint=None, *args, **kwargs):
+        if resume_from_checkpoint is True:
+            resume_from_checkpoint = str(resume_target(self.args.output_dir))
+        return super().train(resume_from_checkpoint, *args, **kwargs)
+
+    def _begin(self) -> None:
+        """Train begin (every rank, after TRL's first weight sync): set the version shift; on a resume, hand the
+        restored routing to the proxy and re-make the selection the interrupted run had made for this update."""
+        main, u = self.accelerator.is_main_process, self.state.global_step
+        routing, self.areplay.routing = self.areplay.routing, None
+        if main:
+            self.rollout_queue.version_shift = self.model_version - (u + 1)
+            if routing is not None:
+                self._intended = apply_routing(self.rollout_queue, routing)
+        if not self._resuming:
+            return
+        self._resuming = False
+        self.model.train()  # as at the end of an update, where the interrupted run selected
+        sel = self.areplay.select(step=u, scorer=self._scorer)
+        self.resume_selection = [g.group_id for g in sel.groups]
+        if main:
+            self.rollout_queue.enqueue_replay(sel.groups)
+            self._intended.update({g.group_id: u + 1 for g in sel.groups})
+            if routing is not None and routing["selected"] != self.resume_selection:
+                warnings.warn(f"hdreplay async: the resumed run selected {self.resume_selection} for update {u + 1}, "
+                              f"the interrupted run had selected {routing['selected']}: re-scoring with the restored "
+                              "weights did not reproduce its Drift (a non-deterministic forward?)", ReplayResumeWarning,
+                              stacklevel=2)
