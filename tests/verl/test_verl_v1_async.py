@@ -7,6 +7,9 @@ stub's rows sampled by a perturbed copy of the policy (tests/support/verl_async_
 the previous step's leftover prompts stale every step, so verl evicts them -- and the sampler diverts them.
 """
 
+import json
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -31,10 +34,10 @@ ASYNC = ("trainer.v1.trainer_mode=colocate_async",
 BYPASS = "algorithm.rollout_correction.bypass_mode=true"
 
 
-def _run(worker_group, tokenizer, tiny_model_dir, tmp, *extra):
+def _run(worker_group, tokenizer, tiny_model_dir, tmp, *extra, steps=3):
     sampler = PerturbedSampler(tiny_model_dir, noise=0.05)
     run = run_v1(HDRPPOTrainerColocateAsync, worker_group, tokenizer, tiny_model_dir, tmp, *ASYNC, *extra,
-                 lr=0.05, steps=3, flat=flat_every_4th, trajectory=sampler)
+                 lr=0.05, steps=steps, flat=flat_every_4th, trajectory=sampler)
     return run, sampler
 
 
@@ -46,6 +49,19 @@ def decoupled(worker_group, transfer_queue, tokenizer, tiny_model_dir, tmp_path_
 @pytest.fixture(scope="module")
 def bypass(worker_group, transfer_queue, tokenizer, tiny_model_dir, tmp_path_factory):
     return _run(worker_group, tokenizer, tiny_model_dir, tmp_path_factory.mktemp("v1_bypass"), BYPASS)
+
+
+@pytest.fixture(scope="module")
+def resumed(worker_group, transfer_queue, tokenizer, tiny_model_dir, tmp_path_factory):
+    """4 updates with a checkpoint after update 2, then the same run resumed from it (verl restores TransferQueue and
+    its dataloader; hdreplay the buffer and the staleness rule's state)."""
+    ckpt = tmp_path_factory.mktemp("v1_async_resume")
+    diag = f"hdr.diagnostics_dir={ckpt}/diagnostics"
+    first, _ = _run(worker_group, tokenizer, tiny_model_dir, ckpt, diag, "trainer.save_freq=2", steps=4)
+    ledger = (ckpt / "diagnostics" / "async.jsonl").read_text()
+    again, _ = _run(worker_group, tokenizer, tiny_model_dir, ckpt, diag, "trainer.resume_mode=resume_path",
+                    f"trainer.resume_from_path={ckpt}/global_step_2", steps=4)
+    return first, ledger, again, ckpt
 
 
 def _vanilla_loss(mb: dict, actor) -> float:
@@ -178,3 +194,104 @@ def test_bypass_alone_is_accepted(tiny_model_dir):
     cfg = compose_v1_config(BYPASS, "actor_rollout_ref.rollout.calculate_log_probs=true", ckpt_dir="/tmp/unused",
                             model_dir=tiny_model_dir)
     assert validate_verl_config(cfg).active
+
+
+def test_resumed_async_run_restores_the_staleness_state_and_selects_as_the_uninterrupted_run(resumed):
+    """verl restores its own side (TransferQueue, dataloader), but in this harness the resumed run trains other fresh
+    prompts from update 3 on than the uninterrupted one (verl's restored sampler order), so what is compared is the
+    first resumed selection (update 3: the restored buffer, floor and tracking, the restored weights) and the state's
+    continuity (ledger totals, async.jsonl), not updates after it."""
+    first, ledger, again, _ = resumed
+    assert again.trainer.resumed_at == 2 and [s["step"] for s in again.trainer.steps] == [3, 4]
+    prompt_of = {**first.agent.prompt_of, **again.agent.prompt_of}  # uids are fresh uuids in every run
+
+    def content(group_ids):  # (birth tag, prompt index) of each "<step>:<uid>" / "stale<birth>:<uid>"
+        return [(tag, prompt_of[uid]) for tag, uid in (str(g).split(":", 1) for g in group_ids)]
+
+    sa, sb = first.trainer.steps[2]["selection"], again.trainer.steps[0]["selection"]
+    assert len(sa.scanned) >= 4 and content(sa.scanned_group_ids) == content(sb.scanned_group_ids)
+    assert any(g.startswith("stale") for g, _ in content(sa.scanned_group_ids))  # diverted before the checkpoint
+    assert np.array_equal(sa.scanned_pass, sb.scanned_pass)
+    assert content(g.group_id for g in sa.groups) == content(g.group_id for g in sb.groups)
+    np.testing.assert_allclose(sa.scanned_drift, sb.scanned_drift, rtol=1e-6, atol=1e-9)
+    tau = first.trainer.replay.tau
+    assert (sa.scanned_tau > tau).any()  # sampler-referenced groups gated with the measured floor ...
+    np.testing.assert_allclose(sb.scanned_tau, sa.scanned_tau, rtol=1e-9)  # ... restored, not re-measured from 0
+    recs = lambda text: [json.loads(x) for x in text.splitlines()]  # noqa: E731
+    la, lb = recs(ledger), recs((Path(again.trainer.hdr.diagnostics_dir) / "async.jsonl").read_text())
+    assert [r["step"] for r in la] == [r["step"] for r in lb] == [1, 2, 3, 4]  # rewound to the checkpoint, continued
+    assert la[:2] == lb[:2] and la[1]["totals"]["diverted_groups"] > 0
+    counts = [k for k in la[1]["totals"]]
+    for r in lb[2:]:  # the resumed ledger counts on from the checkpoint's totals
+        prev = lb[lb.index(r) - 1]["totals"]
+        assert all(r["totals"][k] == prev[k] + r[k] for k in counts)
+    fb = again.trainer.async_seam.areplay
+    assert fb.ledger.totals == lb[-1]["totals"]
+    assert [r["floor_groups"] for r in lb] == sorted(r["floor_groups"] for r in lb)  # the floor's count goes on
+    t = fb.ledger.totals  # every group the sampler captured, before and after the resume, reached the rule
+    captured = again.trainer.async_seam.sampler.captured
+    assert captured == t["diverted_groups"] + t["dropped_groups"] > la[1]["totals"]["diverted_groups"]
+
+
+def test_resume_without_the_replay_state_is_refused_unless_allowed(resumed, worker_group, tokenizer, tiny_model_dir,
+                                                                   tmp_path):
+    """A verl checkpoint without hdreplay/ (the buffer and the staleness rule's state): refused naming
+    hdr.resume_without_state; with it set, the run resumes with everything empty."""
+    import shutil
+
+    from hdreplay import CheckpointError
+
+    *_, ckpt = resumed
+    copy = tmp_path / "ckpt"
+    shutil.copytree(ckpt / "global_step_2", copy / "global_step_2")
+    (copy / "latest_checkpointed_iteration.txt").write_text("2")
+    shutil.rmtree(copy / "global_step_2" / "hdreplay")
+    resume = ("trainer.resume_mode=resume_path", f"trainer.resume_from_path={copy}/global_step_2",
+              f"hdr.diagnostics_dir={tmp_path}/diagnostics")
+    with pytest.raises(CheckpointError, match=r"set hdr\.resume_without_state=True"):
+        _run(worker_group, tokenizer, tiny_model_dir, copy, *resume, steps=3)
+    with pytest.warns(UserWarning, match=r"empty buffer \(hdr\.resume_without_state=True\)"):
+        run, _ = _run(worker_group, tokenizer, tiny_model_dir, copy, *resume, "hdr.resume_without_state=true",
+                      steps=3)
+    assert run.trainer.resumed_at == 2 and [s["step"] for s in run.trainer.steps] == [3]
+    [rec] = [json.loads(x) for x in (tmp_path / "diagnostics" / "async.jsonl").read_text().splitlines()]
+    assert rec["step"] == 3 and all(rec["totals"][k] == rec[k] for k in rec["totals"])  # the ledger started empty
+
+
+def _strip_staleness_state(folder: Path) -> None:
+    """Rewrite the controller checkpoint in ``folder`` without the staleness rule's state (what the synchronous
+    trainer, or an hdreplay that did not save it, writes)."""
+    from hdreplay.checkpoint import open_checkpoint_dir, write_checkpoint_dir
+    from hdreplay.controller import CONTROLLER_FORMAT, CONTROLLER_VERSION, CONTROLLER_VERSIONS
+
+    with open_checkpoint_dir(folder, format_name=CONTROLLER_FORMAT, versions=CONTROLLER_VERSIONS) as (t, meta):
+        tensors, meta = {k: v.read().clone() for k, v in t.items()}, json.loads(json.dumps(meta))
+    assert meta["observers"].pop("staleness")["totals"]["diverted_groups"] > 0
+    write_checkpoint_dir(folder, format_name=CONTROLLER_FORMAT, version=CONTROLLER_VERSION, tensors=tensors,
+                         meta=meta)
+
+
+def test_resume_without_the_staleness_state_is_refused_naming_verls_option(resumed, worker_group, tokenizer,
+                                                                          tiny_model_dir, tmp_path):
+    """hdreplay/ holds the buffer but not the staleness rule's state: refused naming hdr.resume_without_state (not
+    another front end's spelling); with it set, the buffer is restored and the rule starts empty."""
+    import shutil
+
+    from hdreplay import CheckpointError
+
+    *_, ckpt = resumed
+    copy = tmp_path / "ckpt"
+    shutil.copytree(ckpt / "global_step_2", copy / "global_step_2")
+    (copy / "latest_checkpointed_iteration.txt").write_text("2")
+    _strip_staleness_state(copy / "global_step_2" / "hdreplay")
+    resume = ("trainer.resume_mode=resume_path", f"trainer.resume_from_path={copy}/global_step_2",
+              f"hdr.diagnostics_dir={tmp_path}/diagnostics")
+    with pytest.raises(CheckpointError, match=r"no staleness state.*set hdr\.resume_without_state=True"):
+        _run(worker_group, tokenizer, tiny_model_dir, copy, *resume, steps=3)
+    with pytest.warns(UserWarning, match=r"start empty \(hdr\.resume_without_state=True\)"):
+        run, _ = _run(worker_group, tokenizer, tiny_model_dir, copy, *resume, "hdr.resume_without_state=true",
+                      steps=3)
+    assert run.trainer.resumed_at == 2 and [s["step"] for s in run.trainer.steps] == [3]
+    assert len(run.trainer.steps[0]["selection"].scanned) > 0  # the buffer was restored
+    [rec] = [json.loads(x) for x in (tmp_path / "diagnostics" / "async.jsonl").read_text().splitlines()]
+    assert all(rec["totals"][k] == rec[k] for k in rec["totals"])  # the ledger started empty

@@ -66,6 +66,9 @@ class ReplayCheckpoints:
 
     def _save_checkpoint(self):
         if self.replay_active:  # before verl writes latest_checkpointed_iteration.txt
+            seam = getattr(self, "async_seam", None)
+            if seam is not None:  # the staleness rule's state rides in the controller's checkpoint
+                seam.before_save()
             # the state as of the last commit (no step is open when verl saves, after the update)
             self.replay.save(os.path.join(step_dir(self.config.trainer, self.global_steps), STATE_DIR),
                              allow_open_step=True)
@@ -80,4 +83,6 @@ class ReplayCheckpoints:
         if folder is not None:
             restore(self.replay, folder, allow_missing=self.hdr.resume_without_state,
                     option="hdr.resume_without_state")
+            if getattr(self, "async_seam", None) is not None:
+                self.async_seam.after_load()
         return result

@@ -18,10 +18,17 @@ update are re-scored by the training engine (the scan's own ``compute_log_prob``
 
 Replayed rows carry their stored log-probs as ``old_log_probs``: for a diverted group (and any group in bypass
 mode) the sampler's, the denominator verl's bypass-mode loss uses for fresh rows too.
+
+Checkpoints: the rule's state (floor, ledger, diverted groups tracked) is saved with the controller in
+``global_step_N/hdreplay`` (:mod:`hdreplay.staleness.state`), with the sampler's counters (groups captured, problems);
+a checkpoint without it is refused unless ``hdr.resume_without_state``.  The sampler's diverted groups are always
+taken by the update that follows their eviction, before verl saves; verl restores its own rollout state
+(TransferQueue, the dataloader).
 """
 
 from __future__ import annotations
 
+from ...errors import CheckpointError
 from ...staleness import AsyncReplay, StalenessConfig
 from .async_settings import bypass_mode, uses_hdr_sampler
 from .v1_sampler import HDRReplayBufferAsync
@@ -52,7 +59,10 @@ class AsyncSeam:
                                 norm_by_std=bool(get("algorithm.norm_adv_by_std_in_grpo", True)), parameter_sync_step=p)
         bound = int(thr) * p - 1 if thr is not None else 2**40
         self.areplay = AsyncReplay(trainer.replay, StalenessConfig(fresh_bound=bound, ingest_fresh=True),
-                                   diagnostics_dir=trainer.hdr.diagnostics_dir)
+                                   diagnostics_dir=trainer.hdr.diagnostics_dir,
+                                   resume_without_state=trainer.hdr.resume_without_state,
+                                   resume_option="hdr.resume_without_state")
+        self.areplay.routing_parser = _parse_sampler_state
 
     @classmethod
     def for_trainer(cls, trainer) -> "AsyncSeam | None":
@@ -75,6 +85,21 @@ class AsyncSeam:
         if self.sampler is not None:
             metrics["async/sampler_problems"] = float(len(self.sampler.problems))
         return metrics
+
+    # ------------------------------------------------------------------ checkpoints
+    def before_save(self) -> None:
+        """What rides with the controller's save: the sampler's counters (its diverted groups are all taken)."""
+        if self.sampler is not None and self.sampler.diverted:  # verl 0.9.1 evicts only inside its step's sampling
+            raise CheckpointError(f"{len(self.sampler.diverted)} diverted groups not yet offered to the staleness rule "
+                                  "at a checkpoint: they would be lost on resume (a verl loop that evicts after the "
+                                  "update is not supported)")
+        s = self.sampler
+        self.areplay.routing = None if s is None else {"captured": s.captured, "problems": list(s.problems)}
+
+    def after_load(self) -> None:
+        routing, self.areplay.routing = self.areplay.routing, None
+        if routing is not None and self.sampler is not None:
+            self.sampler.captured, self.sampler.problems = routing["captured"], list(routing["problems"])
 
     # ------------------------------------------------------------------ the floor
     def _current_uids(self, data, tags) -> set[str]:
@@ -116,6 +141,14 @@ class AsyncSeam:
         current = self.trainer._replay_scorer(probe)
         drifts = [float(((c - g.logprobs)[g.loss_mask] ** 2).mean()) for g, c in zip(probe, current)]
         self.areplay.observe_floor(drifts, [g.num_loss_tokens for g in probe])
+
+
+def _parse_sampler_state(d) -> dict:
+    if not (isinstance(d, dict) and set(d) == {"captured", "problems"} and isinstance(d["captured"], int)
+            and not isinstance(d["captured"], bool) and d["captured"] >= 0 and isinstance(d["problems"], list)
+            and all(isinstance(x, str) for x in d["problems"])):
+        raise CheckpointError(f"the sampler's state must be {{captured: int >= 0, problems: [str]}}, got {d!r:.80}")
+    return dict(d)
 
 
 def seam_for(trainer) -> AsyncSeam | None:
