@@ -18,6 +18,7 @@ import trl_seam  # noqa: E402  (tests/support)
 from trl_seam_print import PRINT_FIELDS, _load, item_print  # noqa: E402
 
 DOCS = trl_seam.ROOT / "docs" / "trl.md"
+trl_seam.preload(trl_seam.load_record())  # at collection: before any test runs TrlParser (see preload)
 
 
 @pytest.fixture(scope="module")
@@ -182,6 +183,38 @@ def test_a_new_override_or_private_use_without_a_record_entry_fails(items, tmp_p
     key = next(k for k, it in items.items() if it.kind == "override" and it.section == "items")
     moved = {**exact, "items": {**exact["items"], key: {"kind": "private"}}}
     assert f"recorded as private, now override: {key}" in trl_seam.coverage_problem(items, moved, strict=True)
+
+
+PARSE_FIRST = """
+import sys
+sys.path.insert(0, {support!r})
+import trl_seam
+record = trl_seam.load_record()
+if {preload}:
+    trl_seam.preload(record)
+from trl import TrlParser
+from hdreplay.integrations.trl import HDRGRPOConfig
+TrlParser((HDRGRPOConfig,)).parse_args_and_config(["--output_dir=/tmp/hdr_seam_parse", "--use_cpu", "--bf16=false",
+                                                    "--num_generations=4", "--per_device_train_batch_size=8"])
+print(sorted(c.key for c in trl_seam.compare(record)))
+"""
+
+
+def test_the_check_does_not_depend_on_a_parse_run_before_it():
+    """TrlParser rewrites the shared TrainingArguments fields' types in place; a config class imported after that
+    prints another signature.  Without preload the recorded seam 'changes' (the hazard is real), with it the check
+    sees the classes as TRL defines them, whatever ran earlier in the session."""
+    import subprocess
+    import sys
+
+    def changed(preload: bool) -> str:
+        code = PARSE_FIRST.format(support=str(trl_seam.ROOT / "tests" / "support"), preload=preload)
+        p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=trl_seam.ROOT)
+        assert p.returncode == 0, p.stderr[-2000:]
+        return p.stdout.strip().splitlines()[-1]
+
+    assert changed(preload=True) == "[]"
+    assert "trl.experimental.async_grpo.AsyncGRPOConfig" in changed(preload=False)
 
 
 def test_normalized_source_ignores_comments_docstrings_and_blank_lines():
