@@ -31,6 +31,8 @@ import numpy as np
 
 from hdreplay.atomic import atomic_write_text
 
+from ..analysis.load import AnalysisInputError
+
 from .curves import cost_to_target, method_curve, read_curve
 from .regime import cost_for_share, method_regime, run_regime
 from .methods import METHODS
@@ -67,10 +69,10 @@ def _conflicts(have, want, path: str = "") -> list[tuple[str, object, object]]:
 
 
 def check_runs_agree(out: Path, cfg, methods) -> None:
-    """Refuse (ValueError) to summarize when a run's run.json disagrees with the comparison's settings for that method
-    and seed (``cfg.spec``), or the runs did not all start from the same model: paired intervals over seeds that ran
-    different settings would compare settings, not methods."""
-    models = {}
+    """Refuse (AnalysisInputError: the command line reports it in one line) to summarize when a run's run.json
+    disagrees with the comparison's settings for that method and seed (``cfg.spec``), or the runs did not all start
+    from the same model: paired intervals over seeds that ran different settings would compare settings, not methods."""
+    models: dict = {}
     for m in methods:
         for s in range(cfg.seeds):
             d = _run_dir(out, m.name, s)
@@ -80,16 +82,16 @@ def check_runs_agree(out: Path, cfg, methods) -> None:
             bad = _conflicts({k: v for k, v in have.items() if k in want}, want)
             if bad:
                 k, h, w = bad[0]
-                raise ValueError(f"refusing to summarize {out}: {d.relative_to(out)} ran with {k}={h!r} where the "
-                                 f"comparison (compare.json) has {k}={w!r}" + (f" (and {len(bad) - 1} more)" if len(bad) > 1
-                                                                                else "")
-                                 + "; its seeds disagree on settings. Rerun that run (delete its directory and run the "
-                                 "same command) or use another --out")
+                more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
+                raise AnalysisInputError(
+                    f"refusing to summarize {out}: {d.relative_to(out)} ran with {k}={h!r} where the comparison "
+                    f"(compare.json) has {k}={w!r}{more}: its seeds disagree on settings; rerun that run (delete its "
+                    "directory and run the same command) or use another --out")
             models.setdefault(have.get("model"), []).append(str(d.relative_to(out)))
     if len(models) > 1:
         (a, ra), (b, rb) = list(models.items())[:2]
-        raise ValueError(f"refusing to summarize {out}: its runs started from different models ({ra[0]}: {a}; "
-                         f"{rb[0]}: {b}); every run of a comparison starts from the same warm start")
+        raise AnalysisInputError(f"refusing to summarize {out}: its runs started from different models ({ra[0]}: {a}; "
+                                 f"{rb[0]}: {b}); every run of a comparison starts from the same warm start")
 
 
 def summarize(out: Path, cfg, methods, task, *, reps: int = 4000) -> dict:
