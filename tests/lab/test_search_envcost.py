@@ -117,3 +117,17 @@ def test_a_comparison_whose_seeds_disagree_on_settings_refuses_to_summarize(tmp_
     run["added_later"] = 1  # a key the comparison does not know is not a disagreement
     path.write_text(json.dumps(run))
     check_runs_agree(tmp_path, cfg, methods)
+
+
+def test_step_stats_count_tool_calls_turns_and_cpu_per_step_and_in_total():
+    from hdreplay_lab.sandbox.instrument import StepStats
+
+    s = StepStats(counts_tools=True, tool_calls=70, tool_turns=2, policy_tokens=1500, cpu_s=1.25)
+    first = s.take()
+    assert (first["tool_calls"], first["tool_turns"], first["policy_tokens"], first["cpu_s"]) == (70, 2, 1500, 1.25)
+    second = s.take()  # a step without calls logs zeros, and the totals stay
+    assert (second["tool_calls"], second["tool_turns"], second["cpu_s"]) == (0, 0, 0.0)
+    s.tool_calls, s.tool_turns, s.cpu_s = 5, 1, 0.5
+    s.take()
+    assert s.cum == {"policy_tokens": 1500, "tool_calls": 75, "tool_turns": 3, "cpu_s": 1.75}
+    assert "tool_calls" not in StepStats().take()  # a task without tools logs no tool counts
