@@ -197,13 +197,23 @@ def target_grid(arrs: dict[str, dict], k: int = 25) -> np.ndarray:
     return np.linspace(lo, hi, k)
 
 
+#: the on-policy baselines the crossover is also computed against at lower targets (the issue's two comparisons)
+ON_POLICY = ("onpolicy_larger", "onpolicy_matched")
+#: lower targets: these fractions of the way from the warm start's curve value to the target
+TARGET_FRACTIONS = (0.5, 0.75, 1.0)
+
+
 def wallclock_summary(curves: dict[str, Sequence[list[dict]]], latencies: Sequence[float], target: float, *,
                       reference: str, others: Sequence[str], reps: int = 2000) -> dict:
     """Per concurrency model: time to ``target`` of every method at each latency, and the crossover latency of
-    ``reference`` against each of ``others`` (with intervals); the time-to-target curves over :func:`target_grid`."""
+    ``reference`` against each of ``others`` (with intervals); the same crossover against the on-policy baselines at
+    :data:`TARGET_FRACTIONS` of the way from the start to ``target`` (one target is one point of a noisy curve); the
+    time-to-target curves over :func:`target_grid`."""
     arrs = {m: curve_arrays(c) for m, c in curves.items()}
     grid = target_grid(arrs)
-    out = {"target": target, "targets": grid.tolist()}
+    start = float(arrs[reference]["acc"].mean(axis=0)[0])
+    lower = [start + f * (target - start) for f in TARGET_FRACTIONS]
+    out = {"target": target, "targets": grid.tolist(), "start": start, "crossover_targets": lower}
     for conc in CONCURRENCY:
         lines = {m: reach_line(a, target, conc) for m, a in arrs.items()}
         res = {"to_target_s": {m: {f"{lat:g}": time_at(ln, lat) for lat in latencies} for m, ln in lines.items()},
@@ -211,6 +221,9 @@ def wallclock_summary(curves: dict[str, Sequence[list[dict]]], latencies: Sequen
                "curves": {m: {f"{lat:g}": [time_at(reach_line(a, t, conc), lat) for t in grid] for lat in latencies}
                           for m, a in arrs.items()},
                "crossover": {o: crossover(arrs[reference], arrs[o], target, conc, reps=reps)
-                             for o in others if o in arrs and reference in arrs}}
+                             for o in others if o in arrs},
+               "crossover_by_target": [{"target": t, **{o: crossover(arrs[reference], arrs[o], t, conc, reps=reps)
+                                                        for o in ON_POLICY if o in arrs and o in others}}
+                                       for t in lower]}
         out[conc] = res
     return out

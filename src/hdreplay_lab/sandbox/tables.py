@@ -276,4 +276,17 @@ def _wallclock(summary: dict) -> list[str]:
                 "latency; never: at no latency above some value), with the 95 % percentile interval over paired seed "
                 "resamples and the share of resamples where it never does / always does:", "",
             table(["Concurrency", "Against", "Sooner above", "95 % interval", "Never", "Always"], rows)]
+    rows = []
+    for c in ("per_turn", "sequential"):
+        for row in wc[c].get("crossover_by_target", []):
+            for o, x in row.items():
+                if o != "target":
+                    rows.append([c.replace("_", " "), f"{row['target']:.3f}", ms[o]["label"], _lat(x["latency_ms"]),
+                                 f"[{_lat(x['lo'])}, {_lat(x['hi'])}]", f"{100 * x['never_share']:.0f}%",
+                                 f"{100 * x['always_share']:.0f}%"])
+    if rows:
+        out += ["", f"The same against the on-policy baselines at lower targets (half, three quarters and all of the way "
+                    f"from the warm start's curve value {wc['start']:.3f} to the target): one target is one point of a "
+                    "noisy curve.", "",
+                table(["Concurrency", "Target", "Against", "Sooner above", "95 % interval", "Never", "Always"], rows)]
     return out
