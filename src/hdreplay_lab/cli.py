@@ -205,6 +205,8 @@ class CalibrateConfig(CompareConfig):
     steps: int = 100
     eval_n: int = 4
     latency_ms: Suppress[float | None] = None
+    latencies_ms: Suppress[CommaFloat] = None
+    tool_concurrency: Suppress[Literal["per_turn", "sequential"]] = "per_turn"
     modelled_ms_per_token: Suppress[float | None] = None
     eval_every: int = 0
     curve_prompts: Suppress[int] = 30
