@@ -16,7 +16,7 @@ VPY       := $(VENV_VERL)/bin/python
 VSTAMP    := $(VENV_VERL)/.hdreplay-installed
 PIP_FLAGS := --disable-pip-version-check -q
 
-.PHONY: demo test test-core test-verl bench bench-verl venv venv-verl clean
+.PHONY: demo test test-core test-verl test-release bench bench-verl venv venv-verl clean
 
 venv: $(STAMP)
 venv-verl: $(VSTAMP)
@@ -36,10 +36,15 @@ $(VSTAMP): pyproject.toml constraints-verl.txt
 demo: $(STAMP)
 	$(VENV)/bin/hdreplay demo
 
-test: test-core test-verl
+test: test-core test-verl test-release
 
 test-core: $(STAMP)
-	$(PY) -m pytest -q -m "not verl"
+	$(PY) -m pytest -q -m "not verl and not release"
+
+# the built wheel installed into a fresh venv from PyPI (unconstrained but for torch) and trained through
+# HDRGRPOTrainer: 2-3 minutes, once per `make test` (tests/release/test_clean_install.py)
+test-release: $(STAMP)
+	$(PY) -m pytest -q -m release
 
 test-verl: $(VSTAMP)
 	$(VPY) -m pytest -q -m verl

@@ -1,5 +1,6 @@
 """Rewrite tests/trl/data/trl_seam.json: the TRL seam (what hdreplay overrides on TRL / transformers classes and the
-private names it uses), found by scanning src/, fingerprinted against the installed trl and transformers.
+private names it uses), found by scanning src/, fingerprinted against the installed trl and transformers; what only
+the lab (hdreplay_lab) uses is recorded apart, in the record's "lab" section.
 
     PYTHONPATH=src .venv/bin/python scripts/trl_seam_record.py
 
@@ -19,12 +20,14 @@ import trl_seam  # noqa: E402
 
 def main() -> None:
     record = trl_seam.write_record()
-    kinds = {}
-    for item in record["items"].values():
-        kinds[item["kind"]] = kinds.get(item["kind"], 0) + 1
     v = record["recorded_with"]
-    print(f"{trl_seam.RECORD.relative_to(trl_seam.ROOT)}: {len(record['items'])} items "
-          f"({', '.join(f'{n} {k}' for k, n in sorted(kinds.items()))}) against trl {v['trl']}, "
+    counts = []
+    for section, what in (("items", "seam items"), ("lab", "lab-only items")):
+        kinds: dict[str, int] = {}
+        for item in record[section].values():
+            kinds[item["kind"]] = kinds.get(item["kind"], 0) + 1
+        counts.append(f"{len(record[section])} {what} ({', '.join(f'{n} {k}' for k, n in sorted(kinds.items()))})")
+    print(f"{trl_seam.RECORD.relative_to(trl_seam.ROOT)}: {'; '.join(counts)} against trl {v['trl']}, "
           f"transformers {v['transformers']}")
 
 

@@ -80,8 +80,8 @@ class ReplayConfig:
     not a number, ``1`` is not ``True``, ``2.0`` is not an int).
 
     >>> cfg = ReplayConfig(k_rep=4, tau=1e-3, capacity=64)
-    >>> cfg.scan_budget  # max_scan unset: min(capacity, 8 * k_rep) re-scores per step at most
-    32
+    >>> cfg.scan_budget  # max_scan unset: the paper's scan, up to the whole buffer
+    64
     >>> try:
     ...     ReplayConfig(tau=-1.0)
     ... except ReplayConfigError as e:
@@ -117,9 +117,9 @@ class ReplayConfig:
 
     # ---- the scan's engineering: how the selection is computed (ReplayConfig.paper() sets the paper's scan)
     max_scan: int | None = knob(
-        None, "scan budget: at most this many groups are re-scored per step; unset = min(capacity, 8 * k_rep), "
-              "so a gate that passes fewer than 1 in 8 groups cannot fill the budget, and a tau so tight that "
-              "nothing passes costs at most 8 * k_rep re-scores per step instead of the whole buffer", flat=int)
+        None, "scan budget: at most this many groups are re-scored per step; unset = no cap, the paper's scan (to "
+              "K_rep admitted groups or the end of the buffer). A cap saves forwards when the gate passes few groups "
+              "and C > 8 K_rep; at the paper's settings (C 512, K_rep 128) a cap of 8 K_rep never binds", flat=int)
     scan_passes: int = knob(
         4, "exact early rejection: each scanned group's responses are forwarded in at most this many slices (batched "
            "across the groups of a scan window) and a group stops being forwarded once the Drift of what was forwarded "
@@ -237,10 +237,8 @@ class ReplayConfig:
         if bad:
             raise ReplayConfigError(f"ReplayConfig.paper: {bad} are what paper() fixes to the paper's scan; build "
                                     "ReplayConfig(...) directly to change them", field=bad[0])
-        capacity = settings.get("capacity", cls.__dataclass_fields__["capacity"].default)
-        return cls(selector="headroom_drift", scan_passes=1, scan_refresh="finish", skip_rejected=0,
-                   max_scan=capacity if isinstance(capacity, int) and not isinstance(capacity, bool) and capacity >= 1
-                   else None, **settings)
+        return cls(selector="headroom_drift", scan_passes=1, scan_refresh="finish", skip_rejected=0, max_scan=None,
+                   **settings)
 
     @property
     def unit(self) -> str:
@@ -269,10 +267,10 @@ class ReplayConfig:
 
     @property
     def scan_budget(self) -> int:
-        """Groups that may be re-scored per step (``max_scan``, or its automatic value)."""
+        """Groups that may be re-scored per step: ``max_scan``, or (unset) the whole buffer."""
         if self.max_scan is not None:
             return self.max_scan * self.rows_per_unit
-        return min(self.unit_capacity, 8 * self.unit_budget)
+        return self.unit_capacity
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-able view (a callable ingress rule is shown by its name)."""

@@ -10,7 +10,8 @@ the help (the CleanRL pattern, ``tyro.cli``).
     hdreplay explain               the replay primitive on synthetic groups, every decision printed (no model)
 
 Every replay knob of :class:`hdreplay.ReplayConfig` is an option ``--replay.<name>`` of ``demo``, ``compare`` and
-``calibrate run`` (flags.py).  Bad input is one line on stderr and exit status 2, before anything is written or trained.
+``calibrate run`` (flags.py).  Bad input is one line on stderr (a run directory that cannot be read: one line per
+problem) and exit status 2, before anything is written or trained.
 A help longer than a line is written as adjacent string literals under its field (one string to tyro's docstring
 reader; a triple-quoted docstring's line breaks would show in ``--help``).
 """
@@ -106,7 +107,8 @@ class RunsArgs:
     label: UseAppendAction[list[str]] = field(default_factory=list)
     """label of each run, in order (repeat; unset: directory names)"""
     on_bad_line: Literal["skip", "stop"] = "skip"
-    """a malformed JSONL line: skip it with a warning naming file:line, or stop"""
+    ("a JSONL line cut short (what a crash mid-write leaves): skip it with a warning naming file:line, or stop; "
+     "anything else that cannot be read as a run is an error either way")
     figures: bool = True
     """write the PNG figures"""
     progress: bool = True
@@ -140,7 +142,16 @@ class ReportArgs(RunsArgs):
     def run(self) -> int:
         from .analysis import build_report, load_run, write_report
 
-        runs = [load_run(p, label=lab, on_bad_line=self.on_bad_line, warn=False) for p, lab in zip(self.runs, self.labels)]
+        from .analysis import AnalysisInputError
+
+        runs, refused = [], []
+        for p, lab in zip(self.runs, self.labels):  # every run is read, so every problem of every run is listed
+            try:
+                runs.append(load_run(p, label=lab, on_bad_line=self.on_bad_line, warn=False))
+            except AnalysisInputError as e:
+                refused.append(str(e))
+        if refused:
+            raise AnalysisInputError(messages=refused)
         for msg in (m for r in runs for m in r.problems):
             print(f"warning: {msg}", file=sys.stderr)
         report = build_report(runs, self.settings, show_progress=self.progress)
@@ -194,6 +205,8 @@ class CalibrateConfig(CompareConfig):
     steps: int = 100
     eval_n: int = 4
     latency_ms: Suppress[float | None] = None
+    latencies_ms: Suppress[CommaFloat] = None
+    tool_concurrency: Suppress[Literal["per_turn", "sequential"]] = "per_turn"
     modelled_ms_per_token: Suppress[float | None] = None
     eval_every: int = 0
     curve_prompts: Suppress[int] = 30
@@ -404,8 +417,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return cmd.run()
     except (AnalysisInputError, ReplayError, OSError) as e:  # the analyses' bad input (bad lines with --on-bad-line
-        # stop, malformed records, ...) and any replay setting refused once the command runs: one line, exit 2
-        print(f"{name}: error: {e}", file=sys.stderr)
+        # stop, malformed records, ...) and any replay setting refused once the command runs: one line per problem
+        for msg in getattr(e, "messages", None) or [e]:  # (several runs refused: each run's problems)
+            print(f"{name}: error: {msg}", file=sys.stderr)
         return 2
 
 

@@ -172,9 +172,9 @@ def test_scan_budget_caps_rescoring_and_is_reported():
     assert len(sel.scanned) + sel.scored_unused <= 7 and len(sel.scanned) == 7 and sel.scan_capped
     assert sum(pol.calls) == len(sel.scanned) + sel.scored_unused
     auto = ReplayConfig(k_rep=3, capacity=40)
-    assert auto.scan_budget == 24 and ReplayConfig(k_rep=3, capacity=10).scan_budget == 10
+    assert auto.scan_budget == 40 and ReplayConfig(k_rep=3, capacity=10).scan_budget == 10  # unset: the buffer
     full = select_replay(ctrl.buffer, dataclasses.replace(cfg, max_scan=None, capacity=40), pol.scorer, step=8)
-    assert len(full.scanned) == 24 and full.scan_capped  # the automatic budget: 8 * k_rep
+    assert len(full.scanned) == len(ctrl.buffer) and not full.scan_capped  # the paper's scan: to the end
 
 
 def test_a_starved_gate_warns_once_after_several_steps():

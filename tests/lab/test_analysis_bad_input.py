@@ -1,5 +1,6 @@
-"""Bad input: truncated / malformed JSONL lines (skip or stop, naming file:line), empty and non-run
-directories, a directory where a log belongs, runs without usable replay records, bad settings.  Never a
+"""Bad input: JSONL lines cut short (skip or stop, naming file:line) and malformed ones (refused), empty and non-run
+directories, a directory where a log belongs, runs without usable replay records, bad settings (more unreadable
+inputs: test_report_unreadable.py).  Never a
 traceback from the entry point: one line on stderr and exit status 2."""
 
 import json
@@ -39,13 +40,19 @@ def test_truncated_line_is_skipped_with_a_warning_naming_file_and_line(real_run,
 def test_stop_on_bad_line_exits_2_with_file_and_line(real_run, tmp_path, capsys):
     groups = real_run / "replay" / "groups.jsonl"
     lines = groups.read_text().splitlines(keepends=True)
-    lines[4] = "this is not json\n"
+    lines[4] = lines[4][:25] + "\n"  # a record cut short (a crash, then a resumed writer on a new line)
     groups.write_text("".join(lines))
     rc, out = run_report([real_run, "--out", tmp_path / "o", "--on-bad-line", "stop"], capsys)
     assert rc == 2 and f"{groups}:5: not valid JSON" in out.err and "--on-bad-line skip" in out.err
     assert not (tmp_path / "o" / "report.md").exists()
     rc, out = run_report([real_run, "--out", tmp_path / "o"], capsys)
     assert rc == 0 and f"{groups}:5" in out.err
+    # a line that is no record cut short is refused whatever the policy
+    lines[4] = "this is not json\n"
+    groups.write_text("".join(lines))
+    for policy in ("skip", "stop"):
+        rc, out = run_report([real_run, "--out", tmp_path / "o2", "--on-bad-line", policy], capsys)
+        assert rc == 2 and f"{groups}:5: not a JSON object" in out.err and not (tmp_path / "o2").exists()
 
 
 def test_empty_missing_file_and_non_run_directories(tmp_path, capsys):
@@ -76,15 +83,19 @@ def test_output_path_that_is_a_file_is_refused_before_anything_is_written(real_r
     one_error_line(out.err, "is a file")
 
 
-def test_replay_dir_without_usable_records(tmp_path, capsys):
+def test_replay_dir_without_usable_records_is_refused(tmp_path, capsys):
     run = tmp_path / "run"
     (run / "replay").mkdir(parents=True)
-    (run / "replay" / "steps.jsonl").write_text('[1, 2]\n{"step": 0, "selec')  # no object, a crash mid-write
+    steps = run / "replay" / "steps.jsonl"
+    steps.write_text('[1, 2]\n{"step": 0, "selec')  # no object, a crash mid-write
     rc, out = run_report([run, "--out", tmp_path / "o"], capsys)
-    assert rc == 0 and "expected a JSON object" in out.err and "not valid JSON" in out.err
-    rep = json.loads((tmp_path / "o" / "report.json").read_text())
-    assert "has no usable step records" in rep["runs"]["run"]["acceptance"]["reason"]
-    assert rep["runs"]["run"]["entropy_timing"] == {"available": False, "reason": "no trainer log"}
+    err = [x for x in out.err.splitlines() if x.strip()]
+    assert rc == 2 and not (tmp_path / "o").exists()
+    assert "1 malformed record(s)" in err[0] and err[1:] == [f"{steps}:1: expected a JSON object, got list; fix or "
+                                                             "remove this line"]
+    steps.write_text('{"step": 0, "selec')  # only a record cut short: nothing to analyse
+    rc, out = run_report([run, "--out", tmp_path / "o"], capsys)
+    one_error_line(out.err, f"{steps}: holds no record (1 line(s) cut short)")
 
 
 def test_records_with_wrong_typed_fields_exit_2_with_one_line_each_and_nothing_written(real_run, tmp_path, capsys):
@@ -136,15 +147,21 @@ def test_load_run_details(real_run, tmp_path):
     # repeated step records (a resumed run without rewind): the last one wins, noted as a problem
     steps = real_run / "replay" / "steps.jsonl"
     lines = steps.read_text().splitlines(keepends=True)
-    steps.write_text("".join(lines + [lines[-1].replace('"budget_fill":1.0', '"budget_fill":0.5')]))
-    (real_run / "run.json").write_text("{not json")
-    with pytest.warns(BadLineWarning):
+    steps.write_text("".join(lines + [lines[-1].replace('"budget_fill":1.0', '"budget_fill":0.5'), lines[0][:20]]))
+    with pytest.warns(BadLineWarning) as caught:
         run = load_run(real_run)
-    assert len(run.steps) == 30 and run.steps["budget_fill"].iloc[-1] == 0.5 and run.meta == {}
+    assert sorted(str(w.message).split(": ")[0].rsplit("/", 1)[1] for w in caught) == [
+        "steps.jsonl", "steps.jsonl:32"]  # the repeated record, the line cut short
+    assert len(run.steps) == 30 and run.steps["budget_fill"].iloc[-1] == 0.5 and run.meta["method"] == "headroom_drift"
     assert any("repeated step record" in p for p in run.problems)
-    assert any("run.json: not valid JSON" in p for p in run.problems)
-    with pytest.raises(AnalysisInputError, match="run.json"):
+    with pytest.raises(AnalysisInputError, match="steps.jsonl:32"):
         load_run(real_run, on_bad_line="stop")
+    # a JSON file that does not parse is refused, not ignored, under either policy
+    steps.write_text("".join(lines))
+    (real_run / "run.json").write_text("{not json")
+    for policy in ("skip", "stop"):
+        with pytest.raises(AnalysisInputError, match="run.json: not valid JSON"):
+            load_run(real_run, on_bad_line=policy)
     # a bare diagnostics directory (what ReplayController(diagnostics_dir=...) writes) is a run too
     bare = tmp_path / "bare"
     shutil.copytree(real_run / "replay", bare)

@@ -77,6 +77,10 @@ def test_report_shows_the_ledger(tiny_runs, tmp_path):
     assert "## 11. Asynchronous pipeline: where generated groups went" in paths["markdown"].read_text()
     unavailable = build_report([load_run(tiny_runs["gated"][1] / "replay", label="bare", warn=False)])
     assert not unavailable["runs"]["bare"]["async_ledger"]["available"]
+    # a rule without replay writes no trainer log and no step records: its ledger alone makes it a run to report
+    age1 = load_run(tiny_runs["age1"][1], label="age1", warn=False)
+    assert not age1.has_replay and not age1.problems
+    assert build_report([age1])["runs"]["age1"]["async_ledger"]["totals"]["generated_groups"] == 40
 
 
 @pytest.mark.parametrize("argv,match", [

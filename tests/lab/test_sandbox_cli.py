@@ -197,31 +197,6 @@ def check_recommendation(summary):
         assert rec["status"] != "selected" and rec["label"] is None
 
 
-def test_compare_search_reports_the_step_time_table(tmp_path):
-    from hdreplay_lab.sandbox.model import build_tiny_model
-    from hdreplay_lab.sandbox.search import VOCAB as SEARCH_VOCAB
-
-    model = build_tiny_model(tmp_path / "m", chars=SEARCH_VOCAB, hidden=32, layers=1, max_positions=512)
-    out = tmp_path / "s"
-    p = cli("compare", "--task", "search", "--methods", "onpolicy_larger,headroom_drift", "--seeds", "1",
-            "--model", model, "--out", out, "--latency-ms", "1", *TINY)
-    assert p.returncode == 0, p.stderr[-4000:]
-    summary = json.loads((out / "summary.json").read_text())
-    rows_per_step = {"onpolicy_larger": 6 * 4, "headroom_drift": 4 * 4}  # 1.5b and b fresh groups, n = 4
-    md = (out / "summary.md").read_text()
-    for name, m in summary["methods"].items():
-        assert m["env_latency_ms"] == 1.0 and m["fresh_responses"]["mean"] == 3 * rows_per_step[name]
-        # the environment's own count of tool calls = TRL's count of tool calls that reached it, step by step
-        logs = [json.loads(x) for x in open(out / "runs" / name / "seed0" / "train_log.jsonl")]
-        trl_calls = sum(e["tools/call_frequency"] * rows_per_step[name] * (1 - e["tools/failure_frequency"])
-                        for e in logs)
-        assert m["env_calls_per_step"]["mean"] == pytest.approx(trl_calls / 3)
-        rows = [[c.strip() for c in x.strip("|").split("|")] for x in md.splitlines() if x.startswith("|")]
-        step_row = next(r for r in rows if r[0] == m["label"] and len(r) == 6)  # the step-time table
-        assert step_row[2] == f"{m['env_calls_per_step']['mean']:.1f}"
-    assert "environment latency 1 ms" in md
-
-
 def test_compare_runs_the_peer_strategies_and_reports_their_costs(tiny_model, tmp_path):
     from hdreplay_lab.sandbox.methods import STRATEGY_METHODS
 

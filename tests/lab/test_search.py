@@ -150,3 +150,106 @@ def test_rollout_with_an_untrained_model_scores_zero_without_raising(tmp_path):
             assert task.score(c, p.answer) == 0.0
     # the same scorer gives 1.0 to the exact answer, so the zeros above are the model's, not the scorer's
     assert all(task.score([{"role": "assistant", "content": p.answer}], p.answer) == 1.0 for p in probs)
+
+
+def test_latency_is_slept_once_per_turn_or_once_per_call_and_never_in_evaluation(search_model, tmp_path, monkeypatch):
+    """The two concurrency models as slept: per turn, the trainer sleeps once per round of the tool loop that made
+    calls; sequentially, the environment sleeps in every call.  Held-out evaluation (the curve every step, the final
+    evaluation) calls the tool too, and never sleeps."""
+    import json
+    import sys
+    import time
+    from pathlib import Path
+
+    from hdreplay_lab.sandbox.compare import CompareConfig
+    from hdreplay_lab.sandbox.methods import METHODS
+    from hdreplay_lab.sandbox.runner import run_one
+    from hdreplay_lab.sandbox.tasks import get_task
+
+    monkeypatch.setattr(SearchEnv, "latency_s", 0.0)  # restored after the test: other tests share the class
+    slept = []
+    monkeypatch.setattr(time, "sleep", lambda s: slept.append((Path(sys._getframe(1).f_code.co_filename).name, s)))
+    for conc, who in (("per_turn", "instrument.py"), ("sequential", "search.py")):
+        slept.clear()
+        calls0 = SearchEnv.calls
+        cfg = CompareConfig(task="search", methods=("onpolicy_matched",), seeds=1, steps=2, prompts_per_step=4,
+                            generations=4, eval_n=1, eval_every=1, curve_prompts=2, curve_n=1, latency_ms=40.0,
+                            tool_concurrency=conc, signatures=False)
+        run_dir = tmp_path / conc
+        run_one(cfg.spec("onpolicy_matched", 0), METHODS["onpolicy_matched"], get_task("search"), search_model,
+                run_dir)
+        log = [json.loads(x) for x in open(run_dir / "train_log.jsonl")]
+        calls, turns = sum(r["tool_calls"] for r in log), sum(r["tool_turns"] for r in log)
+        assert calls > 0 and all((r["tool_turns"] > 0) == (r["tool_calls"] > 0) and r["tool_turns"] <= 2 for r in log)
+        assert SearchEnv.calls - calls0 > calls  # evaluation called the tool too (not counted, not slept)
+        ours = [(f, s) for f, s in slept if f in ("instrument.py", "search.py")]
+        assert ours == [(who, 0.04)] * (turns if conc == "per_turn" else calls), (conc, ours[:5], turns, calls)
+        metrics = json.loads((run_dir / "metrics.json").read_text())
+        assert metrics["env_calls_per_step"] == calls / 2 and metrics["tool_turns_per_step"] == turns / 2
+        assert metrics["tool_concurrency"] == conc and metrics["cpu_s_per_step"] > 0
+
+
+def _cli(*args):
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_HUB_DISABLE_TELEMETRY="1")
+    return subprocess.run([sys.executable, "-m", "hdreplay_lab.cli", *map(str, args)], capture_output=True, text=True,
+                          env=env, timeout=900)
+
+
+def test_tiny_search_comparison_models_wall_clock_from_the_counts_and_refuses_mixed_seeds(search_model, tmp_path):
+    """The issue-31 comparison at toy size: counts per step, modelled step times at each latency under both
+    concurrency models, the paper's column, crossovers and plots; then a seed rerun with another latency makes the
+    same command refuse to summarize."""
+    import json
+
+    import numpy as np
+
+    out = tmp_path / "s"
+    args = ["compare", "--task", "search", "--methods", "onpolicy_matched,onpolicy_larger,headroom_drift",
+            "--seeds", "2", "--steps", "3", "--prompts-per-step", "4", "--generations", "4", "--eval-n", "1",
+            "--curve-prompts", "3", "--curve-n", "1", "--eval-every", "1", "--latency-ms", "0",
+            "--latencies-ms", "0,50,1000", "--replay.max_scan", "16", "--no-signatures", "--no-progress",
+            "--model", search_model, "--out", out]
+    p = _cli(*args)
+    assert p.returncode == 0, p.stderr[-4000:]
+    s = json.loads((out / "summary.json").read_text())
+    ec = s["env_cost"]
+    assert ec["latencies_ms"] == [0.0, 50.0, 1000.0] and ec["concurrency"] == "per_turn"
+    for name, e in s["methods"].items():
+        per_seed = []
+        for seed in range(2):
+            run = out / "runs" / name / f"seed{seed}"
+            log = [json.loads(x) for x in open(run / "train_log.jsonl")]
+            if name == "headroom_drift":  # the scan cap off: max_scan = capacity (4 b), as the real comparison runs
+                assert json.loads((run / "run.json").read_text())["replay"]["max_scan"] == 16
+            rows = log[0]["groups"] * 4  # fresh rows of a step: groups x n
+            assert e["fresh_responses"]["mean"] == 3 * rows == 3 * (24 if name == "onpolicy_larger" else 16)
+            for r in log:  # the environment's count = TRL's count of calls that reached it
+                trl = r["tools/call_frequency"] * rows * (1 - r["tools/failure_frequency"])
+                assert r["tool_calls"] == pytest.approx(trl)
+            per_seed.append({k: np.mean([r[k] for r in log[1:]]) for k in ("cpu_s", "tool_calls", "tool_turns")})
+        c = ec["counts"][name]
+        for k in ("cpu_s", "tool_calls", "tool_turns"):
+            assert c[k]["mean"] == pytest.approx(np.mean([x[k] for x in per_seed]))
+        for conc, unit in (("per_turn", "tool_turns"), ("sequential", "tool_calls")):
+            want = np.mean([x["cpu_s"] + 1.0 * x[unit] for x in per_seed])
+            assert ec["step_time"][conc]["1000"][name]["mean"] == pytest.approx(want)
+    assert sum(ec["counts"][n]["tool_calls"]["mean"] for n in s["methods"]) > 0  # the warm start calls the tool
+    assert set(ec["wallclock"]["per_turn"]["crossover"]) == {"onpolicy_matched", "onpolicy_larger"}
+    md = (out / "summary.md").read_text()
+    assert "## Environment cost and wall-clock" in md and "| Paper (s)" in md and "197.2 (1.35x)" in md
+    assert "reaches the target sooner" in md
+    for png in ("step_time", "quality_wallclock", "time_to_target"):
+        assert (out / "plots" / f"{png}.png").stat().st_size > 0
+    # a seed of one method redone with a slept latency: the same command no longer summarizes
+    run = out / "runs" / "headroom_drift" / "seed1" / "run.json"
+    spec = json.loads(run.read_text())
+    spec["extra"]["latency_s"] = 0.2
+    run.write_text(json.dumps(spec))
+    p = _cli(*args)
+    err = [x for x in p.stderr.splitlines() if x.startswith("hdreplay compare: error:")]
+    assert p.returncode == 2 and len(err) == 1 and "Traceback" not in p.stderr, p.stderr[-3000:]
+    assert "refusing to summarize" in err[0] and "headroom_drift/seed1" in err[0] and "extra.latency_s" in err[0]

@@ -19,6 +19,11 @@ Each item's fingerprint (:mod:`trl_seam_print`): where it is defined (``owner``)
 SHA-256 of its normalized source — or its ``value`` (a constant), or the framework methods that assign it (an instance
 attribute), or ``missing``.
 
+The record keeps two sections apart: ``items``, the TRL seam (every item the library, package ``hdreplay``, uses;
+what a user's install depends on), and ``lab``, the lab's own uses (items only ``hdreplay_lab`` uses: the sandbox's
+trainer, its tiny VLM processors, the search task).  A change in the lab's uses is the lab's to adapt, not a change
+of the seam.
+
     PYTHONPATH=src .venv/bin/python scripts/trl_seam_record.py    # rewrite the record (RECORD) from the installed TRL
 """
 
@@ -37,13 +42,15 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 
-from trl_seam_print import (FRAMEWORKS, PRINT_FIELDS, _code_objects, _framework, instance_attributes, item_print,
-                            public_path)
+from trl_seam_print import (FRAMEWORKS, PRINT_FIELDS, _code_objects, _framework, _load, instance_attributes,
+                            item_print, public_path)
 
 ROOT = Path(__file__).resolve().parents[2]
 SRC = ROOT / "src"
 RECORD = ROOT / "tests" / "trl" / "data" / "trl_seam.json"
 REGENERATE = "PYTHONPATH=src .venv/bin/python scripts/trl_seam_record.py"
+SECTIONS = ("items", "lab")  # the TRL seam; the lab's own uses
+LAB_PACKAGE = "hdreplay_lab"
 
 
 # ---------------------------------------------------------------------------------------------- the scan
@@ -55,6 +62,12 @@ class Item:
     kind: str  # "override" | "private" | "import" | "protocol"
     locate: dict  # {"anchor": "trl.GRPOTrainer", "name": ...} or {"module": "trl.trainer.utils", "name": ...}
     used_by: set[str] = field(default_factory=set)
+
+    @property
+    def section(self) -> str:
+        """"lab" when only the lab (``hdreplay_lab``) uses it, else "items" (the TRL seam)."""
+        lab = all(u == LAB_PACKAGE or u.startswith(LAB_PACKAGE + ".") for u in self.used_by)
+        return "lab" if self.used_by and lab else "items"
 
 
 _IMPORTS = re.compile(r"^\s*(from|import)\s+(trl|transformers)\b|integrations\.trl\b", re.M)
@@ -247,14 +260,22 @@ def patched_keywords(anchors: tuple[type, ...]) -> dict[tuple[str, str], frozens
 
 
 def _private_import(module: str, name: str) -> bool:
-    """A name imported from a framework module that its package does not export at the top level (or ``_x``)."""
+    """A name imported from a framework module that its package does not export at the top level (or ``_x``).
+
+    A module that exists but fails to import here (it needs what this environment lacks: pillow for an image
+    processor) is judged by the top level's name alone, so the scan does not depend on optional packages; a module
+    that does not exist is private (moved or removed)."""
+    top = importlib.import_module(module.split(".")[0])
     try:
         obj = getattr(importlib.import_module(module), name, None)
     except ImportError:
-        return True
+        try:
+            exists = importlib.util.find_spec(module) is not None
+        except ImportError:
+            exists = False
+        return _private(name) or not exists or not hasattr(top, name)
     if inspect.ismodule(obj):
         return False
-    top = importlib.import_module(module.split(".")[0])
     return _private(name) or obj is None or getattr(top, name, None) is not obj
 
 
@@ -267,14 +288,15 @@ def versions() -> dict[str, str]:
 
 
 def build_record(items: dict[str, Item] | None = None) -> dict:
-    """The record of ``items`` (default: :func:`scan`) against the installed TRL / transformers."""
+    """The record of ``items`` (default: :func:`scan`) against the installed TRL / transformers: the seam in
+    ``items``, the lab's own uses in ``lab``."""
     items = scan() if items is None else items
     return {
         "recorded_with": versions(),
         "python": platform.python_version(),  # signatures print annotations as this Python does
         "regenerate": REGENERATE,
-        "items": {key: {"kind": it.kind, **it.locate, "used_by": sorted(it.used_by), **item_print(it.locate)}
-                  for key, it in sorted(items.items())},
+        **{section: {key: {"kind": it.kind, **it.locate, "used_by": sorted(it.used_by), **item_print(it.locate)}
+                     for key, it in sorted(items.items()) if it.section == section} for section in SECTIONS},
     }
 
 
@@ -287,6 +309,17 @@ def write_record(path: Path = RECORD) -> dict:
 
 def load_record(path: Path = RECORD) -> dict:
     return json.loads(path.read_text())
+
+
+def preload(record: dict) -> None:
+    """Import every module the record names, now.  transformers' HfArgumentParser (TrlParser) rewrites in place the
+    type of every dataclass field it parses (``str | None`` -> ``str``), on the Field objects TrainingArguments shares
+    with every TRL config class; a config class first imported after such a parse (``AsyncGRPOConfig``) is built from
+    the rewritten types and prints another signature than the record's.  The contract test calls this when pytest
+    collects it, before any test parses arguments."""
+    for section in SECTIONS:
+        for item in record.get(section, {}).values():
+            _load(item.get("anchor") or item["module"])
 
 
 @dataclass
@@ -310,10 +343,11 @@ def _describe(old: dict, new: dict) -> list[str]:
     return out
 
 
-def compare(record: dict) -> list[Change]:
-    """The recorded items whose fingerprint differs in the installed TRL / transformers."""
+def compare(record: dict, section: str = "items") -> list[Change]:
+    """The recorded items of ``section`` ("items": the seam; "lab": the lab's own uses) whose fingerprint differs in
+    the installed TRL / transformers."""
     changes = []
-    for key, item in record["items"].items():
+    for key, item in record.get(section, {}).items():
         locate = {k: item[k] for k in ("anchor", "module", "name") if k in item}
         old = {f: item[f] for f in PRINT_FIELDS if f in item}
         what = _describe(old, item_print(locate))
@@ -322,18 +356,21 @@ def compare(record: dict) -> list[Change]:
     return changes
 
 
-def change_message(record: dict, changes: list[Change]) -> str:
+def change_message(record: dict, changes: list[Change], section: str = "items") -> str:
     rec, now = record["recorded_with"], versions()
-    lines = [f"The TRL seam changed: {len(changes)} item(s) hdreplay overrides or uses privately differ between the "
-             f"record (trl {rec['trl']}, transformers {rec['transformers']}; {_rel(RECORD)}) and the installed "
-             f"trl {now['trl']}, transformers {now['transformers']}:"]
+    what = ("The TRL seam changed: {n} item(s) hdreplay overrides or uses privately differ" if section == "items" else
+            "The lab's own uses changed (not the TRL seam: the library is unaffected): {n} item(s) the lab (sandbox, "
+            "VLM sandbox, search task) overrides or imports differ")
+    lines = [what.format(n=len(changes)) + f" between the record (trl {rec['trl']}, transformers {rec['transformers']}; "
+             f"{_rel(RECORD)}) and the installed trl {now['trl']}, transformers {now['transformers']}:"]
     for c in changes:
-        users = ", ".join(record["items"][c.key]["used_by"])
+        users = ", ".join(record[section][c.key]["used_by"])
         lines.append(f"  {c.key} [{c.kind}; used by {users}]: " + "; ".join(c.what))
     if record.get("python") not in (None, platform.python_version()):
         lines.append(f"(recorded on Python {record['python']}, running {platform.python_version()}: a signature may "
                      "differ only in how this Python prints annotations)")
-    lines.append("Read each against hdreplay's use of it (docs/trl.md, 'The seam'); once hdreplay is adapted to this "
+    doc = "'The seam'" if section == "items" else "'The lab's own uses'"
+    lines.append(f"Read each against hdreplay's use of it (docs/trl.md, {doc}); once hdreplay is adapted to this "
                  f"version, regenerate the record: {REGENERATE}")
     return "\n".join(lines)
 
@@ -341,18 +378,26 @@ def change_message(record: dict, changes: list[Change]) -> str:
 def coverage_problem(items: dict[str, Item], record: dict, *, strict: bool) -> str:
     """'' when the record lists exactly the seam the code has; else what differs and how to regenerate.
     ``strict=False`` (another TRL / transformers than the record's) ignores recorded items the scan no longer finds
-    (a method TRL removed is reported by :func:`compare`, not here)."""
-    new = sorted(set(items) - set(record["items"]))
-    gone = sorted(set(record["items"]) - set(items)) if strict else []
-    moved = sorted(k for k in set(items) & set(record["items"]) if items[k].kind != record["items"][k]["kind"])
-    if not new and not gone and not moved:
+    (a method TRL removed is reported by :func:`compare`, not here).  An item in the other section than its users
+    put it in (a lab-only use the library now makes, or no longer makes) is a difference too."""
+    recorded = {k: {**it, "section": sec} for sec in SECTIONS for k, it in record.get(sec, {}).items()}
+    new = sorted(set(items) - set(recorded))
+    gone = sorted(set(recorded) - set(items)) if strict else []
+    both = sorted(set(items) & set(recorded))
+    moved = [k for k in both if items[k].kind != recorded[k]["kind"]]
+    crossed = [k for k in both if items[k].section != recorded[k]["section"]]
+    if not new and not gone and not moved and not crossed:
         return ""
     lines = ["The TRL seam record does not match hdreplay's code:"]
     lines += [f"  not recorded: {k} [{items[k].kind}; used by {', '.join(sorted(items[k].used_by))}]" for k in new]
     lines += [f"  recorded but no longer used: {k}" for k in gone]
-    lines += [f"  recorded as {record['items'][k]['kind']}, now {items[k].kind}: {k}" for k in moved]
+    lines += [f"  recorded as {recorded[k]['kind']}, now {items[k].kind}: {k}" for k in moved]
+    lines += [f"  recorded as {'the lab' if recorded[k]['section'] == 'lab' else 'the seam'}'s, now "
+              f"{'the lab' if items[k].section == 'lab' else 'the seam'}'s: {k} (used by "
+              f"{', '.join(sorted(items[k].used_by))})" for k in crossed]
     lines.append(f"Regenerate the record against trl {record['recorded_with']['trl']}: {REGENERATE} -- and give each "
-                 "new item its one line in docs/trl.md ('The seam'), or drop the lines of removed ones.")
+                 "new item its one line in docs/trl.md ('The seam', or 'The lab's own uses' for a lab-only one), or "
+                 "drop the lines of removed ones.")
     return "\n".join(lines)
 
 

@@ -3,28 +3,21 @@
 Where every generated group of a run went: trained fresh, diverted to the buffer (and later admitted, evicted
 unused, or still buffered), dropped; Drift of diverted groups at their first scan and at admission; the
 sampler-vs-trainer floor; ages and completion lengths of trained vs discarded groups.  ``async.jsonl`` is looked for
-in the run directory, its replay diagnostics directory and ``hdreplay/`` (HDRAsyncGRPOTrainer's default).
+(by :func:`~.load.load_run`) in the run directory, its replay diagnostics directory, ``hdreplay/``
+(HDRAsyncGRPOTrainer's default) and ``replay/``.
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from .load import RunData, read_jsonl
+from .load import LEDGER_FILE, RunData
 from .stats import sanitize, unavailable
 
-LEDGER_FILE = "async.jsonl"
-
-
-def _find(run: RunData) -> Path | None:
-    for d in (run.path, run.replay_dir, run.path / "hdreplay", run.path / "replay"):
-        if d is not None and (d / LEDGER_FILE).is_file():
-            return d / LEDGER_FILE
-    return None
+__all__ = ["LEDGER_FILE", "async_ledger"]
 
 
 def _hist_sum(series) -> Counter:
@@ -40,15 +33,12 @@ def _mean_of(c: Counter) -> float | None:
     return sum(k * v for k, v in c.items()) / n if n else None
 
 
-def async_ledger(run: RunData, *, on_bad_line: str = "skip") -> dict[str, Any]:
-    """The ledger section of one run (``{"available": False, ...}`` for a run without ``async.jsonl``)."""
-    path = _find(run)
+def async_ledger(run: RunData) -> dict[str, Any]:
+    """The ledger section of one run (``{"available": False, ...}`` for a run without ``async.jsonl``): its records
+    as :func:`~.load.load_run` read and checked them (``run.ledger``)."""
+    path, df = run.ledger_source, run.ledger
     if path is None:
         return unavailable("no async.jsonl (not an asynchronous run, or its ledger was not written)")
-    def check(r: dict) -> str | None:
-        return None if isinstance(r.get("totals"), dict) and "step" in r else "not a ledger record"
-
-    df = read_jsonl(path, on_bad_line=on_bad_line, problems=run.problems, check=check)
     if not len(df):
         return unavailable(f"{path} holds no ledger record")
     tot = dict(df["totals"].iloc[-1])

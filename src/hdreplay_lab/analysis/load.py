@@ -1,4 +1,4 @@
-"""Run directories -> DataFrames, with a bad-line policy.  A run directory holds any of::
+"""Run directories -> DataFrames, refusing what is not a run.  A run directory holds any of::
 
     run.json                  {"method", "seed", "task", "replay": ReplayConfig dict | null, ...}
     train_log.jsonl           one trainer log entry per logging step ("step", "reward", "entropy", ...), as the
@@ -6,147 +6,104 @@
                               plain TRL output directory, trainer_state.json's log_history (its own or the newest
                               checkpoint-*'s), else TensorBoard scalars ("train/reward" -> "reward")
     replay/steps.jsonl        per-step replay records (hdreplay.records.StepRecord); replay/groups.jsonl: per-group
-                              lifetime records; a bare diagnostics directory (steps.jsonl inside) is a run too
+                              lifetime records; a bare diagnostics directory (steps.jsonl inside) is a run too, and
+                              hdreplay/ (HDRAsyncGRPOTrainer's default) is read like replay/
     metrics.json              final evaluation
     fresh_groups.jsonl        per step, the rewards of every fresh group (hdreplay_lab.sandbox.rewardlog)
+    async.jsonl               the asynchronous pipeline's ledger (here, in the replay directory, or in hdreplay/)
+
+What a crash leaves is read around: a JSONL line cut short (a record that opens with ``{`` and does not parse) is
+skipped with a warning naming file:line (``on_bad_line="skip"``), and an empty groups.jsonl (a rewind on resume) is
+no records.  Everything else that cannot be read is refused with :class:`AnalysisInputError`, one line per problem
+naming the file (and line or field) and the fix: a file that is not a regular file (directory, FIFO, dangling link),
+a JSON file that does not parse or is not an object, an empty JSONL file, a line that is not a JSON object, a record
+of the wrong shape (:mod:`.records`), TensorBoard files without a scalar, a directory with nothing to analyse.
 Nothing here computes statistics.
 """
 
 from __future__ import annotations
 
 import json
-import types
-import typing
+import os
+import stat
 import warnings
 from dataclasses import dataclass, field
 from io import StringIO
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Callable, Iterable
 
 import pandas as pd
 
 from hdreplay.records import EXTRA_STEP_TYPES, STEP_FIELDS, StepRecord
 from hdreplay.errors import ReplayError
 
+from .records import (STEP_LISTS, check_fresh_record, check_group_record, check_ledger_record, check_log_record,
+                      check_run_meta, check_step_record, parse_json)
+
+__all__ = ["AnalysisInputError", "BadLineWarning", "RunData", "check_fresh_record", "check_group_record",
+           "check_step_record", "group_frame", "load_run", "read_jsonl", "step_frame", "tensorboard_log",
+           "unique_labels"]
+
 ON_BAD_LINE = ("skip", "stop")
-STEP_LISTS = ("accepted_ages", "scan_age", "scan_drift", "scan_pass", "scan_cached_headroom", "scan_headroom")
 GROUP_FIELDS = ("group_id", "insertion_id", "birth_step", "evicted_step", "ref_headroom", "replay_count", "exposure")
-FILES = ("run.json", "train_log.jsonl", "replay/steps.jsonl", "steps.jsonl", "trainer_state.json", "metrics.json",
-         "replay/groups.jsonl", "groups.jsonl", "fresh_groups.jsonl")
+STEPS_FILES = ("replay/steps.jsonl", "steps.jsonl", "hdreplay/steps.jsonl")
+FILES = ("run.json", "train_log.jsonl", *STEPS_FILES, "trainer_state.json", "metrics.json", "fresh_groups.jsonl")
+LEDGER_FILE = "async.jsonl"
+#: what a file is for, in the fix of an error about it ("restore it, or remove it to report the run without ...")
+ROLE = {"run.json": "its settings", "metrics.json": "its final evaluation", "train_log.jsonl": "its trainer log",
+        "steps.jsonl": "replay diagnostics", "groups.jsonl": "group lifetimes", LEDGER_FILE: "the async ledger",
+        "fresh_groups.jsonl": "the fresh-group reward log", "trainer_state.json": "this trainer log"}
 
 
 class AnalysisInputError(ReplayError, ValueError):
-    """A run directory or log file cannot be analysed (missing, empty, malformed); the message says what."""
+    """A run directory or log file cannot be analysed (missing, empty, malformed); the message says what, one line
+    per problem.  ``messages``: one message per run directory when several are refused at once."""
+
+    def __init__(self, message: str = "", messages: Iterable[str] = ()) -> None:
+        self.messages = list(messages) or [message]
+        super().__init__(message or "\n".join(self.messages))
 
 
 class BadLineWarning(UserWarning):
     """A JSONL line was skipped (``on_bad_line="skip"``); the message names file:line."""
 
 
-def _is_int(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-def _fits(value: Any, hint: Any) -> bool:
-    """Whether a JSON value fits a StepRecord field's type (a float field may be null: non-finite values are written
-    as null; an int is a float)."""
-    origin, args = typing.get_origin(hint), typing.get_args(hint)
-    if origin in (typing.Union, types.UnionType):
-        return any(_fits(value, a) for a in args)
-    if hint is type(None):
-        return value is None
-    if hint is bool:
-        return isinstance(value, bool)
-    if hint is int:
-        return _is_int(value)
-    if hint is float:
-        return value is None or (isinstance(value, (int, float)) and not isinstance(value, bool))
-    if hint is str:
-        return isinstance(value, str)
-    if origin is list:
-        return isinstance(value, list) and all(_fits(v, args[0]) for v in value)
-    if origin is dict:
-        return isinstance(value, dict) and all(_fits(k, args[0]) and _fits(v, args[1]) for k, v in value.items())
-    return True
-
-
-def _type_name(hint: Any) -> str:
-    return hint.__name__ if isinstance(hint, type) else str(hint).replace("typing.", "").replace("NoneType", "null")
-
-
-#: the type of every steps.jsonl field (StepRecord's annotations and what diagnostics add); fields not listed (newer
-#: writers) are not checked
-STEP_TYPES = {**{k: v for k, v in typing.get_type_hints(StepRecord).items() if k != "extras"}, **EXTRA_STEP_TYPES}
-
-
-def check_step_record(rec: dict) -> str | None:
-    """Why a parsed steps.jsonl object is unusable, or None if it is fine: 'step' an int >= 0, every StepRecord field
-    present of its declared type, scan lists of one length."""
-    if not _is_int(rec.get("step")) or rec["step"] < 0:
-        return f"'step' must be an int >= 0, got {rec.get('step')!r}"
-    wrong = next((k for k, v in rec.items() if k not in STEP_LISTS and k in STEP_TYPES
-                  and not _fits(v, STEP_TYPES[k])), None)
-    if wrong is not None:
-        return f"{wrong!r} must be {_type_name(STEP_TYPES[wrong])}, got {rec[wrong]!r:.40}"
-    bad = next((k for k in STEP_LISTS if k in rec and not isinstance(rec[k], list)), None)
-    if bad is None:
-        bad = next((k for k in STEP_LISTS if k in rec and not _fits(rec[k], STEP_TYPES[k])), None)
-        if bad is not None:
-            return f"{bad!r} must be {_type_name(STEP_TYPES[bad])}, got {rec[bad]!r:.40}"
-    lens = {k: len(rec[k]) for k in STEP_LISTS[1:] if k in rec and not bad}
-    return (f"{bad!r} must be a list, got {type(rec[bad]).__name__}" if bad
-            else f"scan lists have different lengths {lens}" if len(set(lens.values())) > 1 else None)
-
-
-def check_fresh_record(rec: dict) -> str | None:
-    """Why a parsed fresh_groups.jsonl object is unusable, or None if it is fine."""
-    r = rec.get("rewards")
-    if not _is_int(rec.get("step")) or rec["step"] < 0:
-        return f"'step' must be an int >= 0, got {rec.get('step')!r}"
-    if not isinstance(r, list) or not all(isinstance(g, list) and g for g in r):
-        return "'rewards' must be a list of non-empty lists (one per group)"
-    bad = next((v for g in r for v in g if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)))),
-               None)
-    return f"'rewards' must hold numbers or null, got {bad!r}" if bad is not None else None
-
-
-def check_group_record(rec: dict) -> str | None:
-    """Why a parsed groups.jsonl object is unusable, or None if it is fine."""
-    bad = next((k for k in ("birth_step", "replay_count") if not _is_int(rec.get(k))), None)
-    h, ev = rec.get("ref_headroom"), rec.get("evicted_step")
-    return (f"{bad!r} must be an int, got {rec.get(bad)!r}" if bad
-            else f"'ref_headroom' must be a number, got {h!r}" if isinstance(h, bool) or not isinstance(h, (int, float))
-            else f"'evicted_step' must be an int or null, got {ev!r}" if ev is not None and not _is_int(ev) else None)
-
-
 def read_jsonl(path: str | Path, *, on_bad_line: str = "skip", check: Callable[[dict], str | None] | None = None,
                problems: list[str] | None = None, malformed: list[str] | None = None) -> pd.DataFrame:
-    """A JSONL file as a DataFrame, one row per good line.  A line that is not JSON, not an object, or that
-    ``check`` rejects is dropped with ``"<file>:<line>: <reason>"`` appended to ``problems`` (``on_bad_line="skip"``)
-    or raises :class:`AnalysisInputError` with that text (``"stop"``).  With ``malformed``, records that are JSON
-    objects but that ``check`` rejects (fields of the wrong type) go there instead of ``problems``.  Blank lines are
-    ignored."""
+    """A JSONL file as a DataFrame, one row per good line; blank lines are ignored.
+
+    A line cut short -- it opens a JSON object (``{``) but does not parse: what a crash mid-write leaves, also when a
+    resumed writer appended to it -- is dropped with ``"<file>:<line>: <reason> -- line skipped"`` appended to
+    ``problems`` (``on_bad_line="skip"``).  Every other bad line (not JSON and not a record cut short, a JSON value
+    that is not an object, one nested too deeply, an object ``check`` rejects) goes to ``malformed`` with the fix, for
+    the caller to refuse the file; without ``malformed`` it is dropped like a line cut short.
+    ``on_bad_line="stop"`` raises :class:`AnalysisInputError` at the first bad line of either kind."""
     if on_bad_line not in ON_BAD_LINE:
         raise AnalysisInputError(f"on_bad_line must be one of {ON_BAD_LINE}, got {on_bad_line!r}")
     good = []
     with open(path, encoding="utf-8", errors="replace") as f:
         for n, line in enumerate(f, start=1):
-            if not line.strip():
+            text = line.strip()
+            if not text:
                 continue
-            record = False
+            torn = False
             try:
-                obj = json.loads(line)
-                record = isinstance(obj, dict)
-                reason = (f"expected a JSON object, got {type(obj).__name__}" if not record
+                obj = json.loads(text)
+                reason = (f"expected a JSON object, got {type(obj).__name__}" if not isinstance(obj, dict)
                           else check(obj) if check else None)
             except json.JSONDecodeError as e:
-                reason = f"not valid JSON ({e.msg}; truncated line?)"
+                torn = text.startswith("{")
+                reason = (f"not valid JSON ({e.msg}; a record cut short, as a crash mid-write leaves it)" if torn
+                          else f"not a JSON object ({e.msg})")
+            except RecursionError:
+                reason = "nested too deeply to be a record"
             if reason is None:
-                good.append(line.strip())
+                good.append(text)
             elif on_bad_line == "stop":
-                raise AnalysisInputError(f"{path}:{n}: {reason} (use --on-bad-line skip to skip bad lines)")
-            elif record and malformed is not None:
-                malformed.append(f"{path}:{n}: {reason}")
+                raise AnalysisInputError(f"{path}:{n}: {reason}" + (" (use --on-bad-line skip to skip lines cut short)"
+                                                                     if torn else "; fix or remove this line"))
+            elif not torn and malformed is not None:
+                malformed.append(f"{path}:{n}: {reason}; fix or remove this line")
             elif problems is not None:
                 problems.append(f"{path}:{n}: {reason} -- line skipped")
     return pd.read_json(StringIO("\n".join(good)), lines=True, dtype=False) if good else pd.DataFrame()
@@ -174,7 +131,8 @@ class RunData:
     """One loaded run directory (raw rows, no statistics): ``steps`` / ``groups`` (:func:`step_frame` /
     :func:`group_frame`), ``log`` (trainer log entries) and ``log_source`` (the file they came from), ``meta``
     (run.json, {} if absent), ``metrics`` (metrics.json or None), ``replay_dir`` (where steps.jsonl was found) and
-    ``problems`` (skipped lines and ignored files, each naming file:line), ``fresh`` (fresh_groups.jsonl rows)."""
+    ``problems`` (skipped lines, each naming file:line), ``fresh`` (fresh_groups.jsonl rows), ``ledger`` /
+    ``ledger_source`` (async.jsonl's records and path)."""
 
     path: Path
     label: str
@@ -187,6 +145,8 @@ class RunData:
     replay_dir: Path | None = None
     problems: list[str] = field(default_factory=list)
     fresh: pd.DataFrame = field(default_factory=pd.DataFrame)
+    ledger: pd.DataFrame = field(default_factory=pd.DataFrame)
+    ledger_source: str | None = None
 
     @property
     def has_replay(self) -> bool:
@@ -197,16 +157,51 @@ class RunData:
         return self.meta["replay"] if isinstance(self.meta.get("replay"), dict) else {}
 
 
-def _read_json(path: Path, on_bad_line: str, problems: list[str]) -> dict:
+def _not_a_file(q: Path) -> str | None:
+    """Why ``q`` (a name that exists) is not a regular file to read, with the fix; None if it is one (also through
+    a symbolic link).  Checked before opening: a FIFO would block the open."""
     try:
-        obj = json.loads(path.read_text(encoding="utf-8", errors="replace"))
-        reason = None if isinstance(obj, dict) else f"expected a JSON object, got {type(obj).__name__}"
-    except json.JSONDecodeError as e:
-        obj, reason = None, f"not valid JSON ({e.msg})"
-    if reason and on_bad_line == "stop":
-        raise AnalysisInputError(f"{path}: {reason} (use --on-bad-line skip to ignore it)")
-    problems += [f"{path}: {reason} -- file ignored"] if reason else []
-    return {} if reason else obj
+        mode = q.stat().st_mode
+    except FileNotFoundError:
+        return f"{q}: a dangling symbolic link (to {os.readlink(q)}); restore its target or remove the link"
+    except OSError as e:
+        return f"{q}: cannot be read ({e.strerror}); fix its permissions or restore it"
+    if stat.S_ISREG(mode):
+        return None
+    kind = ("directory" if stat.S_ISDIR(mode) else "FIFO" if stat.S_ISFIFO(mode) else "socket" if stat.S_ISSOCK(mode)
+            else "device")
+    return f"{q}: expected a file, found a {kind}; the run directory is damaged (move {q} away or restore the file)"
+
+
+def _fix(q: Path) -> str:
+    return f"restore it, or remove it to report the run without {ROLE.get(q.name, 'it')}"
+
+
+def _read_object(q: Path, errors: list[str], fix: str) -> dict | None:
+    """A JSON file's object, or None with the reason (and ``fix``) appended to ``errors``."""
+    obj, why = parse_json(q.read_text(encoding="utf-8", errors="replace"))
+    if why is None and not isinstance(obj, dict):
+        why = f"expected a JSON object, got {type(obj).__name__}"
+    if why:
+        errors.append(f"{q}: {why}; {fix}")
+    return None if why else obj
+
+
+def _trainer_state_log(q: Path, errors: list[str], malformed: list[str], ckpt: bool) -> pd.DataFrame:
+    """trainer_state.json's log_history as a frame (entries checked like train_log.jsonl lines)."""
+    fix = f"restore it, or remove {q.parent} to read the previous checkpoint" if ckpt else _fix(q)
+    state = _read_object(q, errors, fix)
+    history = None if state is None else state.get("log_history")
+    if state is not None and not isinstance(history, list):
+        errors.append(f"{q}: 'log_history' must be a list of log entries, got {history!r:.40}; not a TRL / "
+                      f"transformers trainer state: {fix}")
+    if not isinstance(history, list):
+        return pd.DataFrame()
+    for i, e in enumerate(history):
+        why = check_log_record(e) if isinstance(e, dict) else f"expected a JSON object, got {type(e).__name__}"
+        if why:
+            malformed.append(f"{q}: log_history[{i}]: {why}; fix or remove this entry")
+    return pd.DataFrame(history)
 
 
 def tensorboard_log(p: Path) -> pd.DataFrame:
@@ -223,10 +218,9 @@ def tensorboard_log(p: Path) -> pd.DataFrame:
 
 
 def load_run(path: str | Path, *, label: str | None = None, on_bad_line: str = "skip", warn: bool = True) -> RunData:
-    """Load one run directory (module docstring).  Raises AnalysisInputError if ``path`` is missing, not a
-    directory, empty, holds no log, holds a directory where a log file belongs, holds records whose fields have the
-    wrong type (one line per such record, whatever ``on_bad_line``), or (``on_bad_line="stop"``) on the first bad
-    line.  With ``warn=True`` every skipped line is also a :class:`BadLineWarning`."""
+    """Load one run directory (module docstring).  Raises AnalysisInputError, naming every problem on its own line,
+    for anything the module docstring says is refused, whatever ``on_bad_line``; with ``on_bad_line="stop"`` also
+    on the first line cut short.  With ``warn=True`` every skipped line is also a :class:`BadLineWarning`."""
     if on_bad_line not in ON_BAD_LINE:
         raise AnalysisInputError(f"--on-bad-line must be one of {ON_BAD_LINE}, got {on_bad_line!r}")
     p = Path(path)
@@ -236,47 +230,80 @@ def load_run(path: str | Path, *, label: str | None = None, on_bad_line: str = "
                                       "train_log.jsonl, trainer_state.json or replay/steps.jsonl)")
     if not any(p.iterdir()):
         raise AnalysisInputError(f"{p}: the directory is empty; did the run write its logs somewhere else?")
-    found = {m: p / m for m in FILES if (p / m).exists()}
-    for q in found.values():
-        if not q.is_file():
-            raise AnalysisInputError(f"{q}: expected a file, found a directory; the run directory is damaged "
-                                     f"(move {q} away or restore it)")
+    found = {m: p / m for m in FILES if os.path.lexists(p / m)}
     ckpts = {int(c.parent.name[11:]): c for c in p.glob("checkpoint-*/trainer_state.json") if c.parent.name[11:].isdigit()}
     state = found.get("trainer_state.json") or (ckpts[max(ckpts)] if ckpts else None)
-    events = "train_log.jsonl" not in found and not state and next(p.rglob("events.out.tfevents.*"), None)
-    if not (set(FILES[:4]) & set(found) or state or events):
+    events = sorted(p.rglob("events.out.tfevents.*")) if "train_log.jsonl" not in found and not state else []
+    if not ({"run.json", "train_log.jsonl", *STEPS_FILES} & set(found) or state or events):
         raise AnalysisInputError(f"{p}: not a run directory (no run.json, train_log.jsonl, trainer_state.json, "
                                  "TensorBoard events or replay/steps.jsonl in it)")
     run = RunData(path=p, label=label or p.resolve().name or str(p))
-    malformed: list[str] = []
-    run.meta = _read_json(found["run.json"], on_bad_line, run.problems) if "run.json" in found else {}
-    run.metrics = _read_json(found["metrics.json"], on_bad_line, run.problems) if "metrics.json" in found else None
+    errors: list[str] = []  # one line per problem, with its fix
+    malformed: list[str] = []  # records that are not JSON objects or have fields of the wrong type
+
+    def readable(q: Path | None) -> bool:
+        why = None if q is None else _not_a_file(q)
+        errors.extend([why] if why else [])
+        return q is not None and why is None
+
+    def jsonl(q: Path, check: Callable[[dict], str | None], *, empty_ok: bool = False) -> pd.DataFrame:
+        skipped = len(run.problems)
+        df = read_jsonl(q, on_bad_line=on_bad_line, check=check, problems=run.problems, malformed=malformed)
+        cut = len(run.problems) - skipped
+        if not len(df) and not empty_ok and not any(m.startswith(f"{q}:") for m in malformed):
+            errors.append(f"{q}: holds no record" + (f" ({cut} line(s) cut short)" if cut else "") + "; the run "
+                          "stopped before writing one, or the file was emptied: " + _fix(q))
+        return df
+
+    for name in ("run.json", "metrics.json"):
+        obj = _read_object(found[name], errors, _fix(found[name])) if readable(found.get(name)) else None
+        errors += [f"{found[name]}: {why}; fix the field or restore the file"
+                   for why in (check_run_meta(obj) if obj is not None and name == "run.json" else ())]
+        if name == "run.json":
+            run.meta = obj or {}
+        else:
+            run.metrics = obj
     if "train_log.jsonl" in found:
         run.log_source = str(found["train_log.jsonl"])
-        run.log = read_jsonl(found["train_log.jsonl"], on_bad_line=on_bad_line, problems=run.problems)
+        run.log = jsonl(found["train_log.jsonl"], check_log_record) if readable(found["train_log.jsonl"]) else run.log
     elif state:
-        history = _read_json(state, on_bad_line, run.problems).get("log_history")
-        run.log, run.log_source = pd.DataFrame(history if isinstance(history, list) else []), str(state)
-    elif events:
+        run.log_source = str(state)
+        if readable(state):
+            run.log = _trainer_state_log(state, errors, malformed, ckpt=state.parent != p)
+    elif events and all(readable(f) for f in events):
         run.log, run.log_source = tensorboard_log(p), f"{p} (TensorBoard events)"
-    if "fresh_groups.jsonl" in found:
-        run.fresh = read_jsonl(found["fresh_groups.jsonl"], on_bad_line=on_bad_line, check=check_fresh_record,
-                               problems=run.problems, malformed=malformed)
-    steps = found.get("replay/steps.jsonl") or found.get("steps.jsonl")
+        if not len(run.log):
+            errors.append(f"{p}: its TensorBoard event files ({', '.join(str(f.relative_to(p)) for f in events[:3])}"
+                          f"{', ...' if len(events) > 3 else ''}) hold no TensorBoard scalar (empty, cut short or not "
+                          "event files); restore them, or remove them to report the run from its other files")
+    if "fresh_groups.jsonl" in found and readable(found["fresh_groups.jsonl"]):
+        run.fresh = jsonl(found["fresh_groups.jsonl"], check_fresh_record)
+    steps = next((found[m] for m in STEPS_FILES if m in found), None)
     if steps:
         run.replay_dir = steps.parent
-        raw = read_jsonl(steps, on_bad_line=on_bad_line, check=check_step_record, problems=run.problems,
-                         malformed=malformed)
-        run.steps = step_frame(raw)
-        if len(raw) > len(run.steps):
-            run.problems.append(f"{steps}: {len(raw) - len(run.steps)} repeated step record(s) (a resumed run?); "
-                                "the last record of each step is used")
-        if (run.replay_dir / "groups.jsonl").exists():
-            run.groups = group_frame(read_jsonl(run.replay_dir / "groups.jsonl", on_bad_line=on_bad_line,
-                                                check=check_group_record, problems=run.problems, malformed=malformed))
-    if malformed:  # not what a crash leaves (a truncated line): a foreign writer or an edit; never analysed around
-        raise AnalysisInputError(f"{p}: {len(malformed)} malformed record(s) (fields of the wrong type; not written by "
-                                 "hdreplay, or edited); fix or remove these lines:\n" + "\n".join(malformed))
+        if readable(steps):
+            raw = jsonl(steps, check_step_record)
+            run.steps = step_frame(raw)
+            if len(raw) > len(run.steps):
+                run.problems.append(f"{steps}: {len(raw) - len(run.steps)} repeated step record(s) (a resumed run?); "
+                                    "the last record of each step is used")
+        if os.path.lexists(run.replay_dir / "groups.jsonl") and readable(run.replay_dir / "groups.jsonl"):
+            run.groups = group_frame(jsonl(run.replay_dir / "groups.jsonl", check_group_record, empty_ok=True))
+    ledger = next((d / LEDGER_FILE for d in (p, run.replay_dir, p / "hdreplay", p / "replay")
+                   if d is not None and os.path.lexists(d / LEDGER_FILE)), None)
+    if ledger is not None and readable(ledger):
+        run.ledger, run.ledger_source = jsonl(ledger, check_ledger_record), str(ledger)
+    if not (errors or malformed or len(run.log) or run.has_replay or len(run.ledger)):
+        errors.append(f"{p}: nothing to analyse: no trainer log entry" + (f" in {run.log_source}" if run.log_source
+                      else "") + ", replay step record or async ledger record; rerun, or pass the directory the run "
+                      "wrote its logs to")
+    if malformed or len(errors) > 1:  # not what a crash leaves (a line cut short): a foreign writer or an edit
+        what = [f"{len(malformed)} malformed record(s) (not JSON objects, or fields of the wrong type: not written by "
+                "hdreplay or TRL, or edited)"] * bool(malformed) + [f"{len(errors)} other problem(s)"] * bool(errors)
+        raise AnalysisInputError(f"{p}: cannot be read as a run: {' and '.join(what)}; fix what each line below "
+                                 "names:\n" + "\n".join(errors + malformed))
+    if errors:
+        raise AnalysisInputError(errors[0])
     for msg in run.problems if warn else ():
         warnings.warn(msg, BadLineWarning, stacklevel=2)
     return run

@@ -36,7 +36,7 @@ from hdreplay.config import ReplayConfig
 from hdreplay.diagnostics import DiagnosticsConfig, observers
 from hdreplay.errors import ReplayConfigError
 
-from ..flags import CommaStr, ReplayOptions
+from ..flags import CommaFloat, CommaStr, ReplayOptions
 from .methods import (
     COMPARE_METHODS, GEO_METHODS, METHODS, SEARCH_METHODS, STRATEGY_METHODS, Method, get_methods,
 )
@@ -48,6 +48,8 @@ FORMAT = "hdreplay.compare"
 #: step-to-step drift; capacity: a few steps of admitted groups, the task's ``capacity_per_b`` x b, as the
 #: paper's 512 groups at b = 128..256)
 SANDBOX_TAU = 1e-2
+#: per-call environment latencies (ms) of the search task's modelled step-time table (issue 31)
+DEFAULT_LATENCIES_MS = (0.0, 50.0, 200.0, 1000.0)
 
 #: the --methods option (a type, so that the demo's and calibration's configs can give it other defaults)
 Methods = Annotated[CommaStr, arg(help=(
@@ -79,7 +81,15 @@ class CompareConfig:
     model: str | None = None
     """local causal-LM checkpoint instead of the warm-started tiny model"""
     latency_ms: float | None = None
-    """search task: environment latency per tool call in ms (unset: the task's 5)"""
+    ("search task: environment latency per tool call slept while training, ms (unset: the task's 5; a task without "
+     "tools takes none); --tool-concurrency says how the calls of a step overlap")
+    latencies_ms: CommaFloat = None
+    ("search task: per-call latencies (ms) at which the summary models the step time and the wall-clock to target from "
+     "the counted tool calls / turns and the measured CPU time, computed not slept (unset: 0,50,200,1000)")
+    tool_concurrency: Literal["per_turn", "sequential"] = "per_turn"
+    ("search task: how the tool calls of a step overlap, slept and modelled: per_turn = the calls of one turn of the "
+     "tool loop in flight together across the batch, turns one after another (Search-R1 batches each turn's queries "
+     "into one retriever request); sequential = every call waits for the previous one (TRL 1.16 runs sync tools so)")
     train_pool: int | None = None
     ("distinct training problems, cycled over epochs by every method (unset: twice the prompts a run visits, so no "
      "prompt repeats; RePO needs repeats)")
@@ -141,9 +151,23 @@ class CompareConfig:
             _finite("modelled-ms-per-token", self.modelled_ms_per_token, at_least=0.0)
         if self.target is not None and not (isinstance(self.target, (int, float)) and 0 < self.target <= 1):
             raise ValueError(f"--target must be a Mean@n in (0, 1], got {self.target!r}")
+        tools = bool(getattr(task, "is_multiturn", False))
         if self.latency_ms is None:
             self.latency_ms = float(getattr(task, "default_latency_ms", 0.0))
         _finite("latency-ms", self.latency_ms, at_least=0.0)
+        if self.latencies_ms is None:
+            self.latencies_ms = DEFAULT_LATENCIES_MS if tools else ()
+        self.latencies_ms = tuple(self.latencies_ms)
+        for v in self.latencies_ms:
+            _finite("latencies-ms", v, at_least=0.0)
+        if not tools:  # 0 = no environment; the default of every task without tools
+            given = [f"--{n} {v}" for n, v in (("latency-ms", self.latency_ms if self.latency_ms else None),
+                                               ("latencies-ms", ",".join(map(str, self.latencies_ms)) or None),
+                                               ("tool-concurrency", None if self.tool_concurrency == "per_turn"
+                                                else self.tool_concurrency)) if v is not None]
+            if given:
+                raise ValueError(f"{given[0].split()[0]}: task {task.name} calls no tools (only a multi-turn task "
+                                 f"such as search has an environment latency); drop {given[0]}")
         if "selector" in self.replay:
             raise ValueError("--replay.selector: each method sets its own selector; choose methods with --methods "
                              f"(e.g. --methods headroom_drift,drift_only; valid: {list(METHODS)})")
@@ -198,6 +222,8 @@ class CompareConfig:
                        rollout_ms_per_token=self.rollout_ms_per_token, eval_every=self.eval_every,
                        curve_prompts=self.curve_prompts, curve_n=self.curve_n,
                        extra={**self.extra, "latency_s": self.latency_ms / 1000.0,
+                              **({"tool_concurrency": self.tool_concurrency}
+                                 if getattr(get_task(self.task), "is_multiturn", False) else {}),
                               **({"train_pool": self.train_pool} if self.train_pool is not None else {})})
 
     def signature_runs(self) -> dict[str, RunSpec]:
@@ -223,7 +249,7 @@ def _finite(name: str, v, *, above: float | None = None, at_least: float | None 
 
 #: settings that change no finished run (how many run at once, how many seeds / which methods / signature runs
 #: there are, what the summary computes): a comparison continued with other values keeps its finished runs
-RUN_NEUTRAL = ("workers", "modelled_ms_per_token", "target", "seeds", "methods", "signatures")
+RUN_NEUTRAL = ("workers", "modelled_ms_per_token", "target", "seeds", "methods", "signatures", "latencies_ms")
 
 
 def _marker(cfg: CompareConfig) -> dict:

@@ -5,6 +5,11 @@
     regime.png           per step: zero-variance share of fresh groups (every method), acceptance (gated)
     paired.png           differences against Headroom-Drift with their 95 % intervals (>= 2 seeds)
     train_score.png      training reward, running average, against steps
+  tasks with tools (summary["env_cost"], envcost.py):
+    step_time.png        modelled step time against the per-call latency, per turn and sequential
+    quality_wallclock.png  held-out Best@n and Mean@n against the modelled step time at each latency (the paper's
+                         Figure 1b view)
+    time_to_target.png   modelled wall-clock to reach each held-out accuracy, one panel per latency (per turn)
 
 Axes fit the data (no forced zero): differences of a few hundredths must stay visible.
 """
@@ -41,7 +46,75 @@ def plot_all(out: Path, summary: dict) -> list[str]:
         paths.append(curves(pdir, summary))
     if any("paired" in e for e in summary["methods"].values()) and _seeds(summary) > 1:
         paths.append(paired(pdir, summary))
+    if summary.get("env_cost"):
+        paths += [step_time(pdir, summary), quality_wallclock(pdir, summary)]
+        if summary["env_cost"].get("wallclock"):
+            paths.append(time_to_target(pdir, summary))
     return paths
+
+
+def step_time(pdir: Path, summary: dict) -> str:
+    plt = _plt()
+    ec, ms = summary["env_cost"], summary["methods"]
+    lats = ec["latencies_ms"]
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
+    for ax, conc in zip(axes, ("per_turn", "sequential")):
+        st = ec["step_time"][conc]
+        for k, e in ms.items():
+            y = [st[f"{x:g}"][k]["mean"] for x in lats]
+            sd = [st[f"{x:g}"][k]["std"] for x in lats]
+            ax.errorbar(lats, y, yerr=sd, marker="o", capsize=3, label=e["label"])
+        ax.set_xscale("symlog", linthresh=50)
+        ax.set_xlabel("per-call environment latency (ms)")
+        ax.set_ylabel("modelled step time (s)")
+        ax.set_title(f"{conc.replace('_', ' ')}: CPU s + latency x " + ("turns" if conc == "per_turn" else "calls"))
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=7)
+    fig.suptitle("Step time from the counted environment calls (bars: seed std)")
+    return _save(fig, pdir / "step_time.png")
+
+
+def quality_wallclock(pdir: Path, summary: dict) -> str:
+    plt = _plt()
+    ec, ms, n = summary["env_cost"], summary["methods"], summary["n"]
+    lats = ec["latencies_ms"]
+    fig, axes = plt.subplots(2, len(lats), figsize=(4 * len(lats), 7), squeeze=False, sharey="row")
+    for j, lat in enumerate(lats):
+        st = ec["step_time"]["per_turn"][f"{lat:g}"]
+        for i, key in enumerate(("macro_best_at_n", "macro_mean_at_n")):
+            ax = axes[i][j]
+            for k, e in ms.items():
+                ax.errorbar(st[k]["mean"], e[key]["mean"], xerr=st[k]["std"], yerr=e[key]["std"], fmt="o", capsize=3,
+                            label=e["label"])
+            ax.set_xlabel(f"modelled step time (s) at {lat:g} ms per call")
+            ax.grid(alpha=0.3)
+        axes[0][j].set_title(f"latency {lat:g} ms (per turn)")
+    axes[0][0].set_ylabel(f"held-out macro Best@{n}")
+    axes[1][0].set_ylabel(f"held-out macro Mean@{n}")
+    axes[0][0].legend(fontsize=7)
+    fig.suptitle("Quality against per-step wall-clock (the paper's Figure 1b view; bars: seed std)")
+    return _save(fig, pdir / "quality_wallclock.png")
+
+
+def time_to_target(pdir: Path, summary: dict) -> str:
+    plt = _plt()
+    ec, ms = summary["env_cost"], summary["methods"]
+    wc = ec["wallclock"]
+    lats = ec["latencies_ms"]
+    fig, axes = plt.subplots(1, len(lats), figsize=(4.2 * len(lats), 4.2), squeeze=False)
+    grid = wc["targets"]
+    for ax, lat in zip(axes[0], lats):
+        for k, e in ms.items():
+            y = [np.nan if v is None else v for v in wc["per_turn"]["curves"][k][f"{lat:g}"]]
+            ax.plot(grid, y, marker=".", label=e["label"])
+        ax.axvline(wc["target"], color="gray", ls=":", lw=1)
+        ax.set_xlabel(f"held-out macro Mean@{summary['config']['curve_n']} target")
+        ax.set_ylabel("modelled wall-clock to reach it (s)")
+        ax.set_title(f"{lat:g} ms per call (per turn)")
+        ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=7)
+    fig.suptitle("Time to target (seed-mean curve; dotted: the summary's target)")
+    return _save(fig, pdir / "time_to_target.png")
 
 
 def _seeds(summary: dict) -> int:

@@ -124,8 +124,11 @@ def build_trainer(spec: RunSpec, method: Method, task: Task, model_dir: Path, ru
         from .search import SearchEnv, install_chat_format
 
         install_chat_format(tok)
-        SearchEnv.latency_s = float(spec.extra.get("latency_s", 0.0))
-        env_kwargs = {"environment_factory": SearchEnv}
+        latency = float(spec.extra.get("latency_s", 0.0))
+        per_turn = spec.extra.get("tool_concurrency", "per_turn") == "per_turn"  # envcost.py: the two models
+        SearchEnv.latency_s = 0.0 if per_turn else latency  # sequential: each call sleeps, as TRL runs sync tools
+        env_kwargs = {"environment_factory": SearchEnv, "tool_calls": lambda: SearchEnv.calls,
+                      "turn_latency_s": latency if per_turn else 0.0}
         ds = ds.add_column("question", [p.question for p in problems])
     from .rewardlog import FILE, GroupRewardLog
 
@@ -177,14 +180,12 @@ def run_one(spec: RunSpec, method: Method, task: Task, model_dir: Path, run_dir:
     rec = HDRLogCallback(run_dir, on_step=on_step)  # after inst: it writes the step's log with inst's additions
     trainer = holder["trainer"] = build_trainer(spec, method, task, model_dir, run_dir, callbacks=[inst, rec],
                                                 stats=stats)
-    calls0 = _env_calls()
     t0 = time.perf_counter()
     try:
         trainer.train()
     finally:
         inst.close()
     wall = time.perf_counter() - t0 - inst.eval_s
-    env_calls = _env_calls() - calls0
     model = trainer.accelerator.unwrap_model(trainer.model)
     ev = evaluate(model, trainer.processing_class, task, n=spec.eval_n, seed=10_000 + spec.seed, per_prompt=True)
     times = rec.step_times[1:] or rec.step_times  # the first step carries one-off set-up
@@ -199,8 +200,10 @@ def run_one(spec: RunSpec, method: Method, task: Task, model_dir: Path, run_dir:
         "train_wall_s": wall,
         "rollout_ms_per_token": spec.rollout_ms_per_token,
         "final_train_reward": _last(run_dir / "train_log.jsonl", "reward"),
-        "env_calls_per_step": env_calls / spec.steps,
+        **env_costs(run_dir / "train_log.jsonl", steps=spec.steps),
         "env_latency_ms": 1000.0 * float(spec.extra.get("latency_s", 0.0)),
+        "tool_concurrency": spec.extra.get("tool_concurrency", "per_turn") if getattr(task, "is_multiturn", False)
+        else None,
         "torch_threads": threads,
     }
     atomic_write_text(run_dir / "metrics.json", json.dumps(metrics, indent=2))
@@ -225,18 +228,27 @@ def costs(path: Path, *, planned: int, n: int) -> dict:
             "replayed_rows": int(round(replayed)), "replayed_groups": replayed / n}
 
 
+def env_costs(path: Path, *, steps: int) -> dict:
+    """Per-step means over a run's train_log.jsonl: ``env_calls_per_step`` and ``tool_turns_per_step`` (training
+    rollouts only: the counts of instrument.py; None without tools), ``policy_tokens_per_step`` and ``cpu_s_per_step``
+    (process CPU seconds, the first step's one-off set-up left out like mean_step_s)."""
+    recs = [json.loads(line) for line in open(path)]
+    calls = [r["tool_calls"] for r in recs if "tool_calls" in r]
+    turns = [r["tool_turns"] for r in recs if "tool_turns" in r]
+    cpu = [r["cpu_s"] for r in recs if r.get("cpu_s") is not None]
+    cpu = cpu[1:] or cpu
+    return {"env_calls_per_step": sum(calls) / steps if calls else None,
+            "tool_turns_per_step": sum(turns) / steps if turns else None,
+            "policy_tokens_per_step": sum(r.get("policy_tokens", 0) for r in recs) / steps,
+            "cpu_s_per_step": sum(cpu) / len(cpu) if cpu else None}
+
+
 def is_finished(run_dir: Path) -> bool:
     """A run is finished when its metrics.json is complete (written atomically, so never torn)."""
     try:
         return json.loads((Path(run_dir) / "metrics.json").read_text()).get("format") == METRICS_FORMAT
     except (OSError, ValueError, AttributeError):
         return False
-
-
-def _env_calls() -> int:
-    from .search import SearchEnv
-
-    return SearchEnv.calls
 
 
 def _last(path: Path, key: str):

@@ -18,7 +18,9 @@ Conversation format (a char-level chat template, prefix-preserving, tool calling
 
 The tokenizer carries that chat template and a transformers ``response_template`` that parses
 ``<search q=...>`` into a tool call, so TRL's tool-call loop runs unchanged.  A per-call latency
-(``SearchEnv.latency_s``) models an expensive environment.  Rewards are exact match of the last
+(``SearchEnv.latency_s``, slept in each call: TRL runs sync tools one after another) or per turn of the tool loop
+(the sandbox trainer's ``turn_latency_s``, instrument.py) models an expensive environment; envcost.py models
+both from the counted calls and turns.  Rewards are exact match of the last
 assistant message; a malformed or failing tool call is not an exception: the environment answers
 with an error line and the episode scores 0 unless the final answer is right.
 """
@@ -274,6 +276,7 @@ def rollout(model, tok, problems, *, n: int, max_new_tokens: int = 24, max_tool_
     from trl.chat_template_utils import parse_response
 
     env = SearchEnv()
+    env.latency_s = 0.0  # evaluation never pays the modelled environment latency of training
     episodes = [[dict(m) for m in p.prompt] for p in problems for _ in range(n)]
     completions: list[list[dict]] = [[] for _ in episodes]
     live = list(range(len(episodes)))

@@ -12,7 +12,13 @@ Sections of summary.json (per method under ``methods``):
                 reference), and the cost to reach the target accuracy (steps, fresh responses, wall-clock
                 native and modelled)
 and ``gate``: the plain-language "what did the gate do?" numbers (acceptance, scan depth, replay KL gated
-vs ungated, ages replayed by Headroom-Drift vs recency).
+vs ungated, ages replayed by Headroom-Drift vs recency); for a task with tools ``env_cost`` (envcost.py): counted
+tool calls / turns / tokens and CPU seconds per step, the modelled step time at each ``--latencies-ms`` under both
+concurrency models with the paper's figures, the wall-clock to the target and the crossover latencies.
+
+Before anything is computed, every run's settings (run.json) must be the comparison's (compare.json) and every run
+must start from the same model: a directory whose seeds disagree (hand-merged runs, a run redone with other settings)
+is refused (:func:`check_runs_agree`), naming the run and the setting.
 """
 
 from __future__ import annotations
@@ -24,6 +30,8 @@ from pathlib import Path
 import numpy as np
 
 from hdreplay.atomic import atomic_write_text
+
+from ..analysis.load import AnalysisInputError
 
 from .curves import cost_to_target, method_curve, read_curve
 from .regime import cost_for_share, method_regime, run_regime
@@ -52,7 +60,42 @@ def _prompt_scores(runs: list[dict]) -> dict[str, np.ndarray]:
     return {b: np.asarray([r["benchmarks"][b]["prompt_mean"] for r in runs]) for b in runs[0]["benchmarks"]}
 
 
+def _conflicts(have, want, path: str = "") -> list[tuple[str, object, object]]:
+    """(key, have, want) where both sides set a key to different values (nested dicts compared key by key: a setting
+    one side lacks was added or dropped between versions and is not a disagreement)."""
+    if isinstance(have, dict) and isinstance(want, dict):
+        return [c for k in sorted(set(have) & set(want)) for c in _conflicts(have[k], want[k], f"{path}{k}.")]
+    return [] if have == want else [(path.rstrip("."), have, want)]
+
+
+def check_runs_agree(out: Path, cfg, methods) -> None:
+    """Refuse (AnalysisInputError: the command line reports it in one line) to summarize when a run's run.json
+    disagrees with the comparison's settings for that method and seed (``cfg.spec``), or the runs did not all start
+    from the same model: paired intervals over seeds that ran different settings would compare settings, not methods."""
+    models: dict = {}
+    for m in methods:
+        for s in range(cfg.seeds):
+            d = _run_dir(out, m.name, s)
+            have = json.loads((d / "run.json").read_text())
+            spec = cfg.spec(m.name, s)
+            want = json.loads(json.dumps({**asdict(spec), "dataset_prompts": spec.num_dataset_prompts()}))
+            bad = _conflicts({k: v for k, v in have.items() if k in want}, want)
+            if bad:
+                k, h, w = bad[0]
+                more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
+                raise AnalysisInputError(
+                    f"refusing to summarize {out}: {d.relative_to(out)} ran with {k}={h!r} where the comparison "
+                    f"(compare.json) has {k}={w!r}{more}: its seeds disagree on settings; rerun that run (delete its "
+                    "directory and run the same command) or use another --out")
+            models.setdefault(have.get("model"), []).append(str(d.relative_to(out)))
+    if len(models) > 1:
+        (a, ra), (b, rb) = list(models.items())[:2]
+        raise AnalysisInputError(f"refusing to summarize {out}: its runs started from different models ({ra[0]}: {a}; "
+                                 f"{rb[0]}: {b}); every run of a comparison starts from the same warm start")
+
+
 def summarize(out: Path, cfg, methods, task, *, reps: int = 4000) -> dict:
+    check_runs_agree(out, cfg, methods)
     res = {"format": "hdreplay.compare.summary/2", "config": asdict(cfg), "task": task.name, "n": cfg.eval_n,
            "tau": cfg.tau,
            "multiturn": bool(getattr(task, "is_multiturn", False)),
@@ -76,7 +119,8 @@ def summarize(out: Path, cfg, methods, task, *, reps: int = 4000) -> dict:
                 "best_at_n": _stats(r["benchmarks"][b.name]["best_at_n"] for r in runs),
             }
         for k in ("macro_mean_at_n", "macro_best_at_n", "weighted_mean_at_n", "weighted_best_at_n",
-                  "mean_step_s", "train_wall_s", "final_train_reward", "env_calls_per_step"):
+                  "mean_step_s", "train_wall_s", "final_train_reward", "env_calls_per_step", "tool_turns_per_step",
+                  "cpu_s_per_step", "policy_tokens_per_step"):
             entry[k] = _stats(r.get(k) for r in runs)
         for k in ("fresh_responses", "rescored_rows", "replayed_rows", "replayed_groups"):
             entry[k] = _stats(r.get(k) for r in runs)  # runs written before these costs existed: n/a
@@ -97,8 +141,28 @@ def summarize(out: Path, cfg, methods, task, *, reps: int = 4000) -> dict:
             if name != ref:
                 res["methods"][name]["paired"] = _paired(metrics[ref], runs, reps=reps, family=family)
     _curve_costs(res, curves, cfg.target, ref, reps=reps)
+    if res["multiturn"]:
+        res["env_cost"] = env_cost(out, cfg, [m.name for m in methods], res.get("target"), reps=reps)
     res["gate"] = gate_numbers(out, cfg, [m.name for m in methods])
     res["prompt_order"] = prompt_order(out, cfg, [m.name for m in methods])
+    return res
+
+
+def env_cost(out: Path, cfg, names: list[str], target: float | None, *, reps: int = 4000) -> dict:
+    """The environment-cost section (envcost.py): counts, modelled step times, wall-clock to ``target``."""
+    from .envcost import PAPER_MEAN32, PAPER_STEP_S, counts_table, run_env_cost, step_time_table, wallclock_summary
+
+    costs = {n: [run_env_cost(_run_dir(out, n, s)) for s in range(cfg.seeds)] for n in names}
+    base = "onpolicy_matched" if "onpolicy_matched" in names else None
+    ref = REFERENCE if REFERENCE in names else None
+    res = {"latencies_ms": list(cfg.latencies_ms), "concurrency": cfg.tool_concurrency,
+           "slept_latency_ms": cfg.latency_ms, "base": base, "reference": ref, "counts": counts_table(costs),
+           "step_time": step_time_table(costs, cfg.latencies_ms, base=base, reference=ref, reps=reps),
+           "paper": {"step_s": PAPER_STEP_S, "mean_at_32": PAPER_MEAN32}}
+    curves = {n: [read_curve(_run_dir(out, n, s)) for s in range(cfg.seeds)] for n in names}
+    if target is not None and ref and all(len(c) >= 2 for cs in curves.values() for c in cs):
+        res["wallclock"] = wallclock_summary(curves, cfg.latencies_ms, target, reference=ref,
+                                             others=[n for n in names if n != ref], reps=min(reps, 2000))
     return res
 
 

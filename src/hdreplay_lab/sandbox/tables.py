@@ -205,12 +205,88 @@ def _environment(summary: dict) -> list[str]:
 
 
 def _tool_table(summary: dict) -> list[str]:
-    ms = summary["methods"]
+    """The environment-cost section of a task with tools (summary["env_cost"], envcost.py)."""
+    ms, ec = summary["methods"], summary.get("env_cost")
+    if not ec:
+        return []
     names = list(ms)
-    fastest = sorted(names, key=lambda k: ms[k]["mean_step_s"]["mean"] or 0)
-    return ["", f"Mean per-step wall-clock time (environment latency {ms[names[0]]['env_latency_ms']:g} ms per tool "
-                "call), fastest first, like the paper's step-time table:", "",
-            table(["Method", "Step time (s)", "Tool calls / step", "Fresh responses", "Macro Mean@n", "Macro Best@n"],
-                  [[e["label"], _f(e["mean_step_s"]["mean"]), f"{e['env_calls_per_step']['mean']:.1f}",
-                    _count(e["fresh_responses"]), _f(e["macro_mean_at_n"]["mean"]), _f(e["macro_best_at_n"]["mean"])]
-                   for e in (ms[k] for k in fastest)])]
+    cnt, lats = ec["counts"], [f"{x:g}" for x in ec["latencies_ms"]]
+    out = ["", "## Environment cost and wall-clock", "",
+           "Per step (seed mean over steps 2..T): tool calls that reached the environment, tool turns (rounds of the "
+           "tool loop with at least one call), tokens the policy generated (tool results excluded), process CPU "
+           "seconds (one torch thread per run: compute without sleeps and with little of the machine's contention) "
+           f"and the wall-clock actually measured (slept latency {ec['slept_latency_ms']:g} ms per call, "
+           f"{ec['concurrency'].replace('_', ' ')}).", "",
+           table(["Method", "Tool calls", "Tool turns", "Policy tokens", "CPU s", "Wall s (measured)",
+                  f"Macro Mean@{summary['n']}", f"Macro Best@{summary['n']}"],
+                 [[ms[k]["label"], _pm(cnt[k]["tool_calls"], ".1f"), _pm(cnt[k]["tool_turns"], ".2f"),
+                   _pm(cnt[k]["policy_tokens"], ",.0f"), _pm(cnt[k]["cpu_s"], ".3f"), _f(cnt[k]["step_s"]["mean"]),
+                   _f(ms[k]["macro_mean_at_n"]["mean"], ".4f"), _f(ms[k]["macro_best_at_n"]["mean"], ".4f")]
+                  for k in names])]
+    paper, base = ec["paper"]["step_s"], ec.get("base")
+    for conc, what in (("per_turn", "the calls of one turn in flight together across the batch, turns one after "
+                                    "another (Search-R1's batched retrieval)"),
+                       ("sequential", "every call after the previous one (TRL 1.16's sync tools)")):
+        st = ec["step_time"][conc]
+        top = lats[-1]
+        order = sorted(names, key=lambda k: st[top][k]["mean"])
+        ratio = (lambda k, lat: f" ({st[lat][k]['ratio_to_base']:.2f}x)") if base else (lambda k, lat: "")
+        pb = paper.get(base) if base else None
+        out += ["", f"Modelled mean step time (s) at each per-call latency, {conc.replace('_', ' ')}: {what}; "
+                    "CPU seconds + latency x " + ("turns" if conc == "per_turn" else "calls")
+                    + (f"; in brackets the ratio to {ms[base]['label']}" if base else "")
+                    + ". Fastest first at the largest latency; the paper's Search-R1 step time (Qwen2.5-3B, s) beside "
+                    "it, like the paper's Table (search_timing).", "",
+                table(["Method", *(f"{x} ms" for x in lats), "Paper (s)"],
+                      [[ms[k]["label"], *(f"{st[lat][k]['mean']:.3f}{ratio(k, lat)}" for lat in lats),
+                        "-" if k not in paper else f"{paper[k]:.1f}" + (f" ({paper[k] / pb:.2f}x)" if pb else "")]
+                       for k in order])]
+    return out + _wallclock(summary)
+
+
+def _pm(s: dict, spec: str) -> str:
+    return "n/a" if s["mean"] is None else format(s["mean"], spec) + (f" ± {format(s['std'], spec)}" if s["n"] > 1 else "")
+
+
+def _lat(x: float) -> str:
+    return "never" if x == float("inf") else f"{x:,.0f} ms"
+
+
+def _wallclock(summary: dict) -> list[str]:
+    ms, ec = summary["methods"], summary["env_cost"]
+    wc = ec.get("wallclock")
+    if not wc:
+        return []
+    ref = ec["reference"]
+    lats = [f"{x:g}" for x in ec["latencies_ms"]]
+    out = ["", f"Wall-clock to the target (held-out macro Mean@{summary['config']['curve_n']} {wc['target']:.3f} on the "
+               "curve's prompts, seed-mean curve), modelled from the cumulative CPU seconds and counts at each "
+               "evaluation point, per turn / sequential:", "",
+           table(["Method", *(f"{x} ms" for x in lats)],
+                 [[ms[k]["label"], *(" / ".join(_f(wc[c]["to_target_s"][k][lat], ",.0f", "not reached")
+                                                for c in ("per_turn", "sequential")) for lat in lats)]
+                  for k in ms])]
+    rows = []
+    for c in ("per_turn", "sequential"):
+        for o, x in wc[c]["crossover"].items():
+            rows.append([c.replace("_", " "), ms[o]["label"], _lat(x["latency_ms"]),
+                         f"[{_lat(x['lo'])}, {_lat(x['hi'])}]", f"{100 * x['never_share']:.0f}%",
+                         f"{100 * x['always_share']:.0f}%"])
+    out += ["", f"Latency above which {ms[ref]['label']} reaches the target sooner than each method (0 ms: at every "
+                "latency; never: at no latency above some value), with the 95 % percentile interval over paired seed "
+                "resamples and the share of resamples where it never does / always does:", "",
+            table(["Concurrency", "Against", "Sooner above", "95 % interval", "Never", "Always"], rows)]
+    rows = []
+    for c in ("per_turn", "sequential"):
+        for row in wc[c].get("crossover_by_target", []):
+            for o, x in row.items():
+                if o != "target":
+                    rows.append([c.replace("_", " "), f"{row['target']:.3f}", ms[o]["label"], _lat(x["latency_ms"]),
+                                 f"[{_lat(x['lo'])}, {_lat(x['hi'])}]", f"{100 * x['never_share']:.0f}%",
+                                 f"{100 * x['always_share']:.0f}%"])
+    if rows:
+        out += ["", f"The same against the on-policy baselines at lower targets (half, three quarters and all of the way "
+                    f"from the warm start's curve value {wc['start']:.3f} to the target): one target is one point of a "
+                    "noisy curve.", "",
+                table(["Concurrency", "Target", "Against", "Sooner above", "95 % interval", "Never", "Always"], rows)]
+    return out

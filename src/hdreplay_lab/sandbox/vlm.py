@@ -59,8 +59,7 @@ class TinyQwen2VLProcessor(Qwen2VLProcessor):
 
 
 def _qwen2vl(tok, hidden: int, layers: int, heads: int, kv_heads: int, vision_depth: int):
-    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration, Qwen2VLImageProcessorPil
 
     ids = {s: tok.convert_tokens_to_ids(s) for s in QWEN_SPECIALS}
     side = IMAGE_SIZE * IMAGE_SIZE
@@ -88,8 +87,8 @@ def _qwen2vl(tok, hidden: int, layers: int, heads: int, kv_heads: int, vision_de
 
 
 def _llava(tok, hidden: int, layers: int, heads: int, kv_heads: int, vision_depth: int):
-    from transformers import CLIPVisionConfig, LlavaConfig, LlavaForConditionalGeneration, LlavaProcessor, Qwen2Config
-    from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
+    from transformers import (CLIPImageProcessorPil, CLIPVisionConfig, LlavaConfig, LlavaForConditionalGeneration,
+                              LlavaProcessor, Qwen2Config)
 
     improc = CLIPImageProcessorPil(size={"shortest_edge": IMAGE_SIZE},
                                    crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE})

@@ -62,9 +62,9 @@ class _ReplayFields:
         'u: the accepted list is cut to a multiple of u, keeping its highest-priority prefix (1 = no cut)')})
     # ---- the scan's engineering (ReplayConfig.paper() gives the paper's scan)
     replay_max_scan: Optional[int] = field(default=None, metadata={"help": (
-        'scan budget: at most this many groups are re-scored per step; unset = min(capacity, 8 * k_rep), so a '
-        'gate that passes fewer than 1 in 8 groups cannot fill the budget, and a tau so tight that nothing passes'
-        ' costs at most 8 * k_rep re-scores per step instead of the whole buffer')})
+        "scan budget: at most this many groups are re-scored per step; unset = no cap, the paper's scan (to K_rep"
+        ' admitted groups or the end of the buffer). A cap saves forwards when the gate passes few groups and C >'
+        " 8 K_rep; at the paper's settings (C 512, K_rep 128) a cap of 8 K_rep never binds")})
     replay_scan_passes: int = field(default=4, metadata={"help": (
         "exact early rejection: each scanned group's responses are forwarded in at most this many slices (batched"
         ' across the groups of a scan window) and a group stops being forwarded once the Drift of what was '

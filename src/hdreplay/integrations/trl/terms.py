@@ -38,11 +38,10 @@ from .microstep import loss_mask
 @dataclass
 class PartTerms:
     """What one part's policy forward produced (captured by the trainer): ``entropies`` (B, C) and ``aux`` (0-d),
-    both still attached to the graph, and the high-entropy mask (B, C) when ``top_entropy_quantile < 1``."""
+    both still attached to the graph."""
 
     entropies: torch.Tensor | None = None
     aux: torch.Tensor | None = None
-    entropy_mask: torch.Tensor | None = None
     seen: bool = False
 
 
@@ -83,9 +82,12 @@ def correction(trainer, part: dict, terms: PartTerms, *, weight: float, loss_sha
         return 0.0
     ga = trainer.current_gradient_accumulation_steps
     out = 0.0
-    if trainer._entropy_bonus_enabled and entropy_coef != 0.0 and weight != loss_share:
-        h = entropy_term(terms.entropies, loss_mask(part).to(terms.entropies.dtype), terms.entropy_mask, ga)
-        out = out + entropy_coef * (weight - loss_share) * h
+    if trainer._entropy_bonus_enabled and entropy_coef != 0.0:  # (the same on every rank: the call below gathers)
+        mask = loss_mask(part).to(terms.entropies.dtype)
+        high = None if trainer.top_entropy_quantile >= 1.0 else trainer.get_high_entropy_mask(  # TRL's own mask of
+            terms.entropies.detach(), mask, 1 - trainer.top_entropy_quantile)  # this part, by TRL's own method
+        if weight != loss_share:
+            out = out + entropy_coef * (weight - loss_share) * entropy_term(terms.entropies, mask, high, ga)
     if trainer.aux_loss_enabled and terms.aux is not None and weight != token_share:
         out = out + trainer.router_aux_loss_coef * (token_share - weight) * terms.aux / ga
     return out

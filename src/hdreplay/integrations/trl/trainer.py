@@ -8,8 +8,8 @@ to bottom (every override post-processes what TRL produced; nothing of TRL's is 
    ``state.global_step``; every generation records its rows, rewards (``_calculate_rewards``) and
    generation-time log-probs (TRL's ``old_per_token_logps``, or captured in step 3).  The first one
    also selects replay groups (re-scored on the current weights, sharded over ranks).
-2. ``_prepare_inputs``: the fresh rows are shuffled and split exactly as plain TRL does; this rank's
-   replay rows are spread over the generation's micro-steps as extra chunks (:class:`~.step.MicroStep`).
+2. ``_prepare_inputs``: TRL's own method generates, shuffles and splits the fresh rows; each of its micro-batches
+   gets this rank's replay rows as extra chunks (:class:`~.microstep.MicroStep`).
 3. ``compute_loss``: TRL's loss on the fresh micro-batch, then on each replay chunk (at most
    ``per_device_train_batch_size`` rows; forward + backward each), scaled so the sum is TRL's loss on
    the merged micro-batch (:func:`chunk_scales`); the entropy bonus and router loss counted once
@@ -19,8 +19,8 @@ to bottom (every override post-processes what TRL produced; nothing of TRL's is 
 4. ``on_step_end`` (after the optimizer step): the step's groups are gathered from all ranks,
    staged and committed; ``replay/*`` metrics join TRL's log of that step.
 5. ``_save_checkpoint``: the replay state goes into ``checkpoint-N/hdreplay`` before the Trainer's
-   rotation may delete the previous checkpoint (:mod:`.checkpoints`); ``train(resume_from_checkpoint=True)``
-   resumes the newest complete checkpoint.
+   rotation may delete the previous checkpoint (:mod:`.checkpoints`); ``train(resume_from_checkpoint=...)``
+   restores it before the Trainer loads anything (``True``: the newest complete checkpoint).
 
 With ``replay_selector="none"`` none of this runs and the trainer is plain ``GRPOTrainer``.
 """
@@ -37,9 +37,6 @@ from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 from trl import GRPOTrainer
 from trl.models.utils import disable_gradient_checkpointing
-from trl.trainer.utils import (
-    shuffle_sequence_dict, split_pixel_values_by_grid, split_tensor_dict, unsplit_pixel_values_by_grid,
-)
 
 from ...multimodal import schema_of
 from ...padding import pad_groups
@@ -288,35 +285,38 @@ class HDRGRPOTrainer(GRPOTrainer):
         if not (self.replay_active and self.model.training):
             return super()._prepare_inputs(generation_batch)
         spg = self.args.steps_per_generation
-        if self._step % (spg * self.num_iterations) == 0 or self._buffered_inputs is None:
-            out = self._generate_and_score_completions(generation_batch)
-            step = self._replay_step
-            gen = step.current
-            fresh = split_tensor_dict(shuffle_sequence_dict(split_pixel_values_by_grid(out)), spg)  # plain TRL's
-            fresh = [unsplit_pixel_values_by_grid(f) for f in fresh]
-            first = gen is step.generations[0] and step.replay_rows
-            replay = [[] for _ in fresh]
-            if self._seam.part_loss is not None:  # ExGRPO's injected rows: a chunk of their own, the shaped loss
-                fresh, offs = zip(*(split_off(f) for f in fresh))
-                replay = [[o] if o is not None else [] for o in offs]
-            if first:  # (never with ExGRPO: it selects no replay groups)
-                steps = spg if self.args.replay_train_scope == "generation" else self._micro_steps_left(spg)
-                replay = replay_chunks(step.replay_part, spg=steps, max_rows=self.args.per_device_train_batch_size,
-                                       num_items=out["num_items_in_batch"]) + [[] for _ in range(spg - steps)]
-                self._gated_update = self.state.global_step
-                for chunk in (c for cs in replay for c in cs if "hdr_mm" in c):  # TRL's flat image layout per chunk
-                    images = mm.batch_inputs(chunk.pop("hdr_mm"), chunk["prompt_mask"].cpu(),
-                                             chunk["completion_ids"].shape[1])
-                    chunk.update(mm.to_device(images, chunk["prompt_mask"].device))
-                step.replay_part = None
-            capture = gen if gen.needs_capture else None
-            self._buffered_inputs = [MicroStep(f, r, capture) for f, r in zip(fresh, replay)]
+        before = self._buffered_inputs
+        super()._prepare_inputs(generation_batch)  # TRL generates, shuffles and splits (or hands out its buffer)
+        if self._buffered_inputs is not before:  # a new generation: TRL's own micro-batches, plus the replay chunks
+            self._buffered_inputs = self._with_replay(list(self._buffered_inputs), spg)
         micro = self._buffered_inputs[self._step % spg]
         if micro.replay and self._gated_update != self.state.global_step \
                 and self._seam.part_loss is None \
                 and self.args.replay_train_scope == "update":  # a later update: its gate no longer vouches for them
             micro = MicroStep(micro.fresh, [], micro.generation)
         return micro
+
+    def _with_replay(self, fresh: list[dict], spg: int) -> list[MicroStep]:
+        """The generation's micro-steps: each of TRL's fresh micro-batches with its replay chunks."""
+        step = self._replay_step
+        gen = step.current
+        first = gen is step.generations[0] and step.replay_rows
+        replay = [[] for _ in fresh]
+        if self._seam.part_loss is not None:  # ExGRPO's injected rows: a chunk of their own, the shaped loss
+            fresh, offs = zip(*(split_off(f) for f in fresh))
+            replay = [[o] if o is not None else [] for o in offs]
+        if first:  # (never with ExGRPO: it selects no replay groups)
+            steps = spg if self.args.replay_train_scope == "generation" else self._micro_steps_left(spg)
+            replay = replay_chunks(step.replay_part, spg=steps, max_rows=self.args.per_device_train_batch_size,
+                                   num_items=fresh[0]["num_items_in_batch"]) + [[] for _ in range(spg - steps)]
+            self._gated_update = self.state.global_step
+            for chunk in (c for cs in replay for c in cs if "hdr_mm" in c):  # TRL's flat image layout per chunk
+                images = mm.batch_inputs(chunk.pop("hdr_mm"), chunk["prompt_mask"].cpu(),
+                                         chunk["completion_ids"].shape[1])
+                chunk.update(mm.to_device(images, chunk["prompt_mask"].device))
+            step.replay_part = None
+        capture = gen if gen.needs_capture else None
+        return [MicroStep(f, r, capture) for f, r in zip(fresh, replay)]
 
     def _micro_steps_left(self, spg: int) -> int:
         """Micro-steps of the generation that run in the current optimizer update (replay_train_scope="update")."""
@@ -370,12 +370,6 @@ class HDRGRPOTrainer(GRPOTrainer):
             yield self._terms
         finally:
             self._terms = None
-
-    def get_high_entropy_mask(self, entropies, mask, threshold):
-        out = super().get_high_entropy_mask(entropies, mask, threshold)
-        if self._terms is not None and self._terms.entropy_mask is None:
-            self._terms.entropy_mask = out
-        return out
 
     def _get_per_token_logps_and_entropies(self, model, input_ids, *args, **kwargs):
         out = super()._get_per_token_logps_and_entropies(model, input_ids, *args, **kwargs)
@@ -437,16 +431,14 @@ class HDRGRPOTrainer(GRPOTrainer):
         save_with_replay(self, model, trial, save_trainer=super()._save_checkpoint,
                          write_state=lambda path: self.replay.save(path, allow_open_step=True))
 
-    def _load_optimizer_and_scheduler(self, checkpoint):
-        super()._load_optimizer_and_scheduler(checkpoint)
-        if self.replay_active and checkpoint is not None:
-            refuse_incomplete(checkpoint)
-            restore(self.replay, checkpoint, allow_missing=self.args.replay_resume_without_state,
-                    option="replay_resume_without_state")
-
     def train(self, resume_from_checkpoint=None, *args, **kwargs):
         if self.replay_active and resume_from_checkpoint is True:
             resume_from_checkpoint = str(resume_target(self.args.output_dir))
+        if self.replay_active and isinstance(resume_from_checkpoint, (str, os.PathLike)) \
+                and os.path.isdir(resume_from_checkpoint):  # (a missing directory: the Trainer's own error)
+            refuse_incomplete(resume_from_checkpoint)  # before anything is loaded
+            restore(self.replay, resume_from_checkpoint, allow_missing=self.args.replay_resume_without_state,
+                    option="replay_resume_without_state")
         self._step_offset = None
         result = super().train(resume_from_checkpoint, *args, **kwargs)
         if self.replay_active:
