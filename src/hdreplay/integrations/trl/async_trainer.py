@@ -17,11 +17,12 @@ that stream and keeps everything else of TRL's (dataset, batcher, tree packing, 
    (:func:`~.async_rows.tree_logprobs`, TRL's own packing and model call) and gathering the results; rank 0 hands
    the admitted groups to the proxy.  ``async/*`` (the ledger) and ``replay/*`` metrics join TRL's log.
 
-4. Checkpoints (``_save_checkpoint``, ``_load_optimizer_and_scheduler``, ``train``): the controller, the staleness
-   rule's state and rank 0's routing state go into ``checkpoint-N/hdreplay`` in the synchronous trainer's crash-safe
-   order (:func:`.checkpoints.save_with_replay`); a resume restores them (a checkpoint without them is refused unless
-   ``replay_resume_without_state``) and, at train begin, re-makes the selection the interrupted run had made for the
-   next update (:mod:`.async_resume` says what is saved and what TRL's rollout stream loses).
+4. Checkpoints (``_save_checkpoint``, ``train``): the controller, the staleness rule's state and rank 0's routing
+   state go into ``checkpoint-N/hdreplay`` in the synchronous trainer's crash-safe order
+   (:func:`.checkpoints.save_with_replay`); a resume restores them before the Trainer loads anything (a checkpoint
+   without them is refused unless ``replay_resume_without_state``) and, at train begin, re-makes the selection the
+   interrupted run had made for the next update (:mod:`.async_resume` says what is saved and what TRL's rollout
+   stream loses).
 
 Steps: the controller's step of the update at global step u is ``u - 1`` (the updates its policy has seen), a
 sample's ``birth_step`` is ``model_version - 1`` (less the version shift of a resumed run), so ages are TRL's
@@ -267,17 +268,14 @@ class HDRAsyncGRPOTrainer(AsyncGRPOTrainer):
 
         save_with_replay(self, model, trial, save_trainer=super()._save_checkpoint, write_state=write_state)
 
-    def _load_optimizer_and_scheduler(self, checkpoint):
-        super()._load_optimizer_and_scheduler(checkpoint)
-        if checkpoint is not None:
-            refuse_incomplete(checkpoint)
-            restore(self.areplay.controller, checkpoint, allow_missing=self.args.replay_resume_without_state,
-                    option="replay_resume_without_state")
-            self._resuming = True
-
     def train(self, resume_from_checkpoint=None, *args, **kwargs):
         if resume_from_checkpoint is True:
             resume_from_checkpoint = str(resume_target(self.args.output_dir))
+        if isinstance(resume_from_checkpoint, (str, os.PathLike)) and os.path.isdir(resume_from_checkpoint):
+            refuse_incomplete(resume_from_checkpoint)  # (a missing directory: the Trainer's own error)
+            restore(self.areplay.controller, resume_from_checkpoint,
+                    allow_missing=self.args.replay_resume_without_state, option="replay_resume_without_state")
+            self._resuming = True
         return super().train(resume_from_checkpoint, *args, **kwargs)
 
     def _begin(self) -> None:
