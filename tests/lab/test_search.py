@@ -242,6 +242,11 @@ def test_tiny_search_comparison_models_wall_clock_from_the_counts_and_refuses_mi
     md = (out / "summary.md").read_text()
     assert "## Environment cost and wall-clock" in md and "| Paper (s)" in md and "197.2 (1.35x)" in md
     assert "reaches the target sooner" in md
+    paired = ec["step_time"]["per_turn"]["1000"]["onpolicy_larger"]["ref_minus"]  # HDR minus 1.5b, paired by seed
+    assert paired["diff"] == pytest.approx(ec["step_time"]["per_turn"]["1000"]["headroom_drift"]["mean"]
+                                           - ec["step_time"]["per_turn"]["1000"]["onpolicy_larger"]["mean"])
+    assert "modelled step time minus each method's" in md
+    assert f"{paired['diff']:+.3f} [{paired['lo']:+.3f}, {paired['hi']:+.3f}]" in md
     for png in ("step_time", "quality_wallclock", "time_to_target"):
         assert (out / "plots" / f"{png}.png").stat().st_size > 0
     # a seed of one method redone with a slept latency: the same command no longer summarizes

@@ -241,7 +241,28 @@ def _tool_table(summary: dict) -> list[str]:
                       [[ms[k]["label"], *(f"{st[lat][k]['mean']:.3f}{ratio(k, lat)}" for lat in lats),
                         "-" if k not in paper else f"{paper[k]:.1f}" + (f" ({paper[k] / pb:.2f}x)" if pb else "")]
                        for k in order])]
-    return out + _wallclock(summary)
+    return out + _paired_step_time(summary) + _wallclock(summary)
+
+
+def _paired_step_time(summary: dict) -> list[str]:
+    """The reference's modelled step time minus each method's, paired by seed, with its 95 % seed-bootstrap interval
+    (summary["env_cost"]["step_time"][...]["ref_minus"], computed by envcost.step_time_table)."""
+    ms, ec = summary["methods"], summary["env_cost"]
+    ref, lats = ec.get("reference"), [f"{x:g}" for x in ec["latencies_ms"]]
+    rows = []
+    for conc in ("per_turn", "sequential"):
+        st = ec["step_time"][conc]
+        for k in ms:
+            cells = [st[lat][k].get("ref_minus") for lat in lats]
+            if k == ref or not all(cells):
+                continue
+            rows.append([conc.replace("_", " "), ms[k]["label"],
+                         *(f"{c['diff']:+.3f} [{c['lo']:+.3f}, {c['hi']:+.3f}]" for c in cells)])
+    if not rows:
+        return []
+    return ["", f"{ms[ref]['label']}'s modelled step time minus each method's (s), paired by seed, with the 95 % "
+                "percentile interval of the seed bootstrap (negative: Headroom-Drift's step is shorter):", "",
+            table(["Concurrency", "Against", *(f"{x} ms" for x in lats)], rows)]
 
 
 def _pm(s: dict, spec: str) -> str:
