@@ -17,22 +17,23 @@ from __future__ import annotations
 
 import math
 import warnings
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import Any, Mapping
 
 from ..atomic import atomic_write_text
 from ..errors import CheckpointError, ReplayProtocolError, ReplayResumeWarning
 from ..validate import is_int, is_real
 from .ledger import StalenessLedger
 
-if TYPE_CHECKING:
-    from .rule import AsyncReplay
+#: ``ar`` below is a :class:`~.rule.AsyncReplay`; typed ``Any`` so that this module, which rule.py imports, imports
+#: nothing of rule.py (no import circle)
+_AsyncReplay = Any
 
 #: the observer name (the key of this state in the controller checkpoint's ``observers``)
 STATE_NAME = "staleness"
 _INFO = {"birth": "int", "tokens": "int", "length": "number", "admitted": "bool", "first_drift": "number or null"}
 
 
-def snapshot(ar: "AsyncReplay") -> dict[str, Any]:
+def snapshot(ar: _AsyncReplay) -> dict[str, Any]:
     """The rule's JSON state now (call it with no update open: it is what the next update starts from)."""
     f = ar.floor
     return {"step": ar.controller.last_step,
@@ -93,11 +94,9 @@ def parse(d: Any) -> dict[str, Any]:
             "tracked": out_tracked, "sampler_ref": set(refs), "warned_floor": d["warned_floor"]}
 
 
-def install(ar: "AsyncReplay", parsed: dict[str, Any] | None) -> None:
+def install(ar: _AsyncReplay, parsed: dict[str, Any] | None) -> None:
     """Put a :func:`parse`d state (None: the empty state) into ``ar`` (nothing here can fail)."""
-    from .rule import DriftFloor
-
-    ar.floor = DriftFloor(initial=ar.floor.initial, ema=ar.floor.ema, min_groups=ar.floor.min_groups)
+    ar.floor = type(ar.floor)(initial=ar.floor.initial, ema=ar.floor.ema, min_groups=ar.floor.min_groups)
     ar.ledger = StalenessLedger()
     ar.tracked, ar.sampler_ref, ar._warned_floor = {}, set(), False
     if parsed is not None:
@@ -112,7 +111,7 @@ def install(ar: "AsyncReplay", parsed: dict[str, Any] | None) -> None:
     ar._committed = snapshot(ar)
 
 
-def rewind_ledger(ar: "AsyncReplay", step: int | None) -> None:
+def rewind_ledger(ar: _AsyncReplay, step: int | None) -> None:
     """Drop the ledger file's records written after ``step`` (a resumed run writes them again)."""
     import json
 
@@ -134,7 +133,7 @@ class StalenessState:
 
     name = STATE_NAME
 
-    def __init__(self, ar: "AsyncReplay") -> None:
+    def __init__(self, ar: _AsyncReplay) -> None:
         self.ar = ar
 
     def state_dict(self) -> dict[str, Any]:
