@@ -351,13 +351,17 @@ class ReplayController:
         if self._open_step is not None:
             raise ReplayProtocolError(f"load_state_dict() while step {self._open_step} is open; commit() first")
         state = parse_controller_state(tensors, meta, config=self.config)
-        if self.diagnostics is not None and state.last_step is not None:
-            self.diagnostics.rewind(state.last_step)  # before any assignment: a failure here changes nothing
         try:
             observed = [(o, o.check_state(state.observers.get(o.name))) for o in self.observers
                         if hasattr(o, "check_state")]
         except CheckpointError as e:
             raise CheckpointError(f"controller state (observers): {e}") from None
+        # every check passed: now the files (a refused load leaves them too), then memory
+        if self.diagnostics is not None and state.last_step is not None:
+            self.diagnostics.rewind(state.last_step)  # before any assignment: a failure here changes nothing
+        for obs, parsed in observed:
+            if hasattr(obs, "rewind_files"):
+                obs.rewind_files(parsed)
         self._install(state, observed)
         if state.changes:
             warnings.warn("hdreplay: resumed under a changed replay configuration (" + "; ".join(state.changes)

@@ -122,9 +122,11 @@ def _corrupt(meta, how):
         s["step"] = "five"
     elif how == "missing":
         del s["warned_floor"]
+    elif how == "floor_key":  # an older layout of the floor ({estimate, groups}): refused, not a KeyError mid-install
+        del s["floor"]["last_step_mean"]
 
 
-@pytest.mark.parametrize("how", ["tracked", "totals", "floor", "sampler_ref", "step", "missing"])
+@pytest.mark.parametrize("how", ["tracked", "totals", "floor", "sampler_ref", "step", "missing", "floor_key"])
 def test_malformed_staleness_state_is_refused_and_changes_nothing(how, tmp_path):
     ar, log = make(), []
     for u in range(3, 5):
@@ -140,6 +142,24 @@ def test_malformed_staleness_state_is_refused_and_changes_nothing(how, tmp_path)
         other.controller.load_state_dict(t, meta)
     after = state(other)
     assert after[1] == before[1] and all(torch.equal(after[0][k], before[0][k]) for k in after[0])
+
+
+def test_a_refused_load_leaves_the_diagnostics_files_alone(tmp_path):
+    """The controller's steps / groups logs and the ledger's file are rewound to the checkpoint only once every
+    check of the load passed: a checkpoint refused for its staleness state changes no file either."""
+    plain = ReplayController(make().controller.config)
+    plain.stage([group("g", 0)], step=0)
+    plain.commit()
+    plain.save(tmp_path / "ckpt")  # step 0, no staleness state
+    ar, log = make(tmp_path / "diag"), []
+    for u in range(3, 6):
+        update(ar, u, log)
+    ar.commit()
+    files = {p: p.read_bytes() for p in sorted((tmp_path / "diag").rglob("*")) if p.is_file()}
+    assert len(files) >= 2 and all(files.values())
+    with pytest.raises(CheckpointError, match="no staleness state"):
+        ar.controller.load(tmp_path / "ckpt")
+    assert {p: p.read_bytes() for p in files} == files
 
 
 def test_load_while_the_rule_has_an_open_update_is_refused(tmp_path):

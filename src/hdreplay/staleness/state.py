@@ -63,10 +63,11 @@ def parse(d: Any) -> dict[str, Any]:
     if d["step"] is not None and not (is_int(d["step"]) and d["step"] >= 0):
         raise bad(f"step must be a step (int >= 0) or null, got {d['step']!r:.40}")
     fl = d["floor"]
-    if not (isinstance(fl, Mapping) and _number(fl.get("estimate"), null=True) and is_int(fl.get("groups"))
-            and fl["groups"] >= 0 and _number(fl.get("last_step_mean"), null=True)):
-        raise bad(f"floor must hold estimate (number >= 0 or null), groups (int >= 0) and last_step_mean, got "
-                  f"{fl!r:.120}")
+    if not (isinstance(fl, Mapping) and set(fl) == {"estimate", "groups", "last_step_mean"}
+            and _number(fl["estimate"], null=True) and is_int(fl["groups"]) and fl["groups"] >= 0
+            and _number(fl["last_step_mean"], null=True)):
+        raise bad(f"floor must hold estimate (number >= 0 or null), groups (int >= 0) and last_step_mean "
+                  f"(number >= 0 or null), and nothing else, got {fl!r:.120}")
     want = set(StalenessLedger().totals)
     tot = d["totals"]
     if not isinstance(tot, Mapping) or set(tot) != want or not all(is_int(v) and 0 <= v < 2**62 for v in tot.values()):
@@ -161,8 +162,13 @@ class StalenessState:
                 routing = ar.routing_parser(routing)
             except CheckpointError as e:
                 raise CheckpointError(f"staleness state: routing: {e}") from None
-        rewind_ledger(ar, parsed["step"])  # last, once everything parsed (the controller rewinds its own logs first)
         return parsed, routing
+
+    def rewind_files(self, parsed: tuple[dict | None, Any]) -> None:
+        """After every check of the load passed (the controller calls it): the ledger file back to the checkpoint."""
+        state, _ = parsed
+        if state is not None:
+            rewind_ledger(self.ar, state["step"])
 
     def restore(self, controller, parsed: tuple[dict | None, Any]) -> None:
         state, routing = parsed
