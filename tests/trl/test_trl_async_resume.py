@@ -124,6 +124,30 @@ def test_resume_without_replay_state_is_refused_unless_allowed(runs, model_dir, 
         tr = train(tmp_path, model_dir, resume=str(ckpt), worker_state=load_worker_state(ckpt), max_steps=CUT + 1,
                    replay_resume_without_state=True)
     assert tr.state.global_step == CUT + 1 and tr.areplay.controller.last_step == CUT
+    marks = [st for r in tr.replay_log for ms in r["landed"].values() for _, st in ms]
+    # without a routing state the landings still count from TRL's step (+ 1: the prefetch for the next update)
+    assert marks and min(marks) == CUT + 1 and max(marks) <= CUT + 2
+
+
+def test_a_worker_that_restarts_its_group_ids_gets_new_ids_after_the_resume(runs, model_dir, tmp_path):
+    """TRL's own rollout worker restarts its group ids at 0 in a resumed process and loses what it had queued: the
+    resumed run renumbers its groups past every id the restored state holds instead of colliding with them (a
+    duplicate in the buffer, two groups merged)."""
+    from async_grpo_lockstep import load_worker_state
+
+    whole, *_, root = runs
+    ckpt = tmp_path / f"checkpoint-{CUT}"
+    shutil.copytree(root / "cut" / ckpt.name, ckpt)
+    ws = load_worker_state(ckpt)
+    ws["next"], ws["queue"], ws["pending"] = (0, ws["next"][1]), [], []  # ids from 0 again, its queue lost
+    known = {gid for r in whole.replay_log[:CUT] for gid, _, _ in r["routed"]}
+    tr = train(tmp_path, model_dir, resume=str(ckpt), worker_state=ws)
+    assert tr.state.global_step == KW["max_steps"]
+    new = [gid for r in tr.replay_log for gid, _, _ in r["routed"]]
+    assert new and len(set(new)) == len(new) and min(new) > max(known)
+    buffered = tr.areplay.controller.buffer
+    ids = buffered.group_ids(buffered.insertion_ids())
+    assert len(set(ids)) == len(ids)
 
 
 def test_a_crash_while_saving_the_replay_state_leaves_the_previous_checkpoint(model_dir, tmp_path, monkeypatch):

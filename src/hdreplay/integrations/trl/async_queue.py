@@ -81,6 +81,9 @@ class GroupRoutingQueue:
         self.selections = 0  # enqueue_replay calls so far
         self.version_shift = 0
         self._partial: dict[Any, list] = {}
+        #: a resumed run's id offset (None: decided by the first sample after the resume, see :meth:`resumed`)
+        self._gid_offset: int | None = 0
+        self._gid_floor = 0  # 1 + the largest integer group id the interrupted run knew
         self._template = None
         self.emitted = 0
         self.routed: list[Routed] = []  # since the last drain
@@ -118,7 +121,28 @@ class GroupRoutingQueue:
         return sample
 
     # ------------------------------------------------------------------ routing
+    def resumed(self, known_ids) -> None:
+        """A resume: ``known_ids`` are every group id the restored state holds (buffer, staleness rule, routing).
+        TRL's own rollout worker restarts its group ids at 0 in the resumed process, which would collide with them
+        (a duplicate in the buffer, two groups merged in a partial group or a label); a worker whose stream resumes
+        (one that continues its ids) must not be renumbered.  The first sample decides: an integer id below every
+        known one's successor, and not of a restored partial group, means the stream restarted, so from then on
+        every integer id is moved past the known ones, and the restored partial groups, whose other samples died
+        with the old worker, are dropped."""
+        ints = [g for g in known_ids if isinstance(g, int) and not isinstance(g, bool)]
+        self._gid_floor = 1 + max(ints, default=-1)
+        self._gid_offset = None
+
     def _add(self, sample) -> None:
+        gid = sample.group_id
+        is_int = isinstance(gid, int) and not isinstance(gid, bool)
+        if self._gid_offset is None:
+            restarted = is_int and gid < self._gid_floor and gid not in self._partial
+            self._gid_offset = self._gid_floor if restarted else 0
+            if restarted:
+                self._partial.clear()
+        if self._gid_offset and is_int:
+            sample.group_id = gid + self._gid_offset
         self._template = self._template or sample
         part = self._partial.setdefault(sample.group_id, [])
         part.append(sample)

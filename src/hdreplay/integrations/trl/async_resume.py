@@ -19,7 +19,8 @@ What cannot be resumed: TRL's rollout worker.  TRL restarts it from its first un
 an ``AsyncRolloutWorker`` only) with the resumed weights; samples it had generated and queued, and requests in
 flight, are lost, and the worker generates new ones.  So the replay side resumes exactly -- a resumed run selects
 what the uninterrupted one selects given the same arrivals -- but it equals the uninterrupted run only with a
-worker whose stream resumes too (the tests' lock-step worker does).
+worker whose stream resumes too (the tests' lock-step worker does).  TRL's worker restarts its group ids at 0;
+:meth:`~.async_queue.GroupRoutingQueue.resumed` renumbers them past the restored ones.
 """
 
 from __future__ import annotations

@@ -278,6 +278,16 @@ class HDRAsyncGRPOTrainer(AsyncGRPOTrainer):
             self._resuming = True
         return super().train(resume_from_checkpoint, *args, **kwargs)
 
+    def _known_group_ids(self, routing) -> set:
+        """Every group id a resumed run's restored state holds (see GroupRoutingQueue.resumed)."""
+        ctl, q = self.areplay.controller, self.rollout_queue
+        ids = set(ctl.buffer.group_ids(ctl.buffer.insertion_ids())) | set(self.areplay.tracked) | set(q.kind_of)
+        ids |= set(self._intended) | set(q._partial) | {x[2] for x in q._out} | {x[2] for x in q._replay}
+        ids |= {x[2] for x in q._resend}
+        if routing is not None:
+            ids |= set(routing["selected"])
+        return ids
+
     def _begin(self) -> None:
         """Train begin (every rank, after TRL's first weight sync): set the version shift; on a resume, hand the
         restored routing to the proxy and re-make the selection the interrupted run had made for this update."""
@@ -287,6 +297,10 @@ class HDRAsyncGRPOTrainer(AsyncGRPOTrainer):
             self.rollout_queue.version_shift = self.model_version - (u + 1)
             if routing is not None:
                 self._intended = apply_routing(self.rollout_queue, routing)
+            elif self._resuming:  # no routing state (replay_resume_without_state): steps count on from TRL's
+                self.rollout_queue.emitted = u * self.samples_per_step
+            if self._resuming:
+                self.rollout_queue.resumed(self._known_group_ids(routing))
         if not self._resuming:
             return
         self._resuming = False
