@@ -57,6 +57,10 @@ def test_crossover_latency_and_its_degenerate_cases():
     assert envcost.crossover(hdr, other, 0.4, "sequential", reps=10)["latency_ms"] == pytest.approx(50.0)
     with pytest.raises(ValueError, match="paired seeds"):
         envcost.crossover(hdr, {k: v[:2] for k, v in other.items()}, 0.4, "per_turn")
+    # neither reaches the target: no answer, not "never" (nan, kept out of the interval and of never_share)
+    assert math.isnan(envcost.sooner_above(None, None))
+    n = envcost.crossover(hdr, other, 0.9, "per_turn", reps=20)
+    assert math.isnan(n["latency_ms"]) and math.isnan(n["lo"]) and n["neither_share"] == 1.0 and n["never_share"] == 0.0
 
 
 def test_crossover_interval_widens_with_seeds_that_disagree():

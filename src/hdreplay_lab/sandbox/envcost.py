@@ -155,7 +155,10 @@ def time_at(line: tuple[float, float] | None, latency_ms: float) -> float | None
 
 def sooner_above(a: tuple[float, float] | None, b: tuple[float, float] | None) -> float:
     """The smallest latency (ms) above which ``a`` reaches the target sooner than ``b``: 0 when it does at every
-    latency, inf when at none above some latency (never, or only below a latency)."""
+    latency, inf when at none above some latency (never, or only below a latency), nan when neither reaches the
+    target (no answer: not "never")."""
+    if a is None and b is None:
+        return math.nan
     if a is None:
         return math.inf
     if b is None:
@@ -172,7 +175,8 @@ def crossover(arr_a: dict, arr_b: dict, target: float, concurrency: str, *, reps
               seed: int = 0) -> dict:
     """Latency above which method a reaches ``target`` sooner than method b (:func:`sooner_above`), from all seeds, and
     its percentile interval over paired seed resamples (the same seed indices for both methods); ``never_share``: the
-    share of replicates with no such latency."""
+    share of replicates with no such latency; ``neither_share``: the share where neither method reaches the target
+    (left out of the interval; nan when every replicate is such)."""
     S = arr_a["acc"].shape[0]
     if arr_b["acc"].shape[0] != S:
         raise ValueError(f"crossover needs paired seeds, got {S} and {arr_b['acc'].shape[0]}")
@@ -184,9 +188,12 @@ def crossover(arr_a: dict, arr_b: dict, target: float, concurrency: str, *, reps
         s = rng.integers(0, S, S)
         reps_v[r] = sooner_above(reach_line(arr_a, target, concurrency, s), reach_line(arr_b, target, concurrency, s))
     alpha = (1 - level) / 2
-    lo, hi = np.quantile(reps_v, [alpha, 1 - alpha], method="lower")  # inf-safe percentiles
+    answered = reps_v[~np.isnan(reps_v)]
+    lo, hi = (np.quantile(answered, [alpha, 1 - alpha], method="lower")  # inf-safe percentiles
+              if answered.size else (math.nan, math.nan))
     return {"latency_ms": point, "lo": float(lo), "hi": float(hi), "level": level, "reps": reps,
             "never_share": float(np.isinf(reps_v).mean()), "always_share": float((reps_v == 0).mean()),
+            "neither_share": float(np.isnan(reps_v).mean()),
             "line_a": la, "line_b": lb, "seeds": S}
 
 

@@ -270,7 +270,7 @@ def _pm(s: dict, spec: str) -> str:
 
 
 def _lat(x: float) -> str:
-    return "never" if x == float("inf") else f"{x:,.0f} ms"
+    return "neither reaches" if x != x else "never" if x == float("inf") else f"{x:,.0f} ms"
 
 
 def _wallclock(summary: dict) -> list[str]:
@@ -292,11 +292,12 @@ def _wallclock(summary: dict) -> list[str]:
         for o, x in wc[c]["crossover"].items():
             rows.append([c.replace("_", " "), ms[o]["label"], _lat(x["latency_ms"]),
                          f"[{_lat(x['lo'])}, {_lat(x['hi'])}]", f"{100 * x['never_share']:.0f}%",
-                         f"{100 * x['always_share']:.0f}%"])
+                         f"{100 * x['always_share']:.0f}%", f"{100 * x.get('neither_share', 0.0):.0f}%"])
     out += ["", f"Latency above which {ms[ref]['label']} reaches the target sooner than each method (0 ms: at every "
-                "latency; never: at no latency above some value), with the 95 % percentile interval over paired seed "
-                "resamples and the share of resamples where it never does / always does:", "",
-            table(["Concurrency", "Against", "Sooner above", "95 % interval", "Never", "Always"], rows)]
+                "latency; never: at no latency above some value; neither reaches: neither method reaches the target, "
+                "so there is no answer), with the 95 % percentile interval over the paired seed resamples that have "
+                "an answer and the share of resamples where it never does / always does / neither reaches:", "",
+            table(["Concurrency", "Against", "Sooner above", "95 % interval", "Never", "Always", "Neither"], rows)]
     rows = []
     for c in ("per_turn", "sequential"):
         for row in wc[c].get("crossover_by_target", []):
@@ -304,10 +305,11 @@ def _wallclock(summary: dict) -> list[str]:
                 if o != "target":
                     rows.append([c.replace("_", " "), f"{row['target']:.3f}", ms[o]["label"], _lat(x["latency_ms"]),
                                  f"[{_lat(x['lo'])}, {_lat(x['hi'])}]", f"{100 * x['never_share']:.0f}%",
-                                 f"{100 * x['always_share']:.0f}%"])
+                                 f"{100 * x['always_share']:.0f}%", f"{100 * x.get('neither_share', 0.0):.0f}%"])
     if rows:
         out += ["", f"The same against the on-policy baselines at lower targets (half, three quarters and all of the way "
                     f"from the warm start's curve value {wc['start']:.3f} to the target): one target is one point of a "
                     "noisy curve.", "",
-                table(["Concurrency", "Target", "Against", "Sooner above", "95 % interval", "Never", "Always"], rows)]
+                table(["Concurrency", "Target", "Against", "Sooner above", "95 % interval", "Never", "Always",
+                       "Neither"], rows)]
     return out
