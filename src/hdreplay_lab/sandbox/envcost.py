@@ -3,8 +3,9 @@
 What is measured (instrument.py, per step of every run): the tool calls that reached the environment, the tool
 *turns* (rounds of TRL's tool loop in which at least one row called a tool), the tokens the policy generated, and
 the step's process CPU seconds ``cpu_s`` (one torch thread per process, env.py).  CPU time rather than wall-clock is
-the compute: it excludes sleeps and, on a machine shared with other work, most of the contention that inflates a
-wall-clock reading (the sandbox's 2 cores run other jobs beside a comparison).
+the compute: it excludes sleeps and the time spent waiting for a core, but not all contention -- beside other jobs
+the same computation measured up to ~20 % more CPU seconds than on an idle machine (SMT siblings, caches;
+docs/results/search, the slept checks), so compare methods run under the same load.
 
 The model.  At per-call latency ``L`` a step takes its compute plus its wait for the environment::
 

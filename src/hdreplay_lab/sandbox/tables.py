@@ -214,7 +214,8 @@ def _tool_table(summary: dict) -> list[str]:
     out = ["", "## Environment cost and wall-clock", "",
            "Per step (seed mean over steps 2..T): tool calls that reached the environment, tool turns (rounds of the "
            "tool loop with at least one call), tokens the policy generated (tool results excluded), process CPU "
-           "seconds (one torch thread per run: compute without sleeps and with little of the machine's contention) "
+           "seconds (one torch thread per run: compute without sleeps or waits for a core, though other jobs on the "
+           "machine still inflate it) "
            f"and the wall-clock actually measured (slept latency {ec['slept_latency_ms']:g} ms per call, "
            f"{ec['concurrency'].replace('_', ' ')}).", "",
            table(["Method", "Tool calls", "Tool turns", "Policy tokens", "CPU s", "Wall s (measured)",
