@@ -242,12 +242,8 @@ def test_resume_without_the_replay_state_is_refused_unless_allowed(resumed, work
     from hdreplay import CheckpointError
 
     *_, ckpt = resumed
-    copy = tmp_path / "ckpt"
-    shutil.copytree(ckpt / "global_step_2", copy / "global_step_2")
-    (copy / "latest_checkpointed_iteration.txt").write_text("2")
+    copy, resume = _checkpoint_copy(ckpt, tmp_path)
     shutil.rmtree(copy / "global_step_2" / "hdreplay")
-    resume = ("trainer.resume_mode=resume_path", f"trainer.resume_from_path={copy}/global_step_2",
-              f"hdr.diagnostics_dir={tmp_path}/diagnostics")
     with pytest.raises(CheckpointError, match=r"set hdr\.resume_without_state=True"):
         _run(worker_group, tokenizer, tiny_model_dir, copy, *resume, steps=3)
     with pytest.warns(UserWarning, match=r"empty buffer \(hdr\.resume_without_state=True\)"):
@@ -256,6 +252,17 @@ def test_resume_without_the_replay_state_is_refused_unless_allowed(resumed, work
     assert run.trainer.resumed_at == 2 and [s["step"] for s in run.trainer.steps] == [3]
     [rec] = [json.loads(x) for x in (tmp_path / "diagnostics" / "async.jsonl").read_text().splitlines()]
     assert rec["step"] == 3 and all(rec["totals"][k] == rec[k] for k in rec["totals"])  # the ledger started empty
+
+
+def _checkpoint_copy(ckpt: Path, tmp_path: Path) -> tuple[Path, tuple[str, ...]]:
+    """A copy of ``ckpt``'s global_step_2 as the latest checkpoint under tmp_path, and the overrides resuming it."""
+    import shutil
+
+    copy = tmp_path / "ckpt"
+    shutil.copytree(ckpt / "global_step_2", copy / "global_step_2")
+    (copy / "latest_checkpointed_iteration.txt").write_text("2")
+    return copy, ("trainer.resume_mode=resume_path", f"trainer.resume_from_path={copy}/global_step_2",
+                  f"hdr.diagnostics_dir={tmp_path}/diagnostics")
 
 
 def _strip_staleness_state(folder: Path) -> None:
@@ -275,17 +282,11 @@ def test_resume_without_the_staleness_state_is_refused_naming_verls_option(resum
                                                                           tiny_model_dir, tmp_path):
     """hdreplay/ holds the buffer but not the staleness rule's state: refused naming hdr.resume_without_state (not
     another front end's spelling); with it set, the buffer is restored and the rule starts empty."""
-    import shutil
-
     from hdreplay import CheckpointError
 
     *_, ckpt = resumed
-    copy = tmp_path / "ckpt"
-    shutil.copytree(ckpt / "global_step_2", copy / "global_step_2")
-    (copy / "latest_checkpointed_iteration.txt").write_text("2")
+    copy, resume = _checkpoint_copy(ckpt, tmp_path)
     _strip_staleness_state(copy / "global_step_2" / "hdreplay")
-    resume = ("trainer.resume_mode=resume_path", f"trainer.resume_from_path={copy}/global_step_2",
-              f"hdr.diagnostics_dir={tmp_path}/diagnostics")
     with pytest.raises(CheckpointError, match=r"no staleness state.*set hdr\.resume_without_state=True"):
         _run(worker_group, tokenizer, tiny_model_dir, copy, *resume, steps=3)
     with pytest.warns(UserWarning, match=r"start empty \(hdr\.resume_without_state=True\)"):

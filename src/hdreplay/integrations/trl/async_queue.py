@@ -122,14 +122,17 @@ class GroupRoutingQueue:
 
     # ------------------------------------------------------------------ routing
     def resumed(self, known_ids) -> None:
-        """A resume: ``known_ids`` are every group id the restored state holds (buffer, staleness rule, routing).
+        """A resume: ``known_ids`` are the group ids the restored state holds outside this queue (buffer, staleness
+        rule, selections); the queue adds its own (restored routing).
         TRL's own rollout worker restarts its group ids at 0 in the resumed process, which would collide with them
         (a duplicate in the buffer, two groups merged in a partial group or a label); a worker whose stream resumes
         (one that continues its ids) must not be renumbered.  The first sample decides: an integer id below every
         known one's successor, and not of a restored partial group, means the stream restarted, so from then on
         every integer id is moved past the known ones, and the restored partial groups, whose other samples died
         with the old worker, are dropped."""
-        ints = [g for g in known_ids if isinstance(g, int) and not isinstance(g, bool)]
+        mine = {*self.kind_of, *self._partial, *(x[2] for x in self._out), *(x[2] for x in self._replay),
+                *(x[2] for x in self._resend)}
+        ints = [g for g in {*known_ids, *mine} if isinstance(g, int) and not isinstance(g, bool)]
         self._gid_floor = 1 + max(ints, default=-1)
         self._gid_offset = None
 

@@ -279,14 +279,11 @@ class HDRAsyncGRPOTrainer(AsyncGRPOTrainer):
         return super().train(resume_from_checkpoint, *args, **kwargs)
 
     def _known_group_ids(self, routing) -> set:
-        """Every group id a resumed run's restored state holds (see GroupRoutingQueue.resumed)."""
-        ctl, q = self.areplay.controller, self.rollout_queue
-        ids = set(ctl.buffer.group_ids(ctl.buffer.insertion_ids())) | set(self.areplay.tracked) | set(q.kind_of)
-        ids |= set(self._intended) | set(q._partial) | {x[2] for x in q._out} | {x[2] for x in q._replay}
-        ids |= {x[2] for x in q._resend}
-        if routing is not None:
-            ids |= set(routing["selected"])
-        return ids
+        """The group ids a resumed run's restored state holds outside the routing queue (which adds its own; see
+        GroupRoutingQueue.resumed)."""
+        buf = self.areplay.controller.buffer
+        ids = set(buf.group_ids(buf.insertion_ids())) | set(self.areplay.tracked) | set(self._intended)
+        return ids | set(routing["selected"]) if routing is not None else ids
 
     def _begin(self) -> None:
         """Train begin (every rank, after TRL's first weight sync): set the version shift; on a resume, hand the
