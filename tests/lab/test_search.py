@@ -215,7 +215,7 @@ def test_tiny_search_comparison_models_wall_clock_from_the_counts_and_refuses_mi
             "--model", search_model, "--out", out]
     p = _cli(*args)
     assert p.returncode == 0, p.stderr[-4000:]
-    s = json.loads((out / "summary.json").read_text())
+    s = json.loads((out / "summary.json").read_text(), parse_constant=_refuse)  # strict JSON
     ec = s["env_cost"]
     assert ec["latencies_ms"] == [0.0, 50.0, 1000.0] and ec["concurrency"] == "per_turn"
     for name, e in s["methods"].items():
@@ -258,3 +258,7 @@ def test_tiny_search_comparison_models_wall_clock_from_the_counts_and_refuses_mi
     err = [x for x in p.stderr.splitlines() if x.startswith("hdreplay compare: error:")]
     assert p.returncode == 2 and len(err) == 1 and "Traceback" not in p.stderr, p.stderr[-3000:]
     assert "refusing to summarize" in err[0] and "headroom_drift/seed1" in err[0] and "extra.latency_s" in err[0]
+
+
+def _refuse(token):
+    raise ValueError(f"summary.json holds the non-standard JSON token {token}")

@@ -25,6 +25,8 @@ import numpy as np
 
 from hdreplay.atomic import atomic_write_text
 
+from .. import jsonout
+
 REF = "headroom_drift"
 
 
@@ -203,7 +205,7 @@ def write_signatures(out: Path, cfg, summary: dict) -> dict:
     for k, p in figs.items():
         sig[k]["figure"] = str(Path(p).relative_to(out))
     clean = {k: {kk: vv for kk, vv in v.items() if kk != "series"} for k, v in sig.items()}
-    atomic_write_text(out / "signatures.json", json.dumps(clean, indent=2, default=_jsonable))
+    atomic_write_text(out / "signatures.json", jsonout.dumps(clean, indent=2, default=_jsonable))
     atomic_write_text(out / "signatures.md", render(clean))
     return clean
 

@@ -31,6 +31,7 @@ import numpy as np
 
 from hdreplay.atomic import atomic_write_text
 
+from .. import jsonout
 from ..analysis.load import AnalysisInputError
 
 from .curves import cost_to_target, method_curve, read_curve
@@ -276,6 +277,6 @@ def write_summary(out: Path, cfg, methods, task, *, env: dict, demo: bool = Fals
     summary["demo"] = demo
     # relative to the comparison directory, so the summary stays valid when the directory is moved or shared
     summary["plots"] = [str(Path(p).relative_to(out)) for p in plot_all(out, summary)]
-    atomic_write_text(out / "summary.json", json.dumps(summary, indent=2))
+    atomic_write_text(out / "summary.json", jsonout.dumps(summary, indent=2))
     atomic_write_text(out / "summary.md", render_markdown(summary))
     return summary

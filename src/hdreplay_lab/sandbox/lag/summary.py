@@ -15,6 +15,7 @@ import numpy as np
 
 from hdreplay.atomic import atomic_write_text
 
+from ... import jsonout
 from ..stats import paired_bootstrap, paired_differences, seed_bootstrap
 from .methods import ASYNC_METHODS, REFERENCE
 
@@ -194,6 +195,6 @@ def write_summary(out: Path, cfg, command: str | None = None) -> dict:
     summary = summarize(out, cfg.methods, cfg.seeds)
     summary["plots"] = plot(out, summary)
     summary["config"] = c
-    atomic_write_text(out / "summary.json", json.dumps(summary, indent=1))
+    atomic_write_text(out / "summary.json", jsonout.dumps(summary, indent=1))
     atomic_write_text(out / "summary.md", render(summary, c, command))
     return summary
