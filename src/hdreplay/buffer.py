@@ -40,9 +40,9 @@ from .validate import (
 )
 
 BUFFER_FORMAT = "hdreplay.buffer"
-#: 2: manifest layout (see :mod:`hdreplay.checkpoint`); 1: the legacy two-file layout (still read)
+#: 2: the manifest layout (see :mod:`hdreplay.checkpoint`); 1, the unreleased 0.1's layout, is not read
 BUFFER_VERSION = 2
-BUFFER_VERSIONS = (1, 2)
+BUFFER_VERSIONS = (2,)
 #: slot arrays start this small and double as the buffer fills
 INITIAL_SLOTS = 64
 

@@ -21,9 +21,8 @@ Save (:func:`write_checkpoint_dir`), a crash at any file-system call included:
 4. write the new manifest to a hidden temporary file, fsync it, check the lock is still this save's, and rename
    the manifest over ``D/manifest.json`` -- the single commit point (``rename`` replaces atomically) -- then fsync
    ``D``;
-5. delete whatever the new manifest does not reference: the previous version, leftovers of
-   crashed saves (hidden temporaries, unreferenced versions), a converted legacy checkpoint, and
-   the ``.D.tmp-*`` / ``.D.old-*`` siblings that hdreplay 0.1 left when it crashed; release the lock.
+5. delete whatever the new manifest does not reference: the previous version and leftovers of crashed saves
+   (hidden temporaries, unreferenced versions); release the lock.
 
 Before the commit point the manifest names the previous complete version, which steps 1-4 never
 touch; after it, it names the new complete one.  So after a crash anywhere, a load yields exactly
@@ -37,10 +36,8 @@ regular file, never waited on), checks its size and streams its sha256 before pa
 from that same open file on demand (:class:`~hdreplay.tensorfile.FileTensor`), so a buffer is built block by block,
 with little memory beyond the state it builds.  Any mismatch raises ``CheckpointError`` saying what is wrong.
 
-Legacy layout 1 (hdreplay 0.1: ``D/state.json`` holding the tensors file's sha256, and
-``D/tensors.safetensors``, no manifest) is still loaded -- its ``state.json`` has no checksum of
-its own, so the loaders' schema checks are its only protection -- and the next save at ``D``
-converts it.
+Layout 1 (``D/state.json`` and ``D/tensors.safetensors``, no manifest: the unreleased hdreplay 0.1) is not read; a
+load names it.
 """
 
 from __future__ import annotations
@@ -246,45 +243,26 @@ def _clean(d: Path, keep: set[str]) -> None:
         entries = FS.listdir(d)
     except OSError:
         return
-    legacy = STATE_FILE in entries and _legacy_format(d) is not None
     for entry in entries:
-        if entry not in keep and (_OURS.fullmatch(entry) or (legacy and entry in (STATE_FILE, TENSORS_FILE))):
+        if entry not in keep and _OURS.fullmatch(entry):
             _remove_quietly(d / entry)
-    old = re.compile(rf"\.{re.escape(d.name)}\.(tmp|old)-[A-Za-z0-9_]+")
-    try:
-        siblings = FS.listdir(d.parent)
-    except OSError:
-        return
-    for entry in siblings:
-        if old.fullmatch(entry) and FS.is_dir(d.parent / entry):
-            _remove_quietly(d.parent / entry)
-
-
-def _legacy_format(d: Path) -> str | None:
-    """The format name of a layout-1 checkpoint in ``d`` (None if ``d/state.json`` is not one)."""
-    try:
-        state = json.loads(FS.read_bytes(d / STATE_FILE))
-    except (OSError, ValueError):
-        return None
-    fmt = state.get("format") if isinstance(state, dict) else None
-    return fmt if isinstance(fmt, str) and fmt.startswith("hdreplay.") and state.get("version") == 1 else None
 
 
 @contextlib.contextmanager
 def open_checkpoint_dir(
     directory: str | os.PathLike, *, format_name: str, versions: tuple[int, ...]
 ) -> Iterator[tuple[dict[str, tensorfile.FileTensor], dict[str, Any]]]:
-    """Verify the current version of a directory written by :func:`write_checkpoint_dir` (or a legacy layout-1
-    directory) and yield ``(tensors, meta)``: the tensors as :class:`~hdreplay.tensorfile.FileTensor` of the verified
+    """Verify the current version of a directory written by :func:`write_checkpoint_dir` and yield ``(tensors, meta)``: the tensors as :class:`~hdreplay.tensorfile.FileTensor` of the verified
     file, read on demand inside the ``with`` block (an OSError there becomes CheckpointError)."""
     d = Path(directory)
     try:
         if not d.is_dir():
-            raise CheckpointError(_missing(d, format_name))
+            raise CheckpointError(f"{d}: not a directory; expected an hdreplay checkpoint ({format_name})")
         if os.path.lexists(d / MANIFEST_FILE):
             state, f, where = _read_manifest_layout(d, format_name)
         elif os.path.lexists(d / STATE_FILE):
-            state, f, where = _read_legacy_layout(d, format_name)
+            raise CheckpointError(f"{d}: a layout-1 checkpoint ({STATE_FILE} without {MANIFEST_FILE}) of the unreleased "
+                                  "hdreplay 0.1, which this version does not read; start a new run")
         else:
             leftovers = sorted(e for e in os.listdir(d) if _OURS.fullmatch(e))
             hint = f" (leftovers of an interrupted first save: {leftovers})" if leftovers else ""
@@ -338,14 +316,14 @@ def _open(path: Path) -> BinaryIO:
 
 
 def _verified(path: Path, entry: dict, why: str) -> BinaryIO:
-    """``path`` opened, after checking its size (unless ``entry["bytes"]`` is None) and sha256 against ``entry``."""
+    """``path`` opened, after checking its size and sha256 against ``entry``."""
     f = _open(path)
     h, n, buf, size = hashlib.sha256(), 0, bytearray(tensorfile.CHUNK_BYTES), os.fstat(f.fileno()).st_size
-    if entry.get("bytes") in (None, size):
+    if entry.get("bytes") == size:
         while k := f.readinto(buf):
             h.update(memoryview(buf)[:k])
             n += k
-    if entry.get("bytes") not in (None, n) or n != size or h.hexdigest() != entry.get("sha256"):
+    if entry.get("bytes") != n or n != size or h.hexdigest() != entry.get("sha256"):
         f.close()
         raise CheckpointError(f"{path}: checksum mismatch ({why}); the file is truncated or was modified")
     f.seek(0)
@@ -375,28 +353,3 @@ def _read_manifest_layout(d: Path, format_name: str) -> tuple[dict, BinaryIO, Pa
         raise CheckpointError(f"{d}: state.json is not an object")
     _check_format(state.get("format"), format_name, d)
     return state, _verified(paths[TENSORS_FILE], files[TENSORS_FILE], why), paths[STATE_FILE]
-
-
-def _read_legacy_layout(d: Path, format_name: str) -> tuple[dict, BinaryIO, Path]:
-    spath, tpath = d / STATE_FILE, d / TENSORS_FILE
-    if not tpath.is_file():
-        raise CheckpointError(f"{d}: missing {TENSORS_FILE}; this is not a complete hdreplay checkpoint")
-    state = _json(FS.read_bytes(spath), spath)
-    if not isinstance(state, dict):
-        raise CheckpointError(f"{spath}: not an hdreplay checkpoint state")
-    _check_format(state.get("format"), format_name, d)
-    if state.get("version") != 1:
-        raise CheckpointError(f"{spath}: a checkpoint without {MANIFEST_FILE} must be layout version 1, "
-                              f"got {state.get('version')!r}")
-    return state, _verified(tpath, {"bytes": None, "sha256": state.get("sha256")}, "differs from state.json"), spath
-
-
-def _missing(d: Path, format_name: str) -> str:
-    if d.exists():
-        return f"{d}: not a directory; expected an hdreplay checkpoint ({format_name})"
-    old = re.compile(rf"\.{re.escape(d.name)}\.old-[A-Za-z0-9_]+")
-    found = sorted(e for e in os.listdir(d.parent) if old.fullmatch(e)) if d.parent.is_dir() else []
-    if found:
-        return (f"{d}: not a directory; a save by hdreplay 0.1 was interrupted and left the previous checkpoint in "
-                f"{d.parent / found[-1]}: rename it to {d.name} to resume from it")
-    return f"{d}: not a directory; expected an hdreplay checkpoint ({format_name})"

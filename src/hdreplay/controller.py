@@ -56,9 +56,9 @@ STARVED_STEPS = 5
 STARVED_RATE = 1 / 8
 
 CONTROLLER_FORMAT = "hdreplay.controller"
-#: 2: manifest layout (see :mod:`hdreplay.checkpoint`); 1: the legacy two-file layout (still read)
+#: 2: the manifest layout (see :mod:`hdreplay.checkpoint`); 1, the unreleased 0.1's layout, is not read
 CONTROLLER_VERSION = 2
-CONTROLLER_VERSIONS = (1, 2)
+CONTROLLER_VERSIONS = (2,)
 
 
 class ReplayController:
@@ -387,7 +387,7 @@ class ReplayController:
                              tensors=tensors, meta=meta)
 
     def load(self, directory: str | os.PathLike) -> None:
-        """Restore from a directory written by :meth:`save` (or by hdreplay 0.1); on error nothing changes."""
+        """Restore from a directory written by :meth:`save`; on error nothing changes."""
         check_path("load", directory)
         if self._open_step is not None:
             raise ReplayProtocolError(f"load() while step {self._open_step} is open; commit() first")

@@ -1,4 +1,5 @@
-"""Checkpoint compatibility and load semantics: layout-1 checkpoints of hdreplay 0.1, schema checks behind
+"""Checkpoint compatibility and load semantics: a checkpoint of an older build (the unreleased 0.1's state, in the
+manifest layout) loads, its layout 1 is refused by name, schema checks behind
 valid checksums, resuming under a changed configuration, no memory maps, flat commit cost after a load."""
 
 import hashlib
@@ -16,8 +17,9 @@ from hdreplay.checkpoint_schema import SLOT_DEFAULTS
 from hdreplay.storage import BLOCK_GROUPS
 from protocol import run_steps, state_hash
 
-LEGACY = Path(__file__).parent / "data" / "legacy_v1"
-#: the configuration the legacy fixture was written with (tests/core/data/legacy_v1/expected.json)
+#: state written by hdreplay 0.1 (unreleased, commit b0218cc), rewritten in layout 2 when layout 1 stopped being read
+LEGACY = Path(__file__).parent / "data" / "build_b0218cc"
+#: the configuration the legacy fixture was written with (tests/core/data/build_b0218cc/expected.json)
 LEGACY_CFG = ReplayConfig(k_rep=3, tau=5e-3, capacity=12, group_size=4)
 LEGACY_TAU = AdaptiveTau(tau_min=1e-4, tau_max=0.05, warmup=1, patience=0)  # its adaptive_tau (now an observer)
 
@@ -30,7 +32,7 @@ def sha(t):
     return hashlib.sha256(t.contiguous().numpy().tobytes()).hexdigest()
 
 
-def test_a_layout_1_checkpoint_of_hdreplay_0_1_loads_exactly_and_is_converted_by_the_next_save(tmp_path):
+def test_a_checkpoint_of_an_older_build_loads_exactly_and_the_next_save_writes_the_current_state(tmp_path):
     expected = json.loads((LEGACY / "expected.json").read_text())
     ctrl = legacy()
     ctrl.load(LEGACY / "controller")
@@ -55,7 +57,7 @@ def test_a_layout_1_checkpoint_of_hdreplay_0_1_loads_exactly_and_is_converted_by
     assert buf.insertion_ids().tolist() == ctrl.buffer.insertion_ids().tolist()
     d = tmp_path / "ck"
     shutil.copytree(LEGACY / "controller", d)
-    ctrl.save(d)  # converts in place: manifest layout, legacy files removed
+    ctrl.save(d)  # in place: the older version replaced by the current schema
     assert sorted(p.name for p in d.iterdir())[0] == "manifest.json" and len(list(d.iterdir())) == 2
     again = legacy()
     again.load(d)
@@ -66,10 +68,20 @@ def test_a_layout_1_checkpoint_of_hdreplay_0_1_loads_exactly_and_is_converted_by
     assert log_a == log_b and log_a[0][1]  # both continue identically (and the continuation scans)
 
 
-def test_a_crashed_save_of_hdreplay_0_1_is_explained(tmp_path):
-    shutil.copytree(LEGACY / "controller", tmp_path / ".ck.old-1a2b3c4d")  # the rename-away left only this
-    with pytest.raises(CheckpointError, match=r"\.ck\.old-1a2b3c4d: rename it to ck"):
-        ReplayController(LEGACY_CFG).load(tmp_path / "ck")
+def test_a_layout_1_checkpoint_of_hdreplay_0_1_is_refused_by_name_and_changes_nothing(tmp_path):
+    version = LEGACY / "controller" / json.loads((LEGACY / "controller" / "manifest.json").read_text())["dir"]
+    d = tmp_path / "ck"  # 0.1's layout: state.json (with the tensors' sha256) beside tensors.safetensors, no manifest
+    d.mkdir()
+    blob = (version / "tensors.safetensors").read_bytes()
+    (d / "tensors.safetensors").write_bytes(blob)
+    state = {**json.loads((version / "state.json").read_text()), "version": 1, "sha256": hashlib.sha256(blob).hexdigest()}
+    (d / "state.json").write_text(json.dumps(state))
+    ctrl = run_steps(legacy(), range(3), k=4)
+    before = state_hash(ctrl)
+    for call in (ctrl.load, ReplayController.verify, lambda p: ReplayBuffer.load(p)):
+        with pytest.raises(CheckpointError, match=r"layout-1 checkpoint .*unreleased hdreplay 0\.1.*start a new run"):
+            call(d)
+    assert state_hash(ctrl) == before
 
 
 def _rewrite_state(d: Path, edit) -> None:

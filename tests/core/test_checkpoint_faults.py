@@ -14,7 +14,6 @@ from hdreplay import CheckpointError, ReplayConfig, ReplayController, ReplayResu
 from protocol import run_steps, state_hash
 
 CFG = ReplayConfig(k_rep=3, tau=5e-3, capacity=12, group_size=4)
-LEGACY = Path(__file__).parent / "data" / "legacy_v1"
 
 
 class Crash(BaseException):
@@ -53,7 +52,7 @@ def loaded_hash(path):
     ctrl = ReplayController(CFG)
     try:
         with warnings.catch_warnings():
-            warnings.simplefilter("ignore", ReplayResumeWarning)  # the legacy fixture used adaptive tau
+            warnings.simplefilter("ignore", ReplayResumeWarning)
             ctrl.load(path)
     except CheckpointError:
         return None
@@ -68,29 +67,22 @@ def prepare(root: Path, scenario: str, old: ReplayController) -> Path:
     d = root / "ck"
     if scenario == "fresh":
         return d
-    if scenario == "legacy":
-        shutil.copytree(LEGACY / "controller", d)
-        return d
     old.save(d)
-    if scenario == "leftovers":  # what crashed saves leave behind (this layout and hdreplay 0.1's)
+    if scenario == "leftovers":  # what crashed saves leave behind
         (d / ".tmp-v-0123456789abcdef").mkdir()
         (d / ".tmp-v-0123456789abcdef" / "state.json").write_text("{")
         shutil.copytree(d / json.loads((d / "manifest.json").read_text())["dir"], d / "v-fedcba9876543210")
         (d / ".manifest.json.tmp-00112233445566ff").write_text("{")
-        (root / ".ck.tmp-abc123xy").mkdir()
-        shutil.copytree(LEGACY / "controller", root / ".ck.old-1a2b3c4d")
     return d
 
 
 def previous_hash(scenario, old):
     if scenario == "fresh":
         return None
-    if scenario == "legacy":
-        return loaded_hash(LEGACY / "controller")
     return state_hash(old)
 
 
-@pytest.mark.parametrize("scenario", ["fresh", "overwrite", "legacy", "leftovers"])
+@pytest.mark.parametrize("scenario", ["fresh", "overwrite", "leftovers"])
 def test_a_crash_at_any_fs_call_of_save_leaves_the_old_or_the_new_state(tmp_path, monkeypatch, scenario):
     old, new, third = controller(3), controller(5), controller(6)
     before, after = previous_hash(scenario, old), state_hash(new)

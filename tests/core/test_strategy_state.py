@@ -1,11 +1,10 @@
 """The strategy stores' checkpoints (RePO, ExGRPO, BAPO) are checked like the core controller's: every malformed
-field of a state.json that passes its checksum (a re-signed manifest, or layout 1, which has none) is refused with a
+field of a state.json that passes its checksum (a re-signed manifest) is refused with a
 CheckpointError naming it, and the refused load changes nothing; options changed at resume are refused when the
 stored state cannot hold under them and warned otherwise; BAPO keeps a group's images; a text buffer emptied by
 max-age eviction stays text-only across a resume."""
 
 import copy
-import shutil
 import warnings
 from collections import Counter
 
@@ -27,22 +26,17 @@ def _twin(kind):
     return BUILD[kind](steps=1)
 
 
-@pytest.mark.parametrize("layout", [2, 1])
 @pytest.mark.parametrize("kind", KINDS)
-def test_every_malformed_field_is_refused_and_a_refused_load_changes_nothing(tmp_path, kind, layout):
+def test_every_malformed_field_is_refused_and_a_refused_load_changes_nothing(tmp_path, kind):
     src = tmp_path / "src"
     BUILD[kind]().save(src)
     meta = read_state(src)[0]["meta"]
     outcome, examples = Counter(), []
     twin = _twin(kind)
     before = snapshot(twin)
-    for i, (label, bad) in enumerate(bad_metas(kind, meta)):
-        if layout == 2:
-            d = src
-            resign(d, bad)
-        else:
-            d = tmp_path / f"l1-{i}"
-            to_layout1(src, d, bad)
+    for label, bad in bad_metas(kind, meta):
+        d = src
+        resign(d, bad)
         target = copy.deepcopy(twin)
         try:
             target.load(d)
@@ -57,15 +51,10 @@ def test_every_malformed_field_is_refused_and_a_refused_load_changes_nothing(tmp
             examples.append(f"{type(e).__name__} {label}: {e}"[:160])
     assert set(outcome) == {"refused"}, (outcome, examples[:12])
     assert outcome["refused"] > 40
-    resign(src, meta) if layout == 2 else None
+    resign(src, meta)
     again = _twin(kind)
-    again.load(src if layout == 2 else _layout1_of(src, tmp_path / "clean"))  # the unedited state still loads
+    again.load(src)  # the unedited state still loads
     assert snapshot(again) == snapshot(BUILD[kind]())
-
-
-def _layout1_of(src, dst):
-    to_layout1(src, dst)
-    return dst
 
 
 def test_an_edited_birth_step_is_refused_not_accepted_silently(tmp_path):
@@ -159,12 +148,12 @@ def test_repo_options_refusal_names_the_stored_state(tmp_path):
         RepoController(RepoOptions(num_replays=2, min_cache=2, max_cache=2)).load(tmp_path / "ck")
 
 
-def test_layout_1_strategy_checkpoints_still_load(tmp_path):
+def test_layout_1_strategy_checkpoints_of_hdreplay_0_1_are_refused_by_name(tmp_path):
     for kind in KINDS:
-        c = BUILD[kind]()
-        c.save(tmp_path / kind)
+        BUILD[kind]().save(tmp_path / kind)
         to_layout1(tmp_path / kind, tmp_path / f"{kind}-l1")
         d = _twin(kind)
-        d.load(tmp_path / f"{kind}-l1")
-        assert snapshot(d) == snapshot(c)
-        shutil.rmtree(tmp_path / f"{kind}-l1")
+        before = snapshot(d)
+        with pytest.raises(CheckpointError, match="layout-1 checkpoint .*unreleased hdreplay 0.1"):
+            d.load(tmp_path / f"{kind}-l1")
+        assert snapshot(d) == before

@@ -1,6 +1,6 @@
 """Strategy controllers (RePO, ExGRPO, BAPO) driven into a non-trivial state, a snapshot of everything they hold,
-and the two ways a checkpoint's ``state.json`` can be edited without a checksum refusing it: a manifest re-signed
-after the edit (layout 2) and hdreplay 0.1's layout 1 (no checksum of ``state.json`` at all).
+the way a checkpoint's ``state.json`` can be edited without a checksum refusing it (a manifest re-signed after the
+edit), and hdreplay 0.1's layout 1 (no manifest), which is no longer read.
 
 Used by tests/core/test_strategy_state.py and the strategy cases of the API fuzz (core_fuzz_strategies.py)."""
 
@@ -120,7 +120,8 @@ def resign(d: Path, meta: dict) -> None:
 
 
 def to_layout1(src: Path, dst: Path, meta: dict | None = None) -> None:
-    """Write checkpoint ``src`` (layout 2) as a layout-1 directory ``dst`` (hdreplay 0.1's form), meta replaced."""
+    """Write checkpoint ``src`` (layout 2) as a layout-1 directory ``dst`` (the unreleased hdreplay 0.1's form, no longer
+    read), meta replaced."""
     state, p = read_state(src)
     blob = (p.parent / TENSORS_FILE).read_bytes()
     dst.mkdir(parents=True)
