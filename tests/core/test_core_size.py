@@ -1,0 +1,35 @@
+"""The core's size is measured (scripts/core_size.py: every module ``import hdreplay`` loads) and may only shrink.
+
+A ratchet, not a target: the ceiling is the size at the last change that measured it.  A change that grows the core
+fails here; put what is not the method around the core (docs/architecture.md), or raise the ceiling in the same
+commit and say why in its message.
+"""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+#: physical lines of every module `import hdreplay` loads, at 0.2.0.dev0 (issue 30 aims at ~3,000)
+CEILING_LINES = 5_400
+CEILING_MODULES = 23
+#: Algorithm 1 reads at once (issue 30: under 60 lines)
+CEILING_ALGORITHM1 = 60
+
+
+def test_the_core_is_measured_by_concern_and_does_not_grow():
+    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "core_size.py"), "--json", "-"], check=True,
+                         capture_output=True, text=True, cwd=ROOT)
+    r = json.loads(out.stdout)
+    unassigned = [m["module"] for m in r["modules"] if m["concern"] == "unassigned"]
+    assert not unassigned, f"new core modules {unassigned}: give each a concern in scripts/core_size.py CONCERNS"
+    total = r["total"]
+    assert total["lines"] == sum(m["lines"] for m in r["modules"]) == sum(
+        m["code"] + m["docstring"] + m["comment"] + m["blank"] for m in r["modules"])
+    assert {m["module"] for m in r["modules"]} >= {"__init__", "selection", "scores", "buffer", "controller"}
+    assert total["lines"] <= CEILING_LINES, (
+        f"the core grew to {total['lines']} lines (ceiling {CEILING_LINES}): put what is not the method around it, "
+        "or raise the ceiling with the reason")
+    assert total["modules"] <= CEILING_MODULES, f"{total['modules']} core modules (ceiling {CEILING_MODULES})"
+    assert r["select_replay_lines"] <= CEILING_ALGORITHM1, r["select_replay_lines"]
