@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -124,15 +125,22 @@ def test_selector_none_equals_grpo_trainer_loss_for_loss(vlm_dirs, tmp_path):
     assert len(a) == 3 and a == b
 
 
-def test_checkpoint_resume_equals_uninterrupted(vlm_dirs, tmp_path):
+@pytest.mark.parametrize("how", ["path", "newest"])
+def test_checkpoint_resume_equals_uninterrupted(vlm_dirs, tmp_path, how):
+    """Also the VLM weights transformers 5 saves under their original key names (huggingface/transformers#43701):
+    without hdreplay's reload the resumed run continues from the initial weights and selects other groups."""
     over = dict(max_steps=6, save_strategy="steps", save_steps=3, replay_tau=5.0)  # some scanned groups pass, some not
     full = train(vlm_dirs, tmp_path / "full", **over)
     ck = tmp_path / "full" / "checkpoint-3" / "hdreplay"
     assert ReplayController.verify(ck) is not None
     model, proc = vlm(vlm_dirs)
-    resumed = RecordingTrainer(model=model, reward_funcs=reward_digit, args=vlm_args(tmp_path / "full", **over),
+    out = tmp_path / "full"
+    if how == "newest":  # train(resume_from_checkpoint=True) in a directory whose newest checkpoint is step 3
+        out = tmp_path / "again"
+        shutil.copytree(tmp_path / "full" / "checkpoint-3", out / "checkpoint-3")
+    resumed = RecordingTrainer(model=model, reward_funcs=reward_digit, args=vlm_args(out, **over),
                                train_dataset=dataset(), processing_class=proc)
-    resumed.train(resume_from_checkpoint=str(tmp_path / "full" / "checkpoint-3"))
+    resumed.train(resume_from_checkpoint=str(out / "checkpoint-3") if how == "path" else True)
     tail = [{k: s[k] for k in ("step", "groups")} for s in full.selections[3:]]
     assert [{k: s[k] for k in ("step", "groups")} for s in resumed.selections] == tail
     assert sum(len(s["groups"]) for s in tail) > 0

@@ -34,7 +34,7 @@ from contextlib import contextmanager, nullcontext
 
 import torch
 from transformers import TrainerCallback
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint, rotate_checkpoints
 from trl import GRPOTrainer
 from trl.models.utils import disable_gradient_checkpointing
 
@@ -420,11 +420,6 @@ class HDRGRPOTrainer(GRPOTrainer):
                 self._metrics["train"][k].append(v)
 
     # ------------------------------------------------------------------ 5. checkpoints
-    def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
-        super()._load_from_checkpoint(resume_from_checkpoint, model)
-        if self._is_vlm and not (self.is_deepspeed_enabled or self.is_fsdp_enabled):
-            mm.reload_converted_weights(model if model is not None else self.model, resume_from_checkpoint)
-
     def _save_checkpoint(self, model, trial):
         if not self.replay_active:
             return super()._save_checkpoint(model, trial)
@@ -439,6 +434,13 @@ class HDRGRPOTrainer(GRPOTrainer):
             refuse_incomplete(resume_from_checkpoint)  # before anything is loaded
             restore(self.replay, resume_from_checkpoint, allow_missing=self.args.replay_resume_without_state,
                     option="replay_resume_without_state")
+        if self._is_vlm and not (self.is_deepspeed_enabled or self.is_fsdp_enabled):
+            # transformers#43701: the Trainer's resume skips the weights a VLM saved under their original key names;
+            # load them converted first (the Trainer then loads the keys it can map: the same values)
+            path = get_last_checkpoint(self.args.output_dir) if resume_from_checkpoint is True \
+                else resume_from_checkpoint
+            if isinstance(path, (str, os.PathLike)) and os.path.isdir(path):
+                mm.reload_converted_weights(self.model, str(path))
         self._step_offset = None
         result = super().train(resume_from_checkpoint, *args, **kwargs)
         if self.replay_active:
