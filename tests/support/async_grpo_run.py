@@ -1,10 +1,15 @@
 """One HDRAsyncGRPOTrainer run on CPU (1 process, or each rank of ``torchrun --nproc_per_node 2``).
 
     torchrun --nproc_per_node 2 tests/support/async_grpo_run.py OUT_DIR MODEL_DIR [max_steps]
+    torchrun ... async_grpo_run.py OUT_DIR MODEL_DIR 7 --lockstep --save-steps 5 --stop 5 --tag .cut   # interrupted
+    torchrun ... async_grpo_run.py OUT_DIR MODEL_DIR 7 --lockstep --save-steps 5 --resume --tag .resumed
 
-writes what each rank saw to ``OUT_DIR/rank<r>.json`` (:func:`summary`).  The worker (rank 0) generates
+writes what each rank saw to ``OUT_DIR/rank<r><tag>.json`` (:func:`summary`).  The worker (rank 0) generates
 ``fresh_per_version`` groups' worth of samples ahead and, per version, one slow group released 3 versions later:
-with ``max_staleness=1`` every slow group arrives stale and is diverted.
+with ``max_staleness=1`` every slow group arrives stale and is diverted.  ``--lockstep``: the deterministic, resumable
+worker of :mod:`async_grpo_lockstep` (two slow groups per version, 2 versions late, ``replay_k_rep=3``: the settings
+of tests/trl/test_trl_async_resume.py), its state saved beside each checkpoint; ``--resume``: from the newest
+checkpoint, the worker restored from it.
 """
 
 from __future__ import annotations
@@ -63,6 +68,14 @@ def make_trainer(out_dir, model_dir, *, worker_kw=None, worker_cls=None, worker_
     return tr, worker
 
 
+def weights_digest(model) -> str:
+    h = hashlib.sha256()
+    for k, v in sorted(model.state_dict().items()):
+        h.update(k.encode())
+        h.update(v.detach().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
 def summary(tr, worker) -> dict:
     """What the tests read: per update the routing, selections, landings; the ledger; the buffer's digest."""
     buf = tr.areplay.controller.buffer
@@ -79,18 +92,49 @@ def summary(tr, worker) -> dict:
         "buffer_digest": digest,
         "worker_log": None if worker is None else worker.log,
         "worker_samples": None if worker is None else {str(g): s for g, s in worker.samples_by_group.items()},
+        "weights_digest": weights_digest(tr.model),
+        "resume_selection": getattr(tr, "resume_selection", None),
     }
 
 
 def main() -> None:
+    import argparse
+
     import torch.distributed as dist
 
-    out, model_dir = sys.argv[1], sys.argv[2]
-    steps = int(sys.argv[3]) if len(sys.argv) > 3 else 6
-    tr, worker = make_trainer(out, model_dir, max_steps=steps)
-    tr.train()
+    ap = argparse.ArgumentParser()
+    ap.add_argument("out")
+    ap.add_argument("model_dir")
+    ap.add_argument("steps", nargs="?", type=int, default=6)
+    ap.add_argument("--lockstep", action="store_true")
+    ap.add_argument("--save-steps", type=int, default=None)
+    ap.add_argument("--stop", type=int, default=None)
+    ap.add_argument("--resume", action="store_true")
+    ap.add_argument("--tag", default="")
+    a = ap.parse_args()
+    over = {}
+    if a.save_steps:
+        over.update(save_strategy="steps", save_steps=a.save_steps)
+    if a.lockstep:
+        from async_grpo_lockstep import LockstepWorker, load_worker_state
+        from transformers.trainer_utils import get_last_checkpoint
+
+        state = load_worker_state(get_last_checkpoint(a.out)) if a.resume and int(os.environ.get("RANK", "0")) == 0 \
+            else None
+        over.update(worker_cls=LockstepWorker, worker_state=state, replay_k_rep=3,
+                    worker_kw={"slow_per_version": 2, "slow_lag": 2})
+    tr, worker = make_trainer(a.out, a.model_dir, max_steps=a.steps, **over)
+    if a.lockstep and worker is not None:
+        from async_grpo_lockstep import SaveWorker
+
+        tr.add_callback(SaveWorker(worker))
+    if a.stop is not None:
+        from async_grpo_lockstep import StopAt
+
+        tr.add_callback(StopAt(a.stop))
+    tr.train(resume_from_checkpoint=True if a.resume else None)
     rank = dist.get_rank() if dist.is_initialized() else 0
-    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+    with open(os.path.join(a.out, f"rank{rank}{a.tag}.json"), "w") as f:
         json.dump(summary(tr, worker), f, default=str)
     if dist.is_initialized():
         dist.destroy_process_group()

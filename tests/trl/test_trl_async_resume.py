@@ -293,3 +293,44 @@ def test_replay_state_without_the_staleness_state_is_refused_naming_the_option(r
                          tensors=tensors, meta=meta)
     with pytest.raises(CheckpointError, match=r"no staleness state.*set replay_resume_without_state=True"):
         train(tmp_path, model_dir, resume=str(ckpt), worker_state=load_worker_state(ckpt), max_steps=CUT + 1)
+
+
+def _torchrun(*args, timeout=300):
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as sk:
+        sk.bind(("127.0.0.1", 0))
+        port = sk.getsockname()[1]
+    env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", TRL_EXPERIMENTAL_SILENCE="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", "2", "--master_addr",
+           "127.0.0.1", "--master_port", str(port), str(Path(__file__).resolve().parent.parent / "support" /
+                                                          "async_grpo_run.py"), *map(str, args)]
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-6000:]
+
+
+@pytest.mark.multiprocess
+def test_two_processes_interrupted_and_resumed_equal_the_uninterrupted_run(model_dir, tmp_path):
+    """The same comparison on 2 processes (each rank holds a replica of the controller; rank 0 routes)."""
+    common = [7, "--lockstep", "--save-steps", CUT]
+    _torchrun(tmp_path / "whole", model_dir, *common)
+    _torchrun(tmp_path / "cut", model_dir, *common, "--stop", CUT, "--tag", ".first")
+    _torchrun(tmp_path / "cut", model_dir, *common, "--resume", "--tag", ".resumed")
+    for rank in (0, 1):
+        whole, first, resumed = (json.loads((tmp_path / d / f"rank{rank}{t}.json").read_text())
+                                 for d, t in (("whole", ""), ("cut", ".first"), ("cut", ".resumed")))
+        assert whole["world"] == resumed["world"] == 2
+        assert [s["step"] for s in first["steps"]] == [1, 2, 3, 4, 5] and [s["step"] for s in resumed["steps"]] == [6, 7]
+        assert first["steps"] == whole["steps"][:CUT]  # the lock-step stream is deterministic on 2 processes too
+        assert resumed["resume_selection"] == whole["steps"][CUT - 1]["selected"] and whole["steps"][CUT - 1]["selected"]
+        assert resumed["steps"] == whole["steps"][CUT:]  # routing, selections, landings, replay/* and async/* metrics
+        assert resumed["totals"] == whole["totals"] and resumed["buffer_digest"] == whole["buffer_digest"]
+        losses = [[(h["step"], h["loss"]) for h in r["log_history"] if "loss" in h] for r in (whole, resumed)]
+        assert losses[0] == losses[1] and len(losses[0]) == 7
+        assert resumed["weights_digest"] == whole["weights_digest"]
+    replayed = [k for s in whole["steps"][CUT:] for marks in s["landed"].values() for k, _ in marks]
+    assert replayed.count("replay") > 0  # replay trained after the resume
+    assert sum(route == "divert" for s in whole["steps"][:CUT] for _, route, _ in s["routed"]) >= 4
