@@ -1,6 +1,6 @@
 """hdreplay: Headroom-Drift Replay for GRPO-style RL post-training -- the paper's method, and only that.
 
-``import hdreplay`` loads the method and what every trainer needs to run it (torch, numpy and safetensors only):
+``import hdreplay`` loads the method and what every trainer needs to run it (torch and numpy only):
 
     GroupRecord              one prompt + n responses with immutable generation-time state
     Rows, groups_from_rows   a trainer's fresh rows -> GroupRecords, every check in one place (hdreplay.ingest)
