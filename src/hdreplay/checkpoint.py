@@ -252,8 +252,9 @@ def _clean(d: Path, keep: set[str]) -> None:
 def open_checkpoint_dir(
     directory: str | os.PathLike, *, format_name: str, versions: tuple[int, ...]
 ) -> Iterator[tuple[dict[str, tensorfile.FileTensor], dict[str, Any]]]:
-    """Verify the current version of a directory written by :func:`write_checkpoint_dir` and yield ``(tensors, meta)``: the tensors as :class:`~hdreplay.tensorfile.FileTensor` of the verified
-    file, read on demand inside the ``with`` block (an OSError there becomes CheckpointError)."""
+    """Verify the current version of a directory written by :func:`write_checkpoint_dir` and yield ``(tensors,
+    meta)``: the tensors as :class:`~hdreplay.tensorfile.FileTensor` of the verified file, read on demand inside the
+    ``with`` block (an OSError there becomes CheckpointError)."""
     d = Path(directory)
     try:
         if not d.is_dir():

@@ -117,9 +117,10 @@ def main() -> None:
         over.update(save_strategy="steps", save_steps=a.save_steps)
     if a.lockstep:
         from async_grpo_lockstep import LockstepWorker, load_worker_state
-        from transformers.trainer_utils import get_last_checkpoint
 
-        state = load_worker_state(get_last_checkpoint(a.out)) if a.resume and int(os.environ.get("RANK", "0")) == 0 \
+        from hdreplay.integrations.trl.checkpoints import resume_target  # the checkpoint train(True) resumes
+
+        state = load_worker_state(resume_target(a.out)) if a.resume and int(os.environ.get("RANK", "0")) == 0 \
             else None
         over.update(worker_cls=LockstepWorker, worker_state=state, replay_k_rep=3,
                     worker_kw={"slow_per_version": 2, "slow_lag": 2})

@@ -125,6 +125,23 @@ def test_selector_none_equals_grpo_trainer_loss_for_loss(vlm_dirs, tmp_path):
     assert len(a) == 3 and a == b
 
 
+def test_a_vlm_without_replay_resumed_with_true_continues_from_its_weights(vlm_dirs, tmp_path):
+    """Replay off (selector none): ``resume_from_checkpoint=True`` is resolved as the Trainer resolves it
+    (transformers' get_last_checkpoint), and the weights saved under their original key names are reloaded there too
+    (huggingface/transformers#43701): the resumed steps train as the uninterrupted run's."""
+    over = dict(max_steps=6, save_strategy="steps", save_steps=3, replay_selector="none", seed=7)
+    full = train(vlm_dirs, tmp_path / "full", **over)
+    shutil.copytree(tmp_path / "full" / "checkpoint-3", tmp_path / "again" / "checkpoint-3")
+    model, proc = vlm(vlm_dirs)
+    resumed = RecordingTrainer(model=model, reward_funcs=reward_digit, args=vlm_args(tmp_path / "again", **over),
+                               train_dataset=dataset(), processing_class=proc)
+    assert not resumed.replay_active
+    resumed.train(resume_from_checkpoint=True)
+    assert len(loss_log(full)) == 6 and loss_log(resumed)[-3:] == loss_log(full)[3:]
+    wa, wb = full.model.state_dict(), resumed.model.state_dict()
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
 @pytest.mark.parametrize("how", ["path", "newest"])
 def test_checkpoint_resume_equals_uninterrupted(vlm_dirs, tmp_path, how):
     """Also the VLM weights transformers 5 saves under their original key names (huggingface/transformers#43701):

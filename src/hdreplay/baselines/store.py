@@ -6,7 +6,7 @@ their generation-time log-probs, plus the dataset row that regenerates the promp
 into a batch, BAPO re-evaluates them).  Rows must be JSON-able to be checkpointed.
 
 Checkpoints reuse the buffer's ragged storage (:class:`~hdreplay.storage.Block`) and crash-safe directory layout
-(:mod:`hdreplay.checkpoint`, layout 2 and the legacy layout 1).  A load is validated like the core controller's
+(:mod:`hdreplay.checkpoint`, layout 2).  A load is validated like the core controller's
 (:mod:`hdreplay.checkpoint_schema`): :func:`unpack` and the helpers below check every field's type, range and
 length, each strategy checks its cross-field consistency, and only then is anything assigned -- a refused load
 (:class:`~hdreplay.errors.CheckpointError` naming the field) changes nothing.  Options changed at resume are
