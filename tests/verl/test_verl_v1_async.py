@@ -244,14 +244,22 @@ def test_resume_without_the_replay_state_is_refused_unless_allowed(resumed, work
     *_, ckpt = resumed
     copy, resume = _checkpoint_copy(ckpt, tmp_path)
     shutil.rmtree(copy / "global_step_2" / "hdreplay")
-    with pytest.raises(CheckpointError, match=r"set hdr\.resume_without_state=True"):
-        _run(worker_group, tokenizer, tiny_model_dir, copy, *resume, steps=3)
-    with pytest.warns(UserWarning, match=r"empty buffer \(hdr\.resume_without_state=True\)"):
-        run, _ = _run(worker_group, tokenizer, tiny_model_dir, copy, *resume, "hdr.resume_without_state=true",
-                      steps=3)
+    run = _refused_then_resumed(CheckpointError, r"set hdr\.resume_without_state=True",
+                                r"empty buffer \(hdr\.resume_without_state=True\)",
+                                worker_group, tokenizer, tiny_model_dir, copy, *resume)
     assert run.trainer.resumed_at == 2 and [s["step"] for s in run.trainer.steps] == [3]
     [rec] = [json.loads(x) for x in (tmp_path / "diagnostics" / "async.jsonl").read_text().splitlines()]
     assert rec["step"] == 3 and all(rec["totals"][k] == rec[k] for k in rec["totals"])  # the ledger started empty
+
+
+def _refused_then_resumed(error, refusal: str, warning: str, worker_group, tokenizer, model_dir, copy, *resume):
+    """The resume of ``copy`` refused (``error`` matching ``refusal``), then run with hdr.resume_without_state=true
+    for one update (a UserWarning matching ``warning``); returns that run."""
+    with pytest.raises(error, match=refusal):
+        _run(worker_group, tokenizer, model_dir, copy, *resume, steps=3)
+    with pytest.warns(UserWarning, match=warning):
+        run, _ = _run(worker_group, tokenizer, model_dir, copy, *resume, "hdr.resume_without_state=true", steps=3)
+    return run
 
 
 def _checkpoint_copy(ckpt: Path, tmp_path: Path) -> tuple[Path, tuple[str, ...]]:
@@ -287,11 +295,9 @@ def test_resume_without_the_staleness_state_is_refused_naming_verls_option(resum
     *_, ckpt = resumed
     copy, resume = _checkpoint_copy(ckpt, tmp_path)
     _strip_staleness_state(copy / "global_step_2" / "hdreplay")
-    with pytest.raises(CheckpointError, match=r"no staleness state.*set hdr\.resume_without_state=True"):
-        _run(worker_group, tokenizer, tiny_model_dir, copy, *resume, steps=3)
-    with pytest.warns(UserWarning, match=r"start empty \(hdr\.resume_without_state=True\)"):
-        run, _ = _run(worker_group, tokenizer, tiny_model_dir, copy, *resume, "hdr.resume_without_state=true",
-                      steps=3)
+    run = _refused_then_resumed(CheckpointError, r"no staleness state.*set hdr\.resume_without_state=True",
+                                r"start empty \(hdr\.resume_without_state=True\)",
+                                worker_group, tokenizer, tiny_model_dir, copy, *resume)
     assert run.trainer.resumed_at == 2 and [s["step"] for s in run.trainer.steps] == [3]
     assert len(run.trainer.steps[0]["selection"].scanned) > 0  # the buffer was restored
     [rec] = [json.loads(x) for x in (tmp_path / "diagnostics" / "async.jsonl").read_text().splitlines()]
