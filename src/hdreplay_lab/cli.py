@@ -155,6 +155,8 @@ class ReportArgs(RunsArgs):
         for msg in (m for r in runs for m in r.problems):
             print(f"warning: {msg}", file=sys.stderr)
         report = build_report(runs, self.settings, show_progress=self.progress)
+        for msg in (m for r in runs for m in r.notes):  # what a run lacks or what was left out of it
+            print(f"note: {msg}", file=sys.stderr)
         out = self.out or (self.runs[0] / "report" if len(runs) == 1 else Path("hdreplay-report"))
         paths = write_report(report, out, figures=self.figures, show_progress=self.progress)
         for msg in report["comparison"]["mismatches"]:

@@ -13,7 +13,7 @@ from typing import Callable, Iterable, Iterator
 import torch
 
 from hdreplay.record import GroupRecord
-from hdreplay.selection import Selection
+from hdreplay.selection import SELECTORS, Selection
 
 
 class TablePolicy:
@@ -131,8 +131,19 @@ def walkthrough(steps: int = 6, *, k_rep: int = 3, tau: float = 5e-3, capacity: 
     from hdreplay.controller import ReplayController
 
     n = 4  # responses per synthetic group (make_group's default); a rollout-unit selector needs the group size
-    ctrl = ReplayController(ReplayConfig(selector=selector, k_rep=k_rep, tau=tau, capacity=capacity, group_size=n))
+    cfg = ReplayConfig(selector=selector, k_rep=k_rep, tau=tau, capacity=capacity, group_size=n)
+    ctrl = ReplayController(cfg)
+    rows = cfg.rows_per_unit  # 1, or n: a buffer of single rollouts counts its budgets in groups' worth of them
     out(f"Headroom-Drift Replay on synthetic groups: selector={selector}, K_rep={k_rep}, tau={tau}, C={capacity}")
+    if rows > 1:
+        out(f"  {selector} stores single rollouts, not groups: each response of an admitted group whose advantage is "
+            f"not 0 is one unit ('<group>/<i>'); K_rep and C count groups' worth ({cfg.unit_budget} and "
+            f"{cfg.unit_capacity} rollouts, {n} per group)")
+    if not SELECTORS[selector].gate and SELECTORS[selector].order is not None:
+        out(f"  {selector} has no Drift gate: tau is not used")
+
+    def units(k: int, what: str = "") -> str:
+        return f"{k} groups" if rows == 1 else f"{k} {what}rollouts ({k / rows:g} groups' worth)"
 
     def fresh(t, policy):
         return [make_group(f"{t}-{i}", policy=policy, step=t, seed=31 * t + i, n=n,
@@ -143,7 +154,7 @@ def walkthrough(steps: int = 6, *, k_rep: int = 3, tau: float = 5e-3, capacity: 
                     select_first=True):
         done.append(st)
         sel = st.selection
-        out(f"\nstep {st.step}: buffer holds {sel.buffer_size} groups")
+        out(f"\nstep {st.step}: buffer holds {units(sel.buffer_size)}")
         for i in range(len(sel.scanned)):
             verdict = "ACCEPT" if sel.scanned_pass[i] else f"reject (Drift > tau={tau:g})"
             out(f"  scan #{i + 1}: group {sel.scanned_group_ids[i]!r:8} age {int(sel.scanned_age[i])}  "
@@ -152,8 +163,9 @@ def walkthrough(steps: int = 6, *, k_rep: int = 3, tau: float = 5e-3, capacity: 
         if len(sel.scanned) == 0 and len(sel.accepted):
             out(f"  no scan (selector {selector} needs no scoring)")
         replay = [g.group_id for g in sel.groups]
-        out(f"  replayed {replay or 'nothing'}; actor batch = {len(replay)} replay + {len(st.fresh)} fresh groups")
+        batch = f"{len(replay)} replay" if rows == 1 else units(len(replay), "replayed ")
+        out(f"  replayed {replay or 'nothing'}; actor batch = {batch} + {len(st.fresh)} fresh groups")
         out(f"  ingress: {sum(st.admitted)}/{len(st.fresh)} fresh groups admitted "
             f"(rejected {[g.group_id for g, a in zip(st.fresh, st.admitted) if not a]}: rewards all equal); "
-            f"evicted {int(st.metrics['replay/evicted'])}")
+            f"evicted {int(st.metrics['replay/evicted'])}" + (" rollouts" if rows > 1 else ""))
     return done

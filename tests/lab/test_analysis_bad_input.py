@@ -130,13 +130,15 @@ def test_bad_settings_and_labels_exit_2(real_run, capsys):
 
 def test_read_jsonl_checks_records_and_policy(tmp_path):
     p = tmp_path / "s.jsonl"
-    p.write_text('{"step": 0}\n\n[1, 2]\n{"step": 1, "scan_age": [1, 2], "scan_pass": [true]}\n{"step": 2}\n')
+    p.write_text('{"step": 0, "accepted": 1}\n\n[1, 2]\n{"step": 1, "scan_age": [1, 2], "scan_pass": [true]}\n'
+                 '{"step": 2, "accepted": 0}\n{"step": 3}\n')
     problems = []
     from hdreplay_lab.analysis.load import check_step_record
     recs = read_jsonl(p, check=check_step_record, problems=problems)
     assert recs["step"].tolist() == [0, 2]
     assert problems[0].startswith(f"{p}:3: expected a JSON object, got list")
     assert problems[1].startswith(f"{p}:4: scan lists have different lengths")
+    assert problems[2].startswith(f"{p}:6: holds only 'step'")  # no StepRecord field: not a step record
     with pytest.raises(AnalysisInputError, match=f"{p}:3"):
         read_jsonl(p, check=check_step_record, on_bad_line="stop")
     with pytest.raises(AnalysisInputError, match="on_bad_line"):

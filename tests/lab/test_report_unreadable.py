@@ -238,9 +238,10 @@ def test_legitimately_readable_runs_still_report(shape, real_run, tmp_path, caps
     elif shape == "async_trainer_layout":  # HDRAsyncGRPOTrainer: diagnostics in <output_dir>/hdreplay
         (d / "replay").rename(d / "hdreplay")
     rc, err = report(d, tmp_path / "o", capsys)
-    assert rc == 0 and err == [], err
+    log_only = shape in ("plain_trl_state", "checkpoint_state", "tensorboard")  # said in one note (issue 39)
+    assert rc == 0 and len(err) == log_only and all(x.startswith(f"note: {d}: no replay diagnostics") for x in err), err
     a = json.loads((tmp_path / "o" / "report.json").read_text())["runs"]["hdr"]
-    if shape in ("plain_trl_state", "checkpoint_state", "tensorboard"):
+    if log_only:
         assert a["training"]["score"]["step"] == [1, 2, 3]
     if shape in ("empty_groups", "bare_diagnostics", "symlinked_files", "async_trainer_layout"):
         assert a["acceptance"]["n_steps"] == 30

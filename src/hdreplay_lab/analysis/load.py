@@ -17,8 +17,10 @@ skipped with a warning naming file:line (``on_bad_line="skip"``), and an empty g
 no records.  Everything else that cannot be read is refused with :class:`AnalysisInputError`, one line per problem
 naming the file (and line or field) and the fix: a file that is not a regular file (directory, FIFO, dangling link),
 a JSON file that does not parse or is not an object, an empty JSONL file, a line that is not a JSON object, a record
-of the wrong shape (:mod:`.records`), TensorBoard files without a scalar, a directory with nothing to analyse.
-Nothing here computes statistics.
+of the wrong shape (:mod:`.records`; a NaN / Infinity literal in a file hdreplay writes as strict JSON), TensorBoard
+files without a scalar, a directory with nothing to analyse.  What is readable but left out is said in a note
+(``RunData.notes``): a run with neither replay diagnostics nor an async ledger (its report has the trainer log's
+sections only), the values of a foreign metrics.json that are not numbers.  Nothing here computes statistics.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from hdreplay.records import EXTRA_STEP_TYPES, STEP_FIELDS, StepRecord
 from hdreplay.errors import ReplayError
 
 from .records import (STEP_LISTS, check_fresh_record, check_group_record, check_ledger_record, check_log_record,
-                      check_run_meta, check_step_record, parse_json)
+                      check_metrics, check_run_meta, check_step_record, parse_json)
 
 __all__ = ["AnalysisInputError", "BadLineWarning", "RunData", "check_fresh_record", "check_group_record",
            "check_step_record", "group_frame", "load_run", "read_jsonl", "step_frame", "tensorboard_log",
@@ -132,7 +134,8 @@ class RunData:
     :func:`group_frame`), ``log`` (trainer log entries) and ``log_source`` (the file they came from), ``meta``
     (run.json, {} if absent), ``metrics`` (metrics.json or None), ``replay_dir`` (where steps.jsonl was found) and
     ``problems`` (skipped lines, each naming file:line), ``fresh`` (fresh_groups.jsonl rows), ``ledger`` /
-    ``ledger_source`` (async.jsonl's records and path)."""
+    ``ledger_source`` (async.jsonl's records and path), ``notes`` (what the run lacks or what was left out of it:
+    the report still runs, the command says them on stderr)."""
 
     path: Path
     label: str
@@ -147,6 +150,7 @@ class RunData:
     fresh: pd.DataFrame = field(default_factory=pd.DataFrame)
     ledger: pd.DataFrame = field(default_factory=pd.DataFrame)
     ledger_source: str | None = None
+    notes: list[str] = field(default_factory=list)
 
     @property
     def has_replay(self) -> bool:
@@ -257,8 +261,11 @@ def load_run(path: str | Path, *, label: str | None = None, on_bad_line: str = "
 
     for name in ("run.json", "metrics.json"):
         obj = _read_object(found[name], errors, _fix(found[name])) if readable(found.get(name)) else None
-        errors += [f"{found[name]}: {why}; fix the field or restore the file"
-                   for why in (check_run_meta(obj) if obj is not None and name == "run.json" else ())]
+        bad, left = ([], []) if obj is None else (check_run_meta(obj), []) if name == "run.json" else check_metrics(obj)
+        errors += [f"{found[name]}: {why}; fix the field or restore the file" for why in bad]
+        if left:
+            run.notes.append(f"{found[name]}: left out of the final-metrics table (not finite numbers): "
+                             f"{', '.join(left)}")
         if name == "run.json":
             run.meta = obj or {}
         else:
@@ -304,6 +311,10 @@ def load_run(path: str | Path, *, label: str | None = None, on_bad_line: str = "
                                  "names:\n" + "\n".join(errors + malformed))
     if errors:
         raise AnalysisInputError(errors[0])
+    if not (run.has_replay or len(run.ledger)) and run.meta.get("replay", "unset") is not None:  # not on-policy
+        run.notes.append(f"{p}: no replay diagnostics (no {', '.join(STEPS_FILES)}) and no async ledger: the report "
+                         f"covers its trainer log ({run.log_source}) only, every replay section is n/a; if the run "
+                         "replayed, pass the directory its diagnostics were written to")
     for msg in run.problems if warn else ():
         warnings.warn(msg, BadLineWarning, stacklevel=2)
     return run

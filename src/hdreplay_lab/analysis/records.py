@@ -8,11 +8,16 @@ unusable (naming the field and what it must be) or None.  Pure; :mod:`.load` app
     trainer_state.json                                log_history, TensorBoard scalars)
     async.jsonl          :func:`check_ledger_record` (hdreplay.ledger.StalenessLedger.close_step)
     run.json             :func:`check_run_meta`      (the fields the report reads)
+    metrics.json         :func:`check_metrics`       (the lab's fields; what the report leaves out of its table)
+
+The files hdreplay writes with ``allow_nan=False`` (steps, groups, async) never hold a NaN / Infinity literal (Python's
+``json`` reads them, strict JSON has none): a record holding one was not written by hdreplay and is refused.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import types
 import typing
 from typing import Any
@@ -62,15 +67,38 @@ def _type_name(hint: Any) -> str:
 STEP_TYPES = {**{k: v for k, v in typing.get_type_hints(StepRecord).items() if k != "extras"}, **EXTRA_STEP_TYPES}
 
 
+def _non_finite(rec: dict) -> str | None:
+    """Why a record holds a NaN / Infinity literal, naming the field; None if it holds none."""
+    def bad(v: Any) -> float | None:
+        if isinstance(v, float):
+            return None if math.isfinite(v) else v
+        inner = v if isinstance(v, list) else list(v.values()) if isinstance(v, dict) else ()
+        return next((b for b in map(bad, inner) if b is not None), None)
+
+    k = next((k for k, v in rec.items() if bad(v) is not None), None)
+    if k is None:
+        return None
+    lit = {"nan": "NaN", "inf": "Infinity", "-inf": "-Infinity"}[str(bad(rec[k]))]
+    return (f"{k!r} {'is' if isinstance(rec[k], float) else 'holds'} {lit}, which is not JSON (hdreplay writes a "
+            "non-finite number as null): write null")
+
+
 def _step(rec: dict) -> str | None:
     return None if _is_int(rec.get("step")) and rec["step"] >= 0 else f"'step' must be an int >= 0, got {rec.get('step')!r:.40}"
 
 
 def check_step_record(rec: dict) -> str | None:
     """Why a parsed steps.jsonl object is unusable, or None if it is fine: 'step' an int >= 0, every StepRecord field
-    present of its declared type, scan lists of one length."""
-    if _step(rec):
-        return _step(rec)
+    present of its declared type, scan lists of one length, at least one StepRecord field besides 'step', no
+    NaN / Infinity literal."""
+    why = _step(rec) or _non_finite(rec)
+    if why:
+        return why
+    other = [k for k in rec if k != "step"]
+    if not any(k in STEP_TYPES for k in other):
+        extra = f" and fields no StepRecord has ({', '.join(map(repr, other[:3]))})" if other else ""
+        return (f"holds only 'step'{extra}, no replay field such as 'selector', 'k_rep' or 'accepted': not a replay "
+                "step record (hdreplay.records.StepRecord)")
     wrong = next((k for k, v in rec.items() if k not in STEP_LISTS and k in STEP_TYPES
                   and not _fits(v, STEP_TYPES[k])), None)
     if wrong is not None:
@@ -96,13 +124,22 @@ def check_fresh_record(rec: dict) -> str | None:
     return f"'rewards' must hold numbers or null, got {bad!r}" if bad is not None else None
 
 
+#: groups.jsonl fields (ReplayBuffer.lifetime_record): (name, required, test, what it must be)
+GROUP_RULES = (("birth_step", True, _is_int, "an int"), ("replay_count", True, _is_int, "an int"),
+               ("ref_headroom", True, _is_num, "a number"),
+               ("evicted_step", False, lambda v: v is None or _is_int(v), "an int or null"),
+               ("insertion_id", False, _is_int, "an int"),
+               ("group_id", False, lambda v: isinstance(v, str), "a string"),
+               ("cached_headroom", False, lambda v: v is None or _is_num(v), "a number or null"),
+               ("exposure", False, lambda v: v is None or _is_num(v), "a number or null"))
+
+
 def check_group_record(rec: dict) -> str | None:
-    """Why a parsed groups.jsonl object is unusable, or None if it is fine."""
-    bad = next((k for k in ("birth_step", "replay_count") if not _is_int(rec.get(k))), None)
-    h, ev = rec.get("ref_headroom"), rec.get("evicted_step")
-    return (f"{bad!r} must be an int, got {rec.get(bad)!r}" if bad
-            else f"'ref_headroom' must be a number, got {h!r}" if not _is_num(h)
-            else f"'evicted_step' must be an int or null, got {ev!r}" if ev is not None and not _is_int(ev) else None)
+    """Why a parsed groups.jsonl object is unusable (a field of :data:`GROUP_RULES` missing or of the wrong type, a
+    NaN / Infinity literal), or None if it is fine."""
+    bad = next(((k, what) for k, required, ok, what in GROUP_RULES if (required or k in rec) and not ok(rec.get(k))),
+               None)
+    return _non_finite(rec) or (f"{bad[0]!r} must be {bad[1]}, got {rec.get(bad[0])!r:.40}" if bad else None)
 
 
 def check_log_record(rec: dict) -> str | None:
@@ -131,7 +168,8 @@ def check_ledger_record(rec: dict) -> str | None:
              ("floor", rec.get("floor") is None or _is_num(rec["floor"]), "a number or null"),
              ("floor_ready", rec.get("floor_ready") is None or isinstance(rec["floor_ready"], bool), "a bool or null"))
     bad = next(((k, what) for k, ok, what in rules if not ok), None)
-    return _step(rec) or (f"{bad[0]!r} must be {bad[1]}, got {rec.get(bad[0])!r:.40}" if bad else None)
+    return _step(rec) or _non_finite(rec) or (f"{bad[0]!r} must be {bad[1]}, got {rec.get(bad[0])!r:.40}" if bad
+                                              else None)
 
 
 #: run.json fields the report reads, with their JSON types (checked when present)
@@ -153,6 +191,25 @@ def check_run_meta(meta: dict) -> list[str]:
     rc = meta.get("replay")
     return out + [f"'replay.{k}' must be {what} or null, got {rc[k]!r:.40}" for k, (t, what) in REPLAY_TYPES.items()
                   if isinstance(rc, dict) and k in rc and not _of(rc[k], t)]
+
+
+#: metrics.json fields of the lab's own runs (a "format" that starts with "hdreplay."), with their JSON types
+METRICS_TYPES = {"format": (str, "a string"), "method": (str, "a string"), "seed": (int, "an int"),
+                 "steps": (int, "an int"), "n": (int, "an int"), "benchmarks": (dict, "an object"),
+                 **{f"{a}_{b}_at_n": (float, "a number") for a in ("macro", "weighted") for b in ("mean", "best")}}
+JSON_TYPES = {str: "a string", list: "a list", dict: "an object", bool: "a bool", float: "not finite"}
+
+
+def check_metrics(metrics: dict) -> tuple[list[str], list[str]]:
+    """``(problems, left_out)`` of a metrics.json object.  problems: a field of the lab's own file
+    (:data:`METRICS_TYPES`) of the wrong type.  left_out: in a file the lab did not write, each top-level value the
+    final-metrics table leaves out (not a finite number, not null), as ``"'key' (a string)"``."""
+    own = isinstance(metrics.get("format"), str) and metrics["format"].startswith("hdreplay.")
+    problems = [f"{k!r} must be {what} or null, got {metrics[k]!r:.40}" for k, (t, what) in METRICS_TYPES.items()
+                if own and k in metrics and not _of(metrics[k], t)]
+    left = [f"{k!r} ({JSON_TYPES.get(type(v), type(v).__name__)})" for k, v in metrics.items()
+            if not own and v is not None and not (_is_num(v) and math.isfinite(v))]
+    return problems, left
 
 
 def parse_json(text: str) -> tuple[Any, str | None]:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 import os
 import re
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Annotated, Any, Sequence
 
@@ -73,6 +73,27 @@ class ReportSettings:
         if b is not None and (not b or any(y <= x for x, y in zip(b, b[1:]))):
             raise AnalysisInputError(f"phase bounds (--phase-bounds) must be a non-empty increasing list of steps, "
                                      f"got {list(b)}")
+
+
+def check_settings_for(runs: Sequence[RunData], settings: ReportSettings) -> list[str]:
+    """Why ``settings`` cannot apply to ``runs`` (one line each, naming the option and the fix): more phases
+    (--phases) than a run has replay step records; a --score-key / --entropy-key set to a key no entry of a run's
+    trainer log holds a number under.  Only values set away from their defaults are refused (with the default 4
+    phases a shorter run's last phases are empty; a log without the default keys has those curves n/a)."""
+    out, default = [], {f.name: f.default for f in fields(settings)}
+    for r in runs:
+        if (r.has_replay and settings.phase_bounds is None and settings.n_phases != default["n_phases"]
+                and settings.n_phases > len(r.steps)):
+            out.append(f"--phases {settings.n_phases}: run {r.label!r} has {len(r.steps)} replay step records "
+                       f"({r.replay_dir}), fewer than the phases; give --phases {len(r.steps)} or fewer, or "
+                       "--phase-bounds")
+        for name in ("score_key", "entropy_key"):
+            key = getattr(settings, name)
+            if key != default[name] and len(r.log) and not len(log_series(r.log, key)):
+                keys = [k for k in r.log.columns if k != "step" and len(log_series(r.log, k))]
+                out.append(f"--{name.replace('_', '-')} {key}: no entry of {r.log_source} holds a number under "
+                           f"{key!r}; give one of its keys: {', '.join(map(repr, keys)) or 'none'}")
+    return out
 
 
 def tau_from_label(label: str) -> float | None:
@@ -165,10 +186,14 @@ def analyze_run(run: RunData, settings: ReportSettings = ReportSettings()) -> di
 
 def build_report(runs: Sequence[RunData], settings: ReportSettings = ReportSettings(), *,
                  show_progress: bool = False) -> dict[str, Any]:
-    """The report dict for several loaded runs (labels must be unique)."""
+    """The report dict for several loaded runs (labels must be unique; :func:`check_settings_for` refusals raise
+    AnalysisInputError, one message each)."""
     labels = [r.label for r in runs]
     if len(set(labels)) != len(labels):
         raise AnalysisInputError(f"run labels must be unique, got {labels}")
+    refused = check_settings_for(runs, settings)
+    if refused:
+        raise AnalysisInputError(messages=refused)
     with progress(runs, desc="analysing runs", enabled=show_progress, lines=0, leave=False) as bar:
         analyses = {r.label: analyze_run(r, settings) for r in bar}
     return sanitize({"format": REPORT_FORMAT, "version": REPORT_VERSION, "settings": asdict(settings),
