@@ -27,7 +27,7 @@ CONCERNS = {
         "record", "ingest", "padding", "multimodal", "buffer", "storage"),
     "the step record (replay/* metrics, steps.jsonl)": ("records",),
     "checkpoints (crash-safe directories, schema, writer lock, streaming)": (
-        "checkpoint", "checkpoint_schema", "dirlock", "tensorfile", "atomic"),
+        "checkpoint", "checkpoint_schema", "controller_state", "dirlock", "tensorfile", "atomic"),
     "argument checks and errors": ("validate", "errors"),
 }
 ROOT = Path(__file__).resolve().parents[1]

@@ -34,6 +34,7 @@ from .errors import (
     ReplayError,
     ReplayInputError,
     ReplayProtocolError,
+    ReplayCostWarning,
     ReplayResumeWarning,
     ReplayStarvedWarning,
 )
@@ -52,7 +53,7 @@ __all__ = [
     "AnswerBased", "CheckpointError", "CheckpointLockedError", "DiagnosticsWriter", "drift", "group_scores",
     "GroupRecord", "groups_from_rows", "headroom", "Ingest", "IngestError", "make_ingress_rule", "METRIC_KEYS",
     "metrics_from_record", "MixedOutcome", "pad_groups", "PaddedGroups", "reference_headroom", "replay_kl",
-    "replay_kl_per_group", "ReplayBuffer", "ReplayConfig", "ReplayConfigError", "ReplayController", "ReplayError",
-    "ReplayInputError", "ReplayProtocolError", "ReplayResumeWarning", "ReplayStarvedWarning", "Rows", "Scorer",
-    "select_replay", "Selection", "SELECTORS", "STEP_FIELDS", "StepRecord", "__version__",
+    "replay_kl_per_group", "ReplayBuffer", "ReplayConfig", "ReplayConfigError", "ReplayController", "ReplayCostWarning",
+    "ReplayError", "ReplayInputError", "ReplayProtocolError", "ReplayResumeWarning", "ReplayStarvedWarning", "Rows",
+    "Scorer", "select_replay", "Selection", "SELECTORS", "STEP_FIELDS", "StepRecord", "__version__",
 ]

@@ -154,6 +154,16 @@ class ReplayBuffer:
         self._slot(arr)
         return copy_groups([self._locate(i) for i in arr.tolist()])
 
+    def forward_tokens(self, ids) -> np.ndarray:
+        """(len(ids),) tokens a full-row forward of each live group runs: n x prompt + completion tokens."""
+        arr = check_ids("ids", ids, unique=False)
+        self._slot(arr)
+        out = np.zeros(len(arr), dtype=np.int64)
+        for k, (blk, j) in enumerate(map(self._locate, arr.tolist())):
+            t0, t1, r0, r1, p0, p1 = blk.spans(j)
+            out[k] = (r1 - r0) * (p1 - p0) + t1 - t0
+        return out
+
     def nbytes(self) -> int:
         """Bytes held: block tensors plus per-slot state arrays."""
         return sum(b.nbytes for b in self._blocks) + sum(a.nbytes for a in self._slots.values())

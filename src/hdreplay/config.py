@@ -26,7 +26,7 @@ from .ingress import INGRESS_RULES
 from .scores import DRIFT_NORMS, HEADROOM_WEIGHTINGS
 from .selectors import SCAN_REFRESH, SELECTORS
 
-from .validate import MAX_CAPACITY, MAX_COUNT  # noqa: F401  (re-exported: the bounds every front end shows)
+from .validate import MAX_CAPACITY, MAX_COUNT, MAX_TOKENS  # noqa: F401  (re-exported: the bounds every front end shows)
 
 
 def knob(default: Any, help: str, *, flat: type | str | None = None, choices: tuple | None = None,
@@ -128,6 +128,13 @@ class ReplayConfig:
         "slice", "cached Headroom of a group rejected early: slice (refresh from the responses forwarded), finish "
                  "(forward the rest of the group for its exact Headroom: the paper's refresh, at the full scan's cost "
                  "for those groups)", choices=SCAN_REFRESH)
+    scan_tokens: int | None = knob(
+        None, "token budget of one scorer forward (prompt + completion tokens of the rows it runs; the trainers set it "
+              "from their own old-log-prob forward's batch). Set: each scan window is filled to whole forwards of this "
+              "size, further groups scored in the room left (speculatively: beyond the stop their results are "
+              "discarded, their cache untouched), and groups are sliced (scan_passes) only where the running acceptance "
+              "rate says slicing saves at least one forward. Unset: windows sized by the groups still needed, every "
+              "group sliced. It must fit the largest group (refused before any forward otherwise)", flat=int)
     scan_chunk: int | None = knob(
         None, "groups re-scored per scorer call; unset = sized from the remaining budget and the running "
               "acceptance rate", flat=int)
@@ -186,6 +193,9 @@ class ReplayConfig:
             raise _err("truncate_multiple", f"u must be an int in [1, {MAX_COUNT}], got {self.truncate_multiple!r}")
         if self.scan_chunk is not None and (not _is_int(self.scan_chunk) or not 1 <= self.scan_chunk <= MAX_COUNT):
             raise _err("scan_chunk", f"must be unset (auto) or an int in [1, {MAX_COUNT}], got {self.scan_chunk!r}")
+        if self.scan_tokens is not None and (not _is_int(self.scan_tokens) or not 1 <= self.scan_tokens <= MAX_TOKENS):
+            raise _err("scan_tokens", f"must be unset (windows sized by the groups still needed) or an int in "
+                                      f"[1, {MAX_TOKENS}] (prompt + completion tokens per forward), got {self.scan_tokens!r}")
         if not _is_int(self.max_scan_chunk) or not 1 <= self.max_scan_chunk <= MAX_COUNT:
             raise _err("max_scan_chunk", f"must be an int in [1, {MAX_COUNT}], got {self.max_scan_chunk!r}")
         if self.max_scan is not None and (not _is_int(self.max_scan) or not 1 <= self.max_scan <= MAX_CAPACITY):

@@ -34,34 +34,30 @@ import torch
 
 from . import sampling
 from .buffer import ReplayBuffer
-from .checkpoint import open_checkpoint_dir, write_checkpoint_dir
-from .checkpoint_schema import ControllerState, parse_buffer_state, parse_controller_state
 from .config import ReplayConfig
-from .records import DiagnosticsWriter, StepRecord, metrics_from_record, step_record
-from .errors import (
-    CheckpointError, ReplayConfigError, ReplayInputError, ReplayProtocolError, ReplayResumeWarning,
-    ReplayStarvedWarning,
-)
+from .controller_state import (CONTROLLER_FORMAT, CONTROLLER_VERSION, CONTROLLER_VERSIONS,  # noqa: F401  (re-exported)
+                               ControllerCheckpoint)
+from .records import DiagnosticsWriter, StepRecord, check_counters, metrics_from_record, step_record
+from .errors import ReplayConfigError, ReplayCostWarning, ReplayInputError, ReplayProtocolError, ReplayStarvedWarning
 from .ingress import make_ingress_rule
 from .record import GroupRecord
 from .scores import reference_headroom
 from .selection import Scorer, Tau, select_replay
 from .selectors import SELECTORS, Selection, empty_selection
-from .storage import materialize
-from .validate import (MAX_COUNT, check_bool, check_int, check_path, check_real, check_sequence, check_step, is_int,
-                       is_real)
+from .validate import MAX_COUNT, check_bool, check_int, check_real, check_sequence, check_step
 
 #: consecutive starved steps (budget unfilled, gate pass rate < STARVED_RATE) before a ReplayStarvedWarning
 STARVED_STEPS = 5
 STARVED_RATE = 1 / 8
+#: a ReplayCostWarning after COST_STEPS consecutive steps whose gate forwarded more than COST_FACTOR x the tokens of
+#: the fresh batch's forward (tokens, not seconds: the gate's forward runs as fast per token as the trainer's own, and
+#: a token count is the same on every run; the seconds are in the step record)
+COST_FACTOR = 4.0
+COST_STEPS = 3
 
-CONTROLLER_FORMAT = "hdreplay.controller"
-#: 2: the manifest layout (see :mod:`hdreplay.checkpoint`); 1, the unreleased 0.1's layout, is not read
-CONTROLLER_VERSION = 2
-CONTROLLER_VERSIONS = (2,)
 
 
-class ReplayController:
+class ReplayController(ControllerCheckpoint):
     """Owns a :class:`ReplayBuffer` and runs the select -> stage -> commit protocol.
 
     Args:
@@ -114,8 +110,8 @@ class ReplayController:
         self._selection: Selection | None = None
         self._staged: list[GroupRecord] = []
         self._staged_ref: list[float] = []
-        self._candidates = 0
-        self._starved_steps = 0
+        self._candidates = self._fresh_tokens = 0
+        self._starved_steps = self._costly_steps = 0  # (the cost counter is not checkpointed: a warning's patience)
         #: the random orders' generator state as of the last commit (a selection draws from a copy)
         self.rng_state = sampling.rng_state(sampling.new_rng(config.seed))
 
@@ -134,12 +130,15 @@ class ReplayController:
             )
         return step
 
-    def select(self, *, step: int, scorer: Scorer | None = None, tau: Tau | None = None) -> Selection:
+    def select(self, *, step: int, scorer: Scorer | None = None, tau: Tau | None = None,
+               scan_tokens: int | None = None, speculate: bool = True) -> Selection:
         """Choose replay groups for ``step`` from the buffer as it was before this step's ingress.
 
         ``tau``: per-group thresholds instead of :attr:`tau` (:data:`hdreplay.selection.Tau`; the asynchronous
         rule of :mod:`hdreplay.staleness` adds a measured floor for groups scored against a sampler).  Returns a
-        :class:`Selection` whose arrays are read-only and whose ``groups`` are copies."""
+        :class:`Selection` whose arrays are read-only and whose ``groups`` are copies.  ``scan_tokens``: the token
+        budget of the caller's scorer forward, used when ``config.scan_tokens`` is unset (the trainers pass theirs);
+        ``speculate``: score further groups in a forward's room (see :func:`select_replay`)."""
         step = self._check_step(step, "select")
         if self._selection is not None:
             raise ReplayProtocolError(f"select(step={step}) called twice; one selection per step")
@@ -147,7 +146,8 @@ class ReplayController:
             raise ReplayInputError(f"select: tau must be a per-group callable or None (the controller's own tau is "
                                    f"`controller.tau`), got {type(tau).__name__}")
         sel = select_replay(self.buffer, self.config, scorer, step=step, acceptance_rate=self.acceptance_rate,
-                            tau=self.tau if tau is None else tau, rng=sampling.rng_from_state(self.rng_state))
+                            tau=self.tau if tau is None else tau, rng=sampling.rng_from_state(self.rng_state),
+                            scan_tokens=scan_tokens, speculate=speculate)
         for obs in self.observers:  # diagnostics may score more; the decisions stay the selection's
             seen = getattr(obs, "on_select", lambda *a: None)(self, sel, scorer)
             if seen is not None:
@@ -208,6 +208,7 @@ class ReplayController:
         self._staged.extend(chosen)
         self._staged_ref.extend(ref)
         self._candidates += len(groups)
+        self._fresh_tokens += sum(g.num_responses * g.prompt_ids.numel() + g.num_tokens for g in groups)
         return admitted
 
     def _admit(self, group: GroupRecord) -> bool:
@@ -237,7 +238,7 @@ class ReplayController:
             raise ReplayProtocolError("commit() without an open step; call select()/stage() first")
         fresh = self._candidates if num_fresh_groups is None else check_int(
             "commit: num_fresh_groups", num_fresh_groups, hi=MAX_COUNT)
-        extra = _check_counters(counters)
+        extra = check_counters(counters)
         step = self._open_step
         sel = self._selection or empty_selection(step, "none", len(self.buffer), self.tau)
         actor = fresh + len(sel.accepted)
@@ -269,6 +270,7 @@ class ReplayController:
                           unit_size=self.config.group_size if self.config.unit == "rollout" else 1)
         rec.rescored_rows += extra.pop("rescored_rows", 0)
         rec.rescored_tokens += extra.pop("rescored_tokens", 0)
+        rec.fresh_forward_tokens, rec.fresh_forward_seconds = self._fresh_tokens, extra.pop("fresh_forward_seconds", None)
         if "generated_rows" in extra:
             rec.generated_rows = extra.pop("generated_rows")
         rec.extras.update(extra)  # a peer's strategy and its counters
@@ -278,12 +280,13 @@ class ReplayController:
         self.last_record = rec
         self.last_step = step
         self._open_step, self._selection = None, None
-        self._staged, self._staged_ref, self._candidates = [], [], 0
+        self._staged, self._staged_ref, self._candidates, self._fresh_tokens = [], [], 0, 0
         if self.diagnostics is not None:  # the step is committed even if writing the log fails
             self.diagnostics.write_step(rec)
             self.diagnostics.write_groups(evicted)
         if starved:
             self._warn_starved(rec)
+        self._warn_cost(rec)
         return metrics_from_record(rec)
 
     def _count_starved(self, rec: StepRecord) -> bool:
@@ -300,127 +303,27 @@ class ReplayController:
             f"{rec.accepted} of k_rep={rec.k_rep}. Loosen tau (`hdreplay calibrate` sweeps it), or let "
             "hdreplay.diagnostics.AdaptiveTau move it.", ReplayStarvedWarning, stacklevel=3)
 
+    def _warn_cost(self, rec: StepRecord) -> None:
+        costly = rec.fresh_forward_tokens > 0 and rec.rescore_forward_tokens > COST_FACTOR * rec.fresh_forward_tokens
+        self._costly_steps = self._costly_steps + 1 if costly else 0
+        if self._costly_steps != COST_STEPS:
+            return
+        warnings.warn(
+            f"hdreplay: for {COST_STEPS} steps (through step {rec.step}) the Drift gate re-scored more than "
+            f"{COST_FACTOR:g}x the tokens of the fresh batch's forward ({rec.rescore_forward_tokens} vs "
+            f"{rec.fresh_forward_tokens} at step {rec.step}: {rec.scanned} groups scanned for {rec.accepted} of "
+            f"k_rep={rec.k_rep}, acceptance {rec.accept_rate if rec.accept_rate is not None else float('nan'):.1%}). "
+            "Knobs that bound it: max_scan (a cap on groups re-scored per step: the scan stops there, so fewer groups "
+            "may be admitted than the paper's scan would), skip_rejected (a widely rejected group sits out a few steps: "
+            "the walk changes, not the gate), a larger k_rep (the walk stops sooner per admitted group), or a looser "
+            "tau (more groups pass; `hdreplay calibrate` sweeps it).", ReplayCostWarning, stacklevel=3)
+
     def close(self) -> None:
         """Write lifetime records of the groups still buffered (end of training)."""
         if self.diagnostics is not None:
             self.diagnostics.write_groups(
                 self.buffer.lifetime_record(int(i)) for i in self.buffer.insertion_ids()
             )
-
-    # ------------------------------------------------------------------ checkpointing
-    def state_dict(self, *, allow_open_step: bool = False) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-        """(tensors, meta) of everything that influences later selections (new tensors: copies).
-
-        While a step is open the buffer still holds exactly the state of the last commit (selection
-        never mutates it, staged groups are held aside), so ``allow_open_step=True`` snapshots that
-        committed state; the open step's selection and staged groups are not included.
-        """
-        tensors, meta = self.checkpoint_state(allow_open_step=allow_open_step)
-        return materialize(tensors), meta
-
-    def checkpoint_state(self, *, allow_open_step: bool = False) -> tuple[dict[str, Any], dict[str, Any]]:
-        """What :meth:`state_dict` returns with the buffer's payload as views of its storage (what :meth:`save`
-        streams to disk, see :meth:`ReplayBuffer.checkpoint_state`)."""
-        allow_open_step = check_bool("allow_open_step", allow_open_step)
-        if self._open_step is not None and not allow_open_step:
-            raise ReplayProtocolError(
-                f"state_dict() while step {self._open_step} is open; checkpoint after commit() "
-                "(or pass allow_open_step=True to save the state as of the last commit)"
-            )
-        tensors, bmeta = self.buffer.checkpoint_state()
-        meta = {
-            "buffer": bmeta,
-            "acceptance_rate": self.acceptance_rate,
-            "last_step": self.last_step,
-            "tau": self._tau,
-            "observers": {o.name: o.state_dict() for o in self.observers if hasattr(o, "state_dict")},
-            "starved_steps": self._starved_steps,
-            "sampler_state": self.rng_state,
-            "config": self.config.to_dict(),
-        }
-        return tensors, meta
-
-    def load_state_dict(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
-        """Restore a :meth:`state_dict`; all of it is validated first, so a refused load changes nothing.
-
-        Raises:
-            CheckpointError if the state is malformed or was saved under a capacity / headroom
-            weighting / group size this controller cannot hold; a ReplayResumeWarning lists other
-            changed settings (see :mod:`hdreplay.checkpoint_schema`).
-        """
-        if self._open_step is not None:
-            raise ReplayProtocolError(f"load_state_dict() while step {self._open_step} is open; commit() first")
-        state = parse_controller_state(tensors, meta, config=self.config)
-        try:
-            observed = [(o, o.check_state(state.observers.get(o.name))) for o in self.observers
-                        if hasattr(o, "check_state")]
-        except CheckpointError as e:
-            raise CheckpointError(f"controller state (observers): {e}") from None
-        # every check passed: now the files (a refused load leaves them too), then memory
-        if self.diagnostics is not None and state.last_step is not None:
-            self.diagnostics.rewind(state.last_step)  # before any assignment: a failure here changes nothing
-        for obs, parsed in observed:
-            if hasattr(obs, "rewind_files"):
-                obs.rewind_files(parsed)
-        self._install(state, observed)
-        if state.changes:
-            warnings.warn("hdreplay: resumed under a changed replay configuration (" + "; ".join(state.changes)
-                          + "); the resumed run will not reproduce the uninterrupted one", ReplayResumeWarning,
-                          stacklevel=3)
-
-    def _install(self, state: ControllerState, observed: list) -> None:
-        self.buffer._apply(state.buffer)
-        self.acceptance_rate = state.acceptance_rate
-        self.last_step = state.last_step
-        self._tau = float(self.config.tau)  # a fixed tau is the configured one; an observer may restore its own
-        for obs, parsed in observed:
-            obs.restore(self, parsed)
-        self._starved_steps = state.starved_steps
-        self.rng_state = state.rng_state or sampling.rng_state(sampling.new_rng(self.config.seed))
-        self.last_record = None
-
-    def save(self, directory: str | os.PathLike, *, allow_open_step: bool = False) -> None:
-        """Write the controller (buffer included) to ``directory`` crash-safely (see :mod:`hdreplay.checkpoint`)."""
-        check_path("save", directory)
-        tensors, meta = self.checkpoint_state(allow_open_step=allow_open_step)
-        write_checkpoint_dir(directory, format_name=CONTROLLER_FORMAT, version=CONTROLLER_VERSION,
-                             tensors=tensors, meta=meta)
-
-    def load(self, directory: str | os.PathLike) -> None:
-        """Restore from a directory written by :meth:`save`; on error nothing changes."""
-        check_path("load", directory)
-        if self._open_step is not None:
-            raise ReplayProtocolError(f"load() while step {self._open_step} is open; commit() first")
-        with open_checkpoint_dir(directory, format_name=CONTROLLER_FORMAT, versions=CONTROLLER_VERSIONS) as (t, meta):
-            try:
-                self.load_state_dict(t, meta)  # (the groups are read block by block)
-            except CheckpointError as e:
-                raise CheckpointError(f"{directory}: {e}") from None
-
-    @staticmethod
-    def verify(directory: str | os.PathLike) -> int | None:
-        """Check that ``directory`` holds a complete, intact controller checkpoint without loading it.
-
-        Returns the checkpoint's last committed step (None if saved before the first commit).
-        Raises CheckpointError saying what is missing or wrong (used to pick the newest complete
-        checkpoint when resuming)."""
-        check_path("verify", directory)
-        with open_checkpoint_dir(directory, format_name=CONTROLLER_FORMAT, versions=CONTROLLER_VERSIONS) as (t, meta):
-            bmeta = meta.get("buffer")
-            cap = bmeta.get("capacity") if isinstance(bmeta, dict) else None
-            try:
-                ReplayBuffer(cap)
-            except ReplayConfigError:
-                raise CheckpointError(f"{directory}: buffer state holds an invalid capacity {cap!r}") from None
-            parse_buffer_state(t, bmeta, capacity=cap, group_size=None, slot_fields=ReplayBuffer._SLOT_FIELDS,
-                               where=f"{directory}: buffer state")
-        last = meta.get("last_step")
-        if last is not None:
-            try:
-                check_step("last_step", last)
-            except ReplayInputError:
-                raise CheckpointError(f"{directory}: last_step {last!r} is not a step") from None
-        return last
 
 
 def skip_until(sel: Selection, max_skip: int) -> np.ndarray:
@@ -440,29 +343,3 @@ def skip_until(sel: Selection, max_skip: int) -> np.ndarray:
 def buffer_group_size(config: ReplayConfig) -> int | None:
     """Responses per stored unit: 1 for a rollout-unit selector, else ``config.group_size``."""
     return 1 if config.unit == "rollout" else config.group_size
-
-
-#: what ``commit(counters=...)`` accepts
-COUNTER_KEYS = ("generated_rows", "rescored_rows", "rescored_tokens", "strategy", "strategy_counters")
-
-
-def _check_counters(counters: Mapping[str, Any] | None) -> dict[str, Any]:
-    if counters is None:
-        return {}
-    if not isinstance(counters, Mapping) or set(counters) - set(COUNTER_KEYS):
-        raise ReplayInputError(f"commit: counters must be a mapping with keys from {list(COUNTER_KEYS)}, got "
-                               f"{counters!r:.100}")
-    out = dict(counters)
-    for k in ("generated_rows", "rescored_rows", "rescored_tokens"):
-        if k in out and not (is_int(out[k]) and out[k] >= 0):
-            raise ReplayInputError(f"commit: counters[{k!r}] must be an int >= 0, got {out[k]!r}")
-        if k in out:
-            out[k] = int(out[k])
-    if "strategy" in out and not isinstance(out["strategy"], str):
-        raise ReplayInputError(f"commit: counters['strategy'] must be a name, got {out['strategy']!r}")
-    sc = out.get("strategy_counters")
-    if sc is not None:
-        if not isinstance(sc, Mapping) or not all(isinstance(k, str) and is_real(v) for k, v in sc.items()):
-            raise ReplayInputError(f"commit: counters['strategy_counters'] must map names to numbers, got {sc!r:.100}")
-        out["strategy_counters"] = {k: float(v) for k, v in sc.items()}
-    return out

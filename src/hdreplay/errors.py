@@ -49,5 +49,10 @@ class ReplayStarvedWarning(UserWarning):
     """The Drift gate has starved replay for several consecutive steps (see ``ReplayController``)."""
 
 
+class ReplayCostWarning(UserWarning):
+    """The gate's re-score has forwarded more than a stated multiple of the fresh batch's tokens for several
+    consecutive steps (see ``ReplayController``; the message names the knobs that bound it)."""
+
+
 class ReplayResumeWarning(UserWarning):
     """A checkpoint was loaded under a changed replay configuration (the changes are listed)."""

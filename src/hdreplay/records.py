@@ -24,7 +24,7 @@ import numpy as np
 from .atomic import atomic_write_text
 from .errors import ReplayInputError
 from .selectors import Selection
-from .validate import check_step
+from .validate import check_step, is_int, is_real
 
 STEPS_FILE = "steps.jsonl"
 GROUPS_FILE = "groups.jsonl"
@@ -93,6 +93,13 @@ class StepRecord:
     rescored_tokens: int = 0
     replayed_rows: int = 0
     generated_rows: int | None = None
+    #: what the gate's forward cost beside the fresh batch's (issue 37): prompt + completion tokens a full-row forward
+    #: runs -- re-scored by the gate, and of the step's fresh groups -- and wall-clock seconds inside the gate's scorer
+    #: and (when the integration measures it) the fresh batch's old-log-prob forward; seconds are None when unmeasured
+    rescore_forward_tokens: int = 0
+    fresh_forward_tokens: int = 0
+    rescore_seconds: float | None = None
+    fresh_forward_seconds: float | None = None
     #: where the re-scoring went (issue 27): completion tokens replayed; forwarded for groups the gate rejected, and
     #: for groups touched beyond the stopping index; groups rejected before being forwarded whole (their scan_drift
     #: is a lower bound: scan_exact False); rejected groups whose previous scan had rejected them too; groups the
@@ -192,6 +199,8 @@ def step_record(
         rescored_rows=sel.rescored_rows,
         rescored_tokens=sel.rescored_tokens,
         replayed_rows=replayed_rows,
+        rescore_forward_tokens=sel.cost.forward_tokens if sel.cost else 0,
+        rescore_seconds=sel.cost.seconds if sel.cost else None,
         **_waste_fields(sel, gate_ok, replayed_tokens),
     )
 
@@ -216,8 +225,10 @@ METRIC_KEYS = (
     "buffer_size", "ingress_admitted", "scanned", "accepted", "accept_rate", "budget_fill",
     "drift_accepted", "drift_rejected", "replay_kl", "mean_age", "evicted", "scorer_calls", "tau", "scan_capped",
     "rescored_rows", "rescored_tokens", "replayed_rows", "replayed_tokens", "rescored_tokens_rejected",
-    "early_rejected", "rejected_again", "skipped",
+    "early_rejected", "rejected_again", "skipped", "rescore_forward_tokens", "fresh_forward_tokens",
 )
+#: step-record fields that are wall-clock measurements (the rest of a record is a function of the run's inputs)
+TIMING_FIELDS = ("rescore_seconds", "fresh_forward_seconds")
 
 
 def metrics_from_record(rec: "StepRecord | Mapping[str, Any]", prefix: str = "replay/") -> dict[str, float]:
@@ -302,3 +313,34 @@ class DiagnosticsWriter:
                 if keep(rec):
                     kept.append(line if line.endswith("\n") else line + "\n")
         atomic_write_text(path, "".join(kept))
+
+
+#: what ``commit(counters=...)`` accepts
+COUNTER_KEYS = ("generated_rows", "rescored_rows", "rescored_tokens", "fresh_forward_seconds", "strategy",
+                "strategy_counters")
+
+
+def check_counters(counters: Mapping[str, Any] | None) -> dict[str, Any]:
+    if counters is None:
+        return {}
+    if not isinstance(counters, Mapping) or set(counters) - set(COUNTER_KEYS):
+        raise ReplayInputError(f"commit: counters must be a mapping with keys from {list(COUNTER_KEYS)}, got "
+                               f"{counters!r:.100}")
+    out = dict(counters)
+    for k in ("generated_rows", "rescored_rows", "rescored_tokens"):
+        if k in out and not (is_int(out[k]) and out[k] >= 0):
+            raise ReplayInputError(f"commit: counters[{k!r}] must be an int >= 0, got {out[k]!r}")
+        if k in out:
+            out[k] = int(out[k])
+    fs = out.get("fresh_forward_seconds")
+    if fs is not None and not (is_real(fs) and math.isfinite(fs) and fs >= 0):
+        raise ReplayInputError(f"commit: counters['fresh_forward_seconds'] must be a finite number >= 0 (seconds of "
+                               f"the fresh batch's old-log-prob forward), got {fs!r}")
+    if "strategy" in out and not isinstance(out["strategy"], str):
+        raise ReplayInputError(f"commit: counters['strategy'] must be a name, got {out['strategy']!r}")
+    sc = out.get("strategy_counters")
+    if sc is not None:
+        if not isinstance(sc, Mapping) or not all(isinstance(k, str) and is_real(v) for k, v in sc.items()):
+            raise ReplayInputError(f"commit: counters['strategy_counters'] must map names to numbers, got {sc!r:.100}")
+        out["strategy_counters"] = {k: float(v) for k, v in sc.items()}
+    return out

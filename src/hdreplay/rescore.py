@@ -12,10 +12,13 @@ not rejected early is forwarded whole and reported with exactly the Drift the fu
 scanned prefix and the admitted list are the full scan's (for a scorer whose per-response output does not depend on
 which other rows share its call).  With ``passes=1`` every group is forwarded whole in one call: the full scan.
 
-Batching: each scorer call takes the next slice (``passes`` slices of about n / passes responses; responses without
-a loss token are never forwarded) of the first W unresolved groups of the walk, W sized by ``window`` from the
-groups still needed.  Groups the walk touched beyond where the selection stopped are reported as unused
-(:meth:`Walk.cost`): their results are discarded and their cache is not refreshed.
+Batching: each scorer call takes, breadth-first, the next slice of every unresolved group (``passes`` slices of about
+n / passes responses; responses without a loss token are never forwarded), then the first slices of W new groups,
+W sized by ``window`` from the groups still needed and the acceptance rate.  With a token ``budget`` per forward the
+call is filled to whole forwards with further groups (``speculate``: a GPU runs a partly filled forward at a full
+one's cost), and groups start whole where slicing cannot save a forward (``(1 - rate)(1 - 1/passes)`` of the
+window's tokens < budget), with one response below THIN_BELOW, else with the ``passes`` slices.  Groups touched beyond
+the stop are reported as unused (:meth:`Walk.cost`): results discarded, caches not refreshed.
 
 An early-rejected group's Headroom (``refresh``): that of the responses forwarded ("slice"), or exact because the
 rest of the group is forwarded after the decision ("finish", the paper's refresh at the full scan's cost).
@@ -24,6 +27,7 @@ rest of the group is forwarded after the decision ("finish", the paper's refresh
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
 from typing import Callable, Iterator, Sequence
 
@@ -35,6 +39,9 @@ from .scores import check_scorer_output, drift_rejects, drift_term_sums, score_g
 
 #: a group that looks rejectable forwards next what its running mean Drift term says the bound needs, times this
 PREDICT_MARGIN = 1.25
+#: with a token budget, a running acceptance rate below this starts every group with a one-response slice ("thin"):
+#: nearly every group is rejected, and the thinnest slice proves most rejections
+THIN_BELOW = 0.1
 _OPEN, _PASS, _REJECT, _EARLY = 0, 1, 2, 3  # a group's state in the walk
 
 
@@ -70,6 +77,10 @@ class WalkCost:
     unused: int
     unused_tokens: int
     reached: int  # walk positions entered
+    forward_tokens: int = 0  # prompt + completion tokens of the rows forwarded (what a full-row forward runs)
+    unused_forward_tokens: int = 0  # of them, for groups beyond the stop (speculative scoring's discarded part)
+    seconds: float = 0.0  # wall-clock seconds inside the scorer (its output on the host: device work included)
+    sliced: bool = False  # the walk cut groups into slices (early rejection) this step
 
 
 class _Layout:
@@ -124,8 +135,10 @@ class _Group:
 
     def __init__(self, insertion_id: int, group: GroupRecord, tau: float, passes: int) -> None:
         self.id, self.group, self.tau, self.layout = insertion_id, group, tau, _Layout(group)
-        self.first = max(1, math.ceil(len(self.layout.active) / passes))  # responses of the first slice
-        self.done = self.loss_fwd = self.rows = self.tokens = 0  # active responses / loss tokens forwarded
+        self.canon = max(1, math.ceil(len(self.layout.active) / passes))  # the first slice of ``passes`` slices
+        self.first = self.canon  # responses of the first slice (the walk's mode may change it before any forward)
+        self.prompt = group.prompt_ids.numel()
+        self.done = self.loss_fwd = self.rows = self.tokens = self.fwd = 0  # active responses / loss tokens forwarded
         self.state, self.finish = _OPEN, False  # finish: early-rejected, forwarded to the end (refresh="finish")
         self.sum64 = 0.0  # float64 sum of the Drift terms forwarded
         self.pieces: dict[int, torch.Tensor] = {}  # response index -> (L_i,) current log-probs
@@ -154,6 +167,27 @@ class _Group:
             k = take
         return act[self.done:self.done + k]
 
+    def canonical_rejection(self, norm: str) -> "_Group | None":
+        """For a group forwarded whole in one slice and rejected: where the canonical slicing (first slice ``canon``
+        responses, then :meth:`next_slice`) would have proved the rejection, replayed on the log-probs already
+        forwarded -- so that its refresh (``refresh="slice"``) and reported Drift bound do not depend on the mode --
+        or None when the canonical slicing forwards the whole group too."""
+        shadow = _Group(self.id, self.group, self.tau, 1)
+        shadow.canon = shadow.first = self.canon
+        while shadow.rest:
+            sl = shadow.next_slice()
+            shadow.sum64 += drift_term_sums([sub_group(self.group, sl, self.layout)], [self.current(sl)],
+                                            drift_norm=norm)[0]
+            shadow.done, shadow.loss_fwd = shadow.done + len(sl), shadow.loss_fwd + sum(self.layout.loss[i] for i in sl)
+            if shadow.rest and drift_rejects(shadow.sum64, self.layout.num_loss, self.tau):
+                return shadow
+        return None
+
+    def forward_tokens(self, responses: Sequence[int]) -> int:
+        """Tokens a full-row forward of ``responses`` runs (prompt + response per row)."""
+        lens = self.layout.starts
+        return sum(self.prompt + lens[i + 1] - lens[i] for i in responses)
+
     def current(self, responses: Sequence[int]) -> torch.Tensor:
         lens = self.group.response_lengths.tolist()  # responses never forwarded (no loss token): zeros
         return torch.cat([self.pieces.get(i, torch.zeros(lens[i])) for i in responses])
@@ -170,18 +204,27 @@ class Walk:
         scorer: the caller's :data:`hdreplay.selection.Scorer`.  limit: walk positions at most.
         k: groups the caller needs (only sizes the batches).  gate: False = every group is forwarded whole.
         tau: the threshold, or groups -> their thresholds (a float each).  passes, refresh: see the module docstring.
-        window: groups still needed -> groups per scorer call.
+        window: groups still needed -> new groups per scorer call.  budget: tokens of one forward, or None (no
+        filling, every group sliced).  rate: the running acceptance rate in [0, 1] (with a budget: whether to slice).
+        max_groups: groups per scorer call at most (the speculative fill stops there).  speculate: fill the room.
     """
 
     def __init__(self, order: Callable[[int], np.ndarray], get: Callable[[list], list], scorer: Callable, *,
                  limit: int, k: int, gate: bool, tau: float | Callable, passes: int, refresh: str,
-                 window: Callable[[int], int], drift_norm: str, headroom_weighting: str) -> None:
+                 window: Callable[[int], int], drift_norm: str, headroom_weighting: str, budget: int | None = None,
+                 rate: float = 1.0, max_groups: int = 1 << 30, speculate: bool = True) -> None:
         self.order, self.get, self.scorer, self.limit, self.k, self.gate = order, get, scorer, limit, k, gate
         self.tau, self.passes, self.refresh, self.window = tau, (passes if gate else 1), refresh, window
-        self.norm, self.weighting = drift_norm, headroom_weighting
+        self.norm, self.weighting, self.budget, self.rate = drift_norm, headroom_weighting, budget, rate
+        self.max_groups, self.speculate = max_groups, speculate
+        # how the walk's groups start: "canonical" (first slice of ``passes``), "whole" or "thin" (one response);
+        # with a budget it is decided at the first entry (None until then)
+        self.mode = "whole" if self.passes == 1 else ("canonical" if budget is None else None)
         self.groups: list[_Group] = []
         self.prefix = np.zeros(0, dtype=np.int64)
         self.calls, self.sizes, self.rows, self.tokens, self.yielded = 0, [], 0, 0, 0
+        self.fwd_tokens, self.seconds = 0, 0.0
+        self._peeked: _Group | None = None  # the next group of the walk, read to see whether it fits a forward
 
     def __iter__(self) -> Iterator[Rescored]:
         while self.yielded < self.limit:
@@ -194,7 +237,8 @@ class Walk:
     def cost(self) -> WalkCost:
         rest = self.groups[self.yielded:]
         return WalkCost(self.calls, self.sizes, self.rows, self.tokens, len(rest), sum(g.tokens for g in rest),
-                        len(self.groups))
+                        len(self.groups), self.fwd_tokens, sum(g.fwd for g in rest), self.seconds,
+                        self.mode in ("canonical", "thin"))
 
     def _kth_pass(self) -> int | None:
         seen = 0
@@ -204,15 +248,49 @@ class Walk:
                 return j
         return None
 
+    def _read(self, n: int) -> list[_Group]:
+        """The next ``n`` groups of the walk (not yet entered), read from the buffer."""
+        out = [self._peeked] if self._peeked is not None and n > 0 else []
+        self._peeked = None if out else self._peeked
+        at, n = len(self.groups) + len(out), n - len(out)
+        if n > 0:
+            if at + n > len(self.prefix):
+                self.prefix = self.order(min(self.limit, max(2 * len(self.prefix), at + n)))
+            ids = self.prefix[at:at + n].tolist()
+            records = self.get(ids)
+            taus = [float(self.tau)] * len(ids) if not callable(self.tau) else [float(t) for t in self.tau(records)]
+            out += [_Group(i, g, t, self.passes) for i, g, t in zip(ids, records, taus)]
+        return out
+
     def _enter(self, n: int) -> list[_Group]:
-        if len(self.groups) + n > len(self.prefix):
-            self.prefix = self.order(min(self.limit, max(2 * len(self.prefix), len(self.groups) + n)))
-        ids = self.prefix[len(self.groups):len(self.groups) + n].tolist()
-        records = self.get(ids)
-        taus = [float(self.tau)] * len(ids) if not callable(self.tau) else [float(t) for t in self.tau(records)]
-        new = [_Group(i, g, t, self.passes) for i, g, t in zip(ids, records, taus)]
+        """Enter the next ``n`` groups; with a budget the first entry decides the walk's mode (module docstring)."""
+        new = self._read(n)
+        if self.mode is None and new:
+            whole = sum(g.forward_tokens(g.layout.active) for g in new)
+            self.mode = "thin" if self.rate < THIN_BELOW else \
+                "canonical" if (1 - self.rate) * (1 - 1 / self.passes) * whole >= self.budget else "whole"
+        for g in new:
+            self._start(g)
         self.groups += new
         return new
+
+    def _start(self, g: _Group) -> None:
+        g.first = {"canonical": g.canon, "whole": len(g.layout.active), "thin": 1}[self.mode]
+
+    def _fill(self, todo: list[_Group], slices: list[list[int]]) -> None:
+        """Speculative scoring: enter further groups while their first slice fits in the last forward's room."""
+        room = -sum(g.forward_tokens(sl) for g, sl in zip(todo, slices)) % self.budget
+        while room and self.mode is not None and len(self.groups) < self.limit and len(todo) < self.max_groups:
+            g = self._read(1)[0]
+            self._start(g)
+            sl = g.next_slice()
+            if g.forward_tokens(sl) > room:
+                self._peeked = g  # kept for the next call: it is not read twice
+                return
+            self.groups.append(g)
+            todo.append(g)
+            slices.append(sl)
+            room -= g.forward_tokens(sl)
 
     def _call(self) -> bool:
         """One scorer call over the groups that need it; False when nothing is left to forward."""
@@ -224,12 +302,20 @@ class Walk:
             need = self.k - sum(g.state == _PASS for g in self.groups) - sum(g.state == _OPEN for g in todo)
             new = min(self.limit - len(self.groups), self.window(need)) if need > 0 else 0
             todo += self._enter(new) if new > 0 else []
+        slices = [g.next_slice() for g in todo]
+        if kth is None and self.budget is not None and self.speculate:
+            self._fill(todo, slices)
         if not todo:
             return False
-        slices = [g.next_slice() for g in todo]
         subs = [sub_group(g.group, sl, g.layout) for g, sl in zip(todo, slices)]
-        lps = check_scorer_output(subs, self.scorer(subs))
+        t0 = time.perf_counter()
+        out = self.scorer(subs)
+        self.seconds += time.perf_counter() - t0
+        lps = check_scorer_output(subs, out)
         self.calls += 1
+        for g, sl in zip(todo, slices):
+            g.fwd += g.forward_tokens(sl)
+            self.fwd_tokens += g.forward_tokens(sl)
         self.sizes.append(len(todo))
         open_ = [j for j, g in enumerate(todo) if g.state == _OPEN]
         sums = drift_term_sums([subs[j] for j in open_], [lps[j] for j in open_], drift_norm=self.norm)
@@ -256,10 +342,14 @@ class Walk:
                                    headroom_weighting=self.weighting)
             if g.state == _OPEN:
                 g.state = _PASS if (not self.gate or d <= g.tau) else _REJECT
-            exact = True  # (an early-rejected group forwarded to the end for refresh="finish" included)
-        else:  # rejected early: Drift's lower bound; Headroom and replay KL of the responses forwarded
+            shadow = g.canonical_rejection(self.norm) if (
+                g.state == _REJECT and self.refresh == "slice" and g.first > g.canon) else None
+            if shadow is not None:  # forwarded whole: reported as the canonical slicing would report it
+                g.done, g.sum64, g.state = shadow.done, shadow.sum64, _EARLY
+        if g.rest:  # rejected early: Drift's lower bound; Headroom and replay KL of the responses forwarded
             fwd = g.layout.active[:g.done]
             _, h, kl = score_group(sub_group(g.group, fwd, g.layout), g.current(fwd), drift_norm=self.norm,
                                    headroom_weighting=self.weighting)
-            d, exact = g.sum64 / g.layout.num_loss, False
-        g.result = Rescored(g.id, g.group, g.tau, float(d), float(h), float(kl), exact, g.tokens)
+            d = g.sum64 / g.layout.num_loss
+        # exact: forwarded to the end (an early-rejected group finished for refresh="finish" included)
+        g.result = Rescored(g.id, g.group, g.tau, float(d), float(h), float(kl), not g.rest, g.tokens)

@@ -26,7 +26,7 @@ from .errors import ReplayInputError
 from .record import GroupRecord
 from .rescore import Walk
 from .selectors import SELECTORS, BufferView, Selection, SelectorSpec, empty_selection
-from .validate import check_real, check_step
+from .validate import MAX_TOKENS, check_bool, check_int, check_real, check_step
 
 __all__ = ["MIN_ACCEPTANCE_RATE", "Scorer", "Tau", "select_replay"]
 
@@ -43,7 +43,7 @@ MIN_ACCEPTANCE_RATE = 0.05
 
 def select_replay(buffer: BufferView, config: ReplayConfig, scorer: Scorer | None, *, step: int,
                   tau: float | Tau | None = None, rng: np.random.Generator | None = None,
-                  acceptance_rate: float = 1.0) -> Selection:
+                  acceptance_rate: float = 1.0, scan_tokens: int | None = None, speculate: bool = True) -> Selection:
     """Choose this step's replay groups from the pre-existing buffer (Algorithm 1; the buffer is not modified).
 
     Args:
@@ -53,12 +53,19 @@ def select_replay(buffer: BufferView, config: ReplayConfig, scorer: Scorer | Non
         tau: the Drift threshold (default ``config.tau``): a number >= 0, or a :data:`Tau` giving each group its own.
         rng: the generator of a random order (the peers of :mod:`hdreplay.baselines`); advanced, state returned.
         acceptance_rate: running gate pass rate in [0, 1]; it only sizes the walk's batches.
+        scan_tokens: the token budget of one scorer forward when ``config.scan_tokens`` is unset (a trainer passes its
+            own forward's); it only sizes the walk's batches and slices.
+        speculate: with a budget, score further groups in the room a forward has left (worth it where a partly filled
+            forward costs what a full one does: a GPU; a CPU pays per token, so the trainers turn it off there).
     Returns:
         a :class:`Selection` (read-only arrays; ``groups`` are copies of the stored groups).
     """
     spec, tau = _checked(buffer, config, scorer, tau, rng)
     step, K, u = check_step("step", step), config.unit_budget, config.unit_multiple
     rate = check_real("acceptance_rate", acceptance_rate, lo=0.0, hi=1.0)
+    budget = config.scan_tokens if config.scan_tokens is not None else \
+        (None if scan_tokens is None else check_int("scan_tokens", scan_tokens, lo=1, hi=MAX_TOKENS))
+    speculate = check_bool("speculate", speculate)
     base = tau if not callable(tau) else float("nan")
     if spec.order is None or K == 0 or len(buffer) == 0:
         return empty_selection(step, spec.name, len(buffer), base)
@@ -68,9 +75,11 @@ def select_replay(buffer: BufferView, config: ReplayConfig, scorer: Scorer | Non
         keep = len(first) // u * u
         return Selection(step, spec.name, base, first[:keep], buffer.get(first[:keep].tolist()), first[keep:],
                          loss_weights=None if weights is None else weights[:keep], **info)
+    _check_budget(buffer, budget, order(limit))
     walk = Walk(order, buffer.get, scorer, limit=limit, k=K, gate=spec.gate, tau=tau, passes=config.scan_passes,
                 refresh=config.scan_refresh, drift_norm=config.drift_norm, headroom_weighting=config.headroom_weighting,
-                window=(lambda need: _batch(need, rate, config)) if spec.gate else (lambda need: need))
+                window=(lambda need: _batch(need, rate, config)) if spec.gate else (lambda need: need),
+                budget=budget, rate=rate, speculate=speculate, max_groups=config.scan_chunk or config.max_scan_chunk)
     scan, passed = [], []
     for g in walk:                                               # l.7: each group g in that order
         scan.append(g)                                           # l.11-12: one pass gives Drift(g) and runtime H(g)
@@ -141,6 +150,19 @@ def _ranked(buffer: BufferView, spec: SelectorSpec, config: ReplayConfig, step: 
     live = set(ids[ok].tolist())
     allowed = np.asarray([i for i in full(len(ids)).tolist() if i in live], dtype=np.int64)
     return (lambda limit: allowed[:limit]), limit, None, info
+
+
+def _check_budget(buffer: BufferView, budget: int | None, walk: np.ndarray) -> None:
+    """A token budget must fit every group the walk may forward whole (checked before any forward)."""
+    if budget is None or not len(walk):
+        return
+    tokens = buffer.forward_tokens(walk)
+    j = int(np.argmax(tokens))
+    if tokens[j] > budget:
+        raise ReplayInputError(
+            f"scan_tokens: a token budget of {budget} per forward cannot fit buffered group "
+            f"{buffer.group_ids([int(walk[j])])[0]!r} ({int(tokens[j])} tokens: n x prompt + completion); raise it to "
+            f">= {int(tokens[j])} or leave it unset")
 
 
 def _batch(remaining: int, acceptance_rate: float, config: ReplayConfig) -> int:

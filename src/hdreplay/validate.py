@@ -24,6 +24,8 @@ MAX_CAPACITY = 1 << 24
 MAX_COUNT = 1 << 24
 #: steps (and birth steps) lie in [0, MAX_STEP): exact as float64 and as a JSON number everywhere
 MAX_STEP = 1 << 53
+#: largest token budget accepted (tokens of one forward)
+MAX_TOKENS = 1 << 40
 #: token ids are stored as int32: 0 <= id < MAX_TOKEN_ID
 MAX_TOKEN_ID = 1 << 31
 #: upper bound on data-parallel parts (ranks) of a batch layout

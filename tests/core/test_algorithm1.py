@@ -9,7 +9,8 @@ ingress from the generation log-probs, refreshed for every scanned group, FIFO e
 
 The library is held to it for the paper's selectors (headroom_drift, headroom_only, drift_only, recency), both
 norms, both Headroom weightings, each ingress rule, random slicings of the walk (scan_passes, scan_chunk, the
-running acceptance rate) and both early-rejection refreshes: decisions, scan order, admitted groups, Drift, and the
+running acceptance rate, a token budget per forward with speculative scoring of the groups beyond the stop) and both
+early-rejection refreshes: decisions, scan order, admitted groups, Drift, and the
 refreshed Headroom wherever the paper defines it (every scanned group under the paper's refresh; the groups forwarded
 whole otherwise).  Numbers of the library and the reference agree to float64 round-off for Drift and to float32
 round-off for Headroom (the library keeps Headroom in float32; a decision could differ only for a Drift within ~1e-15
@@ -141,8 +142,17 @@ SETTINGS = dict(
     seed=st.integers(0, 100_000), selector=st.sampled_from(sorted(PAPER_SELECTORS)), norm=st.sampled_from(["l2", "l1"]),
     weighting=st.sampled_from(["sign", "advantage"]), ingress=st.sampled_from(["mixed", "answer", "all"]),
     K=st.integers(1, 8), tau=st.sampled_from([0.0, 1e-3, 5e-3, 2e-2, 0.1]), u=st.integers(1, 3),
-    passes=st.integers(1, 8), chunk=st.sampled_from([None, 1, 3]), rate=st.sampled_from([0.1, 0.5, 1.0]),
-    walk=st.sampled_from([0.02, 0.05, 0.15]), n_max=st.integers(1, 8))
+    passes=st.integers(1, 8), chunk=st.sampled_from([None, 1, 3]), rate=st.sampled_from([0.02, 0.1, 0.5, 1.0]),
+    walk=st.sampled_from([0.02, 0.05, 0.15]), n_max=st.integers(1, 8), budget=st.sampled_from([None, 1.0, 1.7, 4.0]),
+    speculate=st.booleans())
+
+
+def scan_tokens(buffer, budget):
+    """A token budget per forward of ``budget`` x the buffer's largest group (None: no budget): windows filled to
+    whole forwards, further groups scored speculatively, slicing decided by the acceptance rate."""
+    if budget is None or not len(buffer):
+        return None
+    return max(1, int(budget * buffer.forward_tokens(buffer.insertion_ids()).max()))
 
 
 def _config(selector, norm, weighting, ingress, K, tau, u, passes, chunk, refresh, capacity):
@@ -171,7 +181,7 @@ def _check_selection(sel, ref_admitted, ref_scanned, insertion_ids, *, exact_ref
 @given(**SETTINGS, refresh=st.sampled_from(["slice", "finish"]))
 @settings(max_examples=60, deadline=None)
 def test_a_selection_is_algorithm_1(seed, selector, norm, weighting, ingress, K, tau, u, passes, chunk, rate, walk,
-                                    n_max, refresh):
+                                    n_max, budget, speculate, refresh):
     """One step: the library's buffer state after a few steps, selected by the library and by the reference."""
     cfg = _config(selector, norm, weighting, ingress, K, tau, u, passes, chunk, refresh, capacity=20)
     rng = np.random.default_rng(seed)
@@ -187,14 +197,15 @@ def test_a_selection_is_algorithm_1(seed, selector, norm, weighting, ingress, K,
                zip(ids, buf.get(ids), buf.slot_values("cached_headroom", ids).tolist())]
     ref_admitted, ref_scanned = algorithm1(entries, current_of(pol), K=K, tau=tau, selector=selector, norm=norm,
                                            weighting=weighting, u=u)
-    sel = select_replay(buf, cfg, pol.scorer, step=6, acceptance_rate=rate)
+    sel = select_replay(buf, cfg, pol.scorer, step=6, acceptance_rate=rate, scan_tokens=scan_tokens(buf, budget),
+                        speculate=speculate)
     _check_selection(sel, ref_admitted, ref_scanned, {i: i for i in ids}, exact_refresh=refresh == "finish")
 
 
 @given(**SETTINGS, paper_refresh=st.sampled_from(["passes=1", "finish"]))
 @settings(max_examples=30, deadline=None)
 def test_a_run_is_algorithm_1_step_after_step(seed, selector, norm, weighting, ingress, K, tau, u, passes, chunk,
-                                               rate, walk, n_max, paper_refresh):
+                                               rate, walk, n_max, budget, speculate, paper_refresh):
     """Many steps from an empty buffer, the library against the paper's loop with its own buffer: every step's scan,
     decisions and admitted groups, and the buffer (group ids, order) after every commit."""
     passes = 1 if paper_refresh == "passes=1" else passes
@@ -205,7 +216,7 @@ def test_a_run_is_algorithm_1_step_after_step(seed, selector, norm, weighting, i
         pol = policy_walk(t, step_size=walk, walk_seed=seed)
         ref_admitted, ref_scanned = algorithm1(paper.entries, current_of(pol), K=K, tau=tau, selector=selector,
                                                norm=norm, weighting=weighting, u=u)
-        sel = ctrl.select(step=t, scorer=pol.scorer)
+        sel = ctrl.select(step=t, scorer=pol.scorer, scan_tokens=scan_tokens(ctrl.buffer, budget), speculate=speculate)
         ids = dict(zip([e["id"] for e in paper.entries], ctrl.buffer.insertion_ids().tolist()))
         _check_selection(sel, ref_admitted, ref_scanned, ids, exact_refresh=True)
         groups = fresh(t, pol, rng, 4, n_max)

@@ -11,9 +11,12 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-#: physical lines of every module `import hdreplay` loads, at 0.2.0.dev0 (issue 30 aims at ~3,000)
-CEILING_LINES = 5_400
-CEILING_MODULES = 23
+#: physical lines of every module `import hdreplay` loads (5,400 at issue 30; issue 37's token-budgeted walk, cost
+#: record and warning made it 5,606, and moved the controller's checkpoint methods to controller_state.py)
+CEILING_LINES = 5_606
+CEILING_MODULES = 24
+#: the method concern (Algorithm 1, the walk, scores, selectors, config, the step protocol): the project's bound
+CEILING_METHOD = 2_000
 #: Algorithm 1 reads at once (issue 30: under 60 lines)
 CEILING_ALGORITHM1 = 60
 
@@ -32,6 +35,8 @@ def test_the_core_is_measured_by_concern_and_does_not_grow():
         f"the core grew to {total['lines']} lines (ceiling {CEILING_LINES}): put what is not the method around it, "
         "or raise the ceiling with the reason")
     assert total["modules"] <= CEILING_MODULES, f"{total['modules']} core modules (ceiling {CEILING_MODULES})"
+    method = next(v for k, v in r["by_concern"].items() if k.startswith("the method"))
+    assert method["lines"] <= CEILING_METHOD, f"the method concern grew to {method['lines']} lines"
     assert r["select_replay_lines"] <= CEILING_ALGORITHM1, r["select_replay_lines"]
     committed = json.loads((ROOT / "docs" / "results" / "core_size.json").read_text())
     assert (committed["total"], committed["select_replay_lines"]) == (total, r["select_replay_lines"]), (

@@ -98,7 +98,8 @@ def test_subcommands_and_their_defaults():
 KNOB_VALUES = {
     "selector": "drift_only", "k_rep": 3, "tau": 0.05, "capacity": 40, "drift_norm": "l1",
     "headroom_weighting": "advantage", "ingress": "answer", "answer_threshold": 0.5, "truncate_multiple": 2,
-    "scan_chunk": 7, "max_scan_chunk": 99, "max_scan": 11, "acceptance_ema": 0.25, "diagnose_ungated": True,
+    "scan_chunk": 7, "scan_tokens": 12345,
+    "max_scan_chunk": 99, "max_scan": 11, "acceptance_ema": 0.25, "diagnose_ungated": True,
     "counterfactual": True, "adaptive_tau": {"tau_min": 0.01, "tau_max": 0.2}, "seed": 5, "max_age": 3,
     "priority_alpha": 0.7, "age_decay": 3.5, "is_beta": 0.3, "scan_passes": 2, "scan_refresh": "finish", "skip_rejected": 3,
 }

@@ -58,6 +58,7 @@ def pure_cases() -> list[tuple[str, Callable, bool]]:
         "drift_norm": BAD_NAME, "headroom_weighting": BAD_NAME, "ingress": ["positive", None, 3, ["mixed"]],
         "answer_threshold": ["0.9", NAN, INF, True, [0.9]], "truncate_multiple": [0, -1, 2.0, True, "2", 2**24 + 1],
         "scan_chunk": [0, -1, 2.0, True, "8"], "max_scan_chunk": [0, None, 1.5, True],
+        "scan_tokens": [0, -1, 2.0, True, "4096", 2**40 + 1],
         "max_scan": [0, -1, 2**24 + 1, 2.0, "8"], "acceptance_ema": [0, 0.0, -0.1, 1.5, NAN, INF, True, "0.5", None],
         "group_size": [0, -1, 2.0, True, "8"],
     })

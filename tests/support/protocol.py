@@ -84,3 +84,17 @@ def reference_scan(ctrl, policy, K, tau, gate=True, order="headroom", norm="l2")
         if not gate or d <= tau:
             accepted.append(i)
     return accepted, scanned, scores
+
+
+def untimed(records):
+    """Step records (dicts, as steps.jsonl holds them) without their wall-clock fields: what a rerun reproduces."""
+    from hdreplay.records import TIMING_FIELDS
+
+    return [{k: v for k, v in r.items() if k not in TIMING_FIELDS} for r in records]
+
+
+def log_lines(path):
+    """A diagnostics log (steps.jsonl, async.jsonl, groups.jsonl) as its records, wall-clock seconds left out."""
+    import json
+
+    return untimed(json.loads(line) for line in open(path))

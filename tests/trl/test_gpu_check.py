@@ -116,19 +116,55 @@ def test_floor_sees_wrong_positions():
 
 
 def test_gpu_gate_benchmark_runs_tiny_on_cpu(tmp_path):
-    """benchmarks/gpu_gate.py --tiny: the GPU scan benchmark's CPU mode (so it cannot rot): the sliced scan makes the
-    full scan's decisions with fewer rows forwarded."""
+    """benchmarks/gpu_gate.py --tiny (the CPU proxy of the gate's cost table, so it cannot rot): in every cell the
+    three scans make the same decisions, neither early-rejecting scan forwards more than the paper's, and no exact scan
+    forwards fewer tokens than the oracle bound (each rejected group up to the shortest prefix that proves Drift > tau)."""
     import json
     import subprocess
     import sys
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[2]
-    out = tmp_path / "g.json"
+    out = tmp_path / "g"
     p = subprocess.run([sys.executable, str(root / "benchmarks" / "gpu_gate.py"), "--tiny", "--repeats", "1",
-                        "--out", str(out)], capture_output=True, text=True, timeout=300,
+                        "--capacity", "48", "--k-reps", "2,8", "--accepts", "0.05,0.5", "--out", str(out)],
+                       capture_output=True, text=True, timeout=300,
                        env={**__import__("os").environ, "PYTHONPATH": str(root / "src")})
     assert p.returncode == 0, p.stderr[-3000:]
-    r = json.loads(out.read_text())
-    assert r["identical_decisions"] is True and r["scans"]["full"]["scanned"] > 0
-    assert r["scans"]["sliced"]["rows"] < r["scans"]["full"]["rows"] and r["scans"]["sliced"]["early_rejected"] > 0
+    r = json.loads((tmp_path / "g.json").read_text())
+    assert r["all_identical"] is True and len(r["cells"]) == 4 and (tmp_path / "g.md").exists()
+    for c in r["cells"]:
+        scans = c["scans"]
+        assert scans["paper"]["scanned"] > 0 and not scans["paper"]["sliced"]
+        for name in ("sliced", "default"):
+            assert scans[name]["forward_tokens"] >= c["oracle_tokens"]
+            assert scans[name]["needed_tokens"] <= scans["paper"]["forward_tokens"]
+        assert scans["paper"]["forward_tokens"] >= c["oracle_tokens"]
+    low = [c for c in r["cells"] if c["accept"] == 0.05]
+    assert all(c["scans"]["default"]["sliced"] and c["scans"]["default"]["early_rejected"] > 0 for c in low)
+
+
+def test_gate_trainer_benchmark_runs_tiny_on_cpu(tmp_path):
+    """benchmarks/gate_trainer.py --tiny: the gate through HDRGRPOTrainer against TRL's old-log-prob forward.  At tau
+    0.05 every scanned group passes: the default (the trainer's token budget) forwards each group whole in one call
+    per step, as scan_passes=1 does, where the pre-issue-37 default sliced them over more, smaller calls."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    bench = Path(__file__).resolve().parents[2] / "benchmarks"
+    sys.path.insert(0, str(bench))
+    spec = importlib.util.spec_from_file_location("_bench_gate_trainer", bench / "gate_trainer.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    res = mod.main(["--tiny", "--steps", "4", "--out-dir", str(tmp_path)])
+    runs = {(r["name"], r["k_rep"]): r for r in res["runs"]}
+    assert len(runs) == 5 and (tmp_path / "gate_trainer_tiny.md").exists()
+    for r in runs.values():
+        steps = [g for g in r["gate_steps"] if g["scanned"] >= r["k_rep"]]
+        assert steps and r["gate_s_per_needed_token_vs_fresh"] > 0 and r["fresh"]
+        assert all(g["needed_tokens"] == g["forward_tokens"] for g in steps)  # every group passes: nothing unused
+        if r["name"] == "legacy":
+            assert all(g["sliced"] and g["calls"] >= 2 for g in steps)
+        else:
+            assert all(not g["sliced"] and g["calls"] == 1 for g in steps)

@@ -18,7 +18,7 @@ BASE = dict(output_dir="/tmp/hdr_cfg", use_cpu=True, bf16=False, report_to="none
             num_generations=4)
 #: a non-default value for every core knob (the test fails if ReplayConfig gains a knob not listed here)
 VALUES = dict(selector="freshper", k_rep=6, tau=0.02, capacity=20, drift_norm="l1", headroom_weighting="advantage",
-              ingress="answer", answer_threshold=0.9, truncate_multiple=3, scan_chunk=5, max_scan_chunk=50,
+              ingress="answer", answer_threshold=0.9, truncate_multiple=3, scan_chunk=5, scan_tokens=100_000, max_scan_chunk=50,
               acceptance_ema=0.25, max_scan=30, seed=5, max_age=3,
               priority_alpha=0.7, age_decay=3.5, is_beta=0.3,  # these three need a proportional selector
               scan_passes=2, scan_refresh="finish", skip_rejected=3)

@@ -227,6 +227,7 @@ def test_every_replay_knob_is_settable_from_the_verl_config():
     cfg = compose_config("hdr.selector=drift_only", "hdr.k_rep=6", "hdr.tau=0.02", "hdr.capacity=20",
                          "hdr.drift_norm=l1", "hdr.headroom_weighting=advantage", "hdr.ingress=answer",
                          "hdr.answer_threshold=0.9", "hdr.truncate_multiple=3", "hdr.scan_chunk=5",
+                         "hdr.scan_tokens=90000",
                          "hdr.max_scan_chunk=50", "hdr.max_scan=30", "hdr.acceptance_ema=0.25", "hdr.diagnose_ungated=true",
                          "hdr.counterfactual=true", "hdr.adaptive_tau.enabled=true", "hdr.adaptive_tau.tau_min=0.001",
                          "hdr.adaptive_tau.patience=2", "hdr.seed=5", "hdr.max_age=3", "hdr.priority_alpha=0.7",
@@ -236,7 +237,8 @@ def test_every_replay_knob_is_settable_from_the_verl_config():
     rc = s.replay_config
     want = dict(selector="drift_only", k_rep=6, tau=0.02, capacity=20, drift_norm="l1",
                 headroom_weighting="advantage", ingress="answer", answer_threshold=0.9, truncate_multiple=6,
-                scan_chunk=5, max_scan_chunk=50, max_scan=30, acceptance_ema=0.25, group_size=4, diagnose_ungated=True,
+                scan_chunk=5, scan_tokens=90000,
+                max_scan_chunk=50, max_scan=30, acceptance_ema=0.25, group_size=4, diagnose_ungated=True,
                 counterfactual=True, seed=5, max_age=3, priority_alpha=0.7, age_decay=None, is_beta=0.0,
                 scan_passes=2, scan_refresh="finish", skip_rejected=3)
     for f in dataclasses.fields(ReplayConfig):

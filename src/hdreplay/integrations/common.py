@@ -115,3 +115,21 @@ def trim_rows(pg: PaddedGroups, idx: torch.Tensor | slice) -> TrimmedRows:
         loss_mask=pg.loss_mask[idx, :c_keep], logprobs=pg.logprobs[idx, :c_keep],
         extras={k: v[idx, :c_keep] for k, v in pg.extras.items()},
     )
+
+
+def scan_budget(controller, *, rows_per_forward: int, group_size: int, configured: int | None,
+                speculate: bool) -> dict:
+    """``select``'s ``scan_tokens`` / ``speculate`` for a trainer whose log-prob forward runs ``rows_per_forward`` rows
+    per call (every rank's together): those rows at the mean row length of the buffer's largest group, never less
+    than that group -- the same on every rank, as the buffer is (issue 37).  {} for a strategy whose controller takes
+    no budget; no ``scan_tokens`` when the user ``configured`` one or the buffer is empty."""
+    import inspect
+
+    buffer = getattr(controller, "buffer", None)
+    if not hasattr(buffer, "forward_tokens") or "scan_tokens" not in inspect.signature(controller.select).parameters:
+        return {}
+    out = {"speculate": bool(speculate)}
+    if configured is None and len(buffer):
+        tokens = int(buffer.forward_tokens(buffer.insertion_ids()).max())
+        out["scan_tokens"] = -(-max(rows_per_forward, group_size) * tokens // group_size)
+    return out

@@ -74,6 +74,13 @@ class _ReplayFields:
         'cached Headroom of a group rejected early: slice (refresh from the responses forwarded), finish (forward'
         " the rest of the group for its exact Headroom: the paper's refresh, at the full scan's cost for those "
         'groups)')})
+    replay_scan_tokens: Optional[int] = field(default=None, metadata={"help": (
+        'token budget of one scorer forward (prompt + completion tokens of the rows it runs; the trainers set it '
+        "from their own old-log-prob forward's batch). Set: each scan window is filled to whole forwards of this "
+        'size, further groups scored in the room left (speculatively: beyond the stop their results are '
+        'discarded, their cache untouched), and groups are sliced (scan_passes) only where the running acceptance'
+        ' rate says slicing saves at least one forward. Unset: windows sized by the groups still needed, every '
+        'group sliced. It must fit the largest group (refused before any forward otherwise)')})
     replay_scan_chunk: Optional[int] = field(default=None, metadata={"help": (
         'groups re-scored per scorer call; unset = sized from the remaining budget and the running acceptance '
         'rate')})

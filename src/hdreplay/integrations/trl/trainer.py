@@ -40,7 +40,7 @@ from trl.models.utils import disable_gradient_checkpointing
 
 from ...multimodal import schema_of
 from ...padding import pad_groups
-from ..common import STATE_DIR, restore
+from ..common import STATE_DIR, restore, scan_budget
 from . import mm, terms
 from .agreement import check_rank_agreement, selection_digest
 from .batch import (ReplayStep, check_keys, gather_objects, gather_rows, generation_groups, ingress_rows,
@@ -170,7 +170,7 @@ class HDRGRPOTrainer(GRPOTrainer):
             self._check_padding_invariance()
         if self._seam.observe is not None:  # a prompt-conditioned strategy (RePO) sees the batch's prompts first
             self._seam.observe(step.current.rows)
-        sel = step.selection = self.replay.select(step=step.index, scorer=self._replay_scorer)
+        sel = step.selection = self.replay.select(step=step.index, scorer=self._replay_scorer, **self._scan_budget())
         check_rank_agreement(self.accelerator, step.index, selection_digest(step.index, sel, self.replay))
         if not sel.groups:
             return
@@ -191,6 +191,14 @@ class HDRGRPOTrainer(GRPOTrainer):
     @property
     def _score_batch_size(self) -> int:
         return self.args.replay_score_batch_size or self.args.per_device_train_batch_size
+
+    def _scan_budget(self) -> dict:
+        """How the gate fills its forwards (:func:`..common.scan_budget`): the rows of TRL's own old-log-prob forward,
+        ``_score_batch_size`` on every rank; speculative scoring off the CPU only, where a partly filled forward costs
+        what a full one does (a CPU pays per token)."""
+        return scan_budget(self.replay, rows_per_forward=self.accelerator.num_processes * self._score_batch_size,
+                           group_size=self.args.num_generations, configured=self.args.replay_scan_tokens,
+                           speculate=self.accelerator.device.type != "cpu")
 
     def _logps(self, input_ids, attention_mask, logits_to_keep, model=None, **mm_inputs):
         """Per-token log-probs through TRL's own forward (same temperature, autocast, fused head); a VLM's rows

@@ -30,6 +30,7 @@ from verl.protocol import pad_dataproto_to_divisor, unpad_dataproto
 from verl.trainer.ppo.ray_trainer import RayPPOTrainer
 
 from ...controller import ReplayController
+from ..common import scan_budget
 from ...diagnostics import observers
 from .settings import validate_verl_config, verl_truncate_multiple, warn_drift_floor
 from .actor_batch import build_actor_batch
@@ -73,6 +74,14 @@ class HDRRayPPOTrainer(ReplayCheckpoints, RayPPOTrainer):
         micro = 1 if cfg.actor.use_dynamic_bsz else int(cfg.rollout.get("log_prob_micro_batch_size_per_gpu") or 1)
         return self._actor_dp() * micro
 
+    def _scan_budget(self) -> dict:
+        """The gate's forwards filled as verl's own: a log-prob call runs in micro-batches of dp x the inference
+        micro-batch rows and pads up to them, so that room is filled speculatively (issue 37; ``hdr.scan_tokens``
+        sets the budget instead)."""
+        return scan_budget(self.replay, rows_per_forward=self._scoring_divisor(),
+                           group_size=int(self.config.actor_rollout_ref.rollout.n),
+                           configured=self.hdr.replay_config.scan_tokens, speculate=True)
+
     def _replay_scorer(self, groups):
         """Scorer for the core selection: current-policy log-probs of the groups' stored tokens.
 
@@ -106,7 +115,7 @@ class HDRRayPPOTrainer(ReplayCheckpoints, RayPPOTrainer):
         groups, problems, num_uids = groups_from_batch(
             batch, step=step, group_size=n, estimator=str(self.config.algorithm.adv_estimator),
             schema=self.replay.buffer.mm_schema)
-        sel = self.replay.select(step=step, scorer=self._replay_scorer)
+        sel = self.replay.select(step=step, scorer=self._replay_scorer, **self._scan_budget())
         self.replay.stage(groups, step=step)
         actor_batch, info = build_actor_batch(sel.groups, batch, minibatch_rows=m, dp=dp,
                                               pad_token_id=self._pad_token_id)

@@ -46,6 +46,7 @@ from verl.workers.utils.padding import response_from_nested
 import torch
 
 from ...controller import ReplayController
+from ..common import scan_budget
 from ...record import GroupRecord
 from .checkpoints import ReplayCheckpoints
 from .minibatches import actor_order, layout_metrics, padding_needed
@@ -108,6 +109,14 @@ class HDRTrainerMixin(ReplayCheckpoints):
             if getattr(tok, name, None) is not None:
                 return int(getattr(tok, name))
         return 0
+
+    def _scan_budget(self) -> dict:
+        """The gate's forwards filled as verl's own (:func:`..common.scan_budget`): rows of dp x the inference
+        micro-batch, which a log-prob call pads up to anyway, so that room is filled speculatively (issue 37)."""
+        cfg = self.config.actor_rollout_ref
+        micro = 1 if cfg.actor.use_dynamic_bsz else int(cfg.rollout.get("log_prob_micro_batch_size_per_gpu") or 1)
+        return scan_budget(self.replay, rows_per_forward=self._actor_dp() * micro, group_size=int(cfg.rollout.n),
+                           configured=self.hdr.replay_config.scan_tokens, speculate=True)
 
     def _replay_scorer(self, groups: Sequence[GroupRecord]) -> list[torch.Tensor]:
         """Current-policy log-probs of the groups' stored tokens: G flat ``(T_g,)`` tensors.
@@ -178,7 +187,8 @@ class HDRTrainerMixin(ReplayCheckpoints):
         fresh = fresh_groups(data, batch.tags, step=step, group_size=n,
                              estimator=str(self.config.algorithm.adv_estimator), schema=self.replay.buffer.mm_schema)
         seam = self.async_seam
-        sel = seam.select(step) if seam else self.replay.select(step=step, scorer=self._replay_scorer)
+        sel = seam.select(step) if seam else self.replay.select(step=step, scorer=self._replay_scorer,
+                                                                          **self._scan_budget())
         if seam:
             seam.stage(fresh.groups, step=step, data=data, tags=batch.tags)
         else:
