@@ -43,7 +43,7 @@ TINY = dict(gpu_check.TINY, steps=5, k_rep=1)
 CONFIGS = (("default", 2), ("passes1", 2), ("legacy", 2), ("default", 8), ("passes1", 8))
 
 
-def make_trainer_class(s: dict, legacy: bool):
+def make_trainer_class(s: dict, legacy: bool, latency_bound: bool | None = None):
     from trl import GRPOTrainer
 
     Timed = gpu_check.make_trainer_class()
@@ -77,7 +77,10 @@ def make_trainer_class(s: dict, legacy: bool):
             return ids.tolist(), None
 
         def _scan_budget(self):
-            return {} if legacy else super()._scan_budget()
+            out = {} if legacy else super()._scan_budget()
+            if out and latency_bound is not None:  # --latency-bound: the GPU's walk on the CPU (the test's proxy)
+                out["latency_bound"] = latency_bound
+            return out
 
         def _select(self, step):
             t0 = self.t["rescore"]
@@ -95,7 +98,7 @@ def make_trainer_class(s: dict, legacy: bool):
 
 
 def run(name: str, k_rep: int, model_dir: Path, s: dict, *, device, out_dir: Path, tau: float,
-        warmup_s: float = 0.0) -> dict:
+        warmup_s: float = 0.0, latency_bound: bool | None = None) -> dict:
     from hdreplay.integrations.trl import HDRGRPOConfig
 
     model, tok = gpu_check.load(model_dir, device)
@@ -107,7 +110,7 @@ def run(name: str, k_rep: int, model_dir: Path, s: dict, *, device, out_dir: Pat
         save_strategy="no", seed=0, disable_dropout=True, replay_selector="headroom_drift", replay_k_rep=k_rep,
         replay_tau=tau, replay_capacity=64, replay_scan_passes=1 if name == "passes1" else 4,
         dataloader_num_workers=0, gradient_checkpointing=True)
-    tr = make_trainer_class(s, legacy=name == "legacy")(
+    tr = make_trainer_class(s, legacy=name == "legacy", latency_bound=latency_bound)(
         model=model, reward_funcs=gpu_check.parity_reward, args=args, processing_class=tok,
         train_dataset=gpu_check.dataset(s, rows=s["n"] * s["steps"] * 8, seed=0))
     tr.measure_old_logprob = False  # measured before the gate instead (OldLogprobForward)
@@ -190,6 +193,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--warmup-s", type=float, default=None, help="seconds of forwards before each configuration "
                                                                   "(default 8 on a GPU, 0 on the CPU)")
     ap.add_argument("--pool", nargs="+", metavar="JSON", help="print one table pooled over these runs' results")
+    ap.add_argument("--latency-bound", action="store_true", help="walk as on a GPU (whole groups at high acceptance, "
+                                                                  "speculative scoring) whatever the device")
     a = ap.parse_args(argv)
     if a.pool:
         print(pool(a.pool))
@@ -213,7 +218,8 @@ def main(argv=None) -> dict:
         for name, k in CONFIGS:
             k = {2: 1, 8: 2}[k] if a.tiny else k  # the tiny run's 2 fresh groups per update fill a smaller buffer
             try:
-                runs.append(run(name, k, model_dir, s, device=device, out_dir=Path(tmp), tau=a.tau, warmup_s=warmup))
+                runs.append(run(name, k, model_dir, s, device=device, out_dir=Path(tmp), tau=a.tau, warmup_s=warmup,
+                                latency_bound=True if a.latency_bound else None))
                 Path(f"{stem}.partial.json").write_text(json.dumps(runs, indent=1) + "\n")
             except Exception as e:  # noqa: BLE001  (one configuration's failure is reported, the others still run)
                 print(f"[gate_trainer] {name} K_rep {k} failed: {type(e).__name__}: {e}", flush=True)
@@ -222,6 +228,7 @@ def main(argv=None) -> dict:
             print(f"[gate_trainer] {name} K_rep {k}: {r['wall_s']:.0f} s, gate/fresh per token "
                   f"{r['gate_s_per_needed_token_vs_fresh']}", flush=True)
     res = {"device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu", "tiny": a.tiny, "settings": s,
+           "latency_bound_forced": a.latency_bound,
            "tau": a.tau, "params_m": params, "runs": runs,
            "versions": {"torch": torch.__version__, "transformers": transformers.__version__, "trl": trl.__version__},
            "command": "python benchmarks/gate_trainer.py " + " ".join(sys.argv[1:] if argv is None else argv),

@@ -131,14 +131,14 @@ class ReplayController(ControllerCheckpoint):
         return step
 
     def select(self, *, step: int, scorer: Scorer | None = None, tau: Tau | None = None,
-               scan_tokens: int | None = None, speculate: bool = True) -> Selection:
+               scan_tokens: int | None = None, latency_bound: bool = True) -> Selection:
         """Choose replay groups for ``step`` from the buffer as it was before this step's ingress.
 
         ``tau``: per-group thresholds instead of :attr:`tau` (:data:`hdreplay.selection.Tau`; the asynchronous
         rule of :mod:`hdreplay.staleness` adds a measured floor for groups scored against a sampler).  Returns a
         :class:`Selection` whose arrays are read-only and whose ``groups`` are copies.  ``scan_tokens``: the token
         budget of the caller's scorer forward, used when ``config.scan_tokens`` is unset (the trainers pass theirs);
-        ``speculate``: score further groups in a forward's room (see :func:`select_replay`)."""
+        ``latency_bound``: whether the scorer's device is (see :func:`select_replay`)."""
         step = self._check_step(step, "select")
         if self._selection is not None:
             raise ReplayProtocolError(f"select(step={step}) called twice; one selection per step")
@@ -147,7 +147,7 @@ class ReplayController(ControllerCheckpoint):
                                    f"`controller.tau`), got {type(tau).__name__}")
         sel = select_replay(self.buffer, self.config, scorer, step=step, acceptance_rate=self.acceptance_rate,
                             tau=self.tau if tau is None else tau, rng=sampling.rng_from_state(self.rng_state),
-                            scan_tokens=scan_tokens, speculate=speculate)
+                            scan_tokens=scan_tokens, latency_bound=latency_bound)
         for obs in self.observers:  # diagnostics may score more; the decisions stay the selection's
             seen = getattr(obs, "on_select", lambda *a: None)(self, sel, scorer)
             if seen is not None:
@@ -270,7 +270,7 @@ class ReplayController(ControllerCheckpoint):
                           unit_size=self.config.group_size if self.config.unit == "rollout" else 1)
         rec.rescored_rows += extra.pop("rescored_rows", 0)
         rec.rescored_tokens += extra.pop("rescored_tokens", 0)
-        rec.fresh_forward_tokens, rec.fresh_forward_seconds = self._fresh_tokens, extra.pop("fresh_forward_seconds", None)
+        rec.fresh_forward_tokens, rec.fresh_forward_seconds = self._fresh_tokens, extra.pop("fresh_forward_seconds")
         if "generated_rows" in extra:
             rec.generated_rows = extra.pop("generated_rows")
         rec.extras.update(extra)  # a peer's strategy and its counters

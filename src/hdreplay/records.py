@@ -322,11 +322,11 @@ COUNTER_KEYS = ("generated_rows", "rescored_rows", "rescored_tokens", "fresh_for
 
 def check_counters(counters: Mapping[str, Any] | None) -> dict[str, Any]:
     if counters is None:
-        return {}
+        return {"fresh_forward_seconds": None}
     if not isinstance(counters, Mapping) or set(counters) - set(COUNTER_KEYS):
         raise ReplayInputError(f"commit: counters must be a mapping with keys from {list(COUNTER_KEYS)}, got "
                                f"{counters!r:.100}")
-    out = dict(counters)
+    out = {"fresh_forward_seconds": None, **counters}
     for k in ("generated_rows", "rescored_rows", "rescored_tokens"):
         if k in out and not (is_int(out[k]) and out[k] >= 0):
             raise ReplayInputError(f"commit: counters[{k!r}] must be an int >= 0, got {out[k]!r}")

@@ -14,11 +14,12 @@ which other rows share its call).  With ``passes=1`` every group is forwarded wh
 
 Batching: each scorer call takes, breadth-first, the next slice of every unresolved group (``passes`` slices of about
 n / passes responses; responses without a loss token are never forwarded), then the first slices of W new groups,
-W sized by ``window`` from the groups still needed and the acceptance rate.  With a token ``budget`` per forward the
-call is filled to whole forwards with further groups (``speculate``: a GPU runs a partly filled forward at a full
-one's cost), and groups start whole where slicing cannot save a forward (``(1 - rate)(1 - 1/passes)`` of the
-window's tokens < budget), with one response below THIN_BELOW, else with the ``passes`` slices.  Groups touched beyond
-the stop are reported as unused (:meth:`Walk.cost`): results discarded, caches not refreshed.
+W sized by ``window`` from the groups still needed and the acceptance rate.  With a token ``budget`` per forward on
+a ``latency_bound`` device (a GPU: a partly filled forward costs a full one), the call is filled to whole forwards
+with further groups (speculative scoring), and groups start with one response below THIN_BELOW acceptance, whole
+where slicing cannot save a forward (``(1 - rate)(1 - 1/passes)`` of the window's tokens < budget), else with the
+``passes`` slices (always, elsewhere).  Groups touched beyond the stop are reported as unused (:meth:`Walk.cost`):
+results discarded, caches not refreshed.
 
 An early-rejected group's Headroom (``refresh``): that of the responses forwarded ("slice"), or exact because the
 rest of the group is forwarded after the decision ("finish", the paper's refresh at the full scan's cost).
@@ -206,20 +207,20 @@ class Walk:
         tau: the threshold, or groups -> their thresholds (a float each).  passes, refresh: see the module docstring.
         window: groups still needed -> new groups per scorer call.  budget: tokens of one forward, or None (no
         filling, every group sliced).  rate: the running acceptance rate in [0, 1] (with a budget: whether to slice).
-        max_groups: groups per scorer call at most (the speculative fill stops there).  speculate: fill the room.
+        max_groups: groups per scorer call at most (the speculative fill stops there).  latency_bound: above.
     """
 
     def __init__(self, order: Callable[[int], np.ndarray], get: Callable[[list], list], scorer: Callable, *,
                  limit: int, k: int, gate: bool, tau: float | Callable, passes: int, refresh: str,
                  window: Callable[[int], int], drift_norm: str, headroom_weighting: str, budget: int | None = None,
-                 rate: float = 1.0, max_groups: int = 1 << 30, speculate: bool = True) -> None:
+                 rate: float = 1.0, max_groups: int = 1 << 30, latency_bound: bool = True) -> None:
         self.order, self.get, self.scorer, self.limit, self.k, self.gate = order, get, scorer, limit, k, gate
         self.tau, self.passes, self.refresh, self.window = tau, (passes if gate else 1), refresh, window
         self.norm, self.weighting, self.budget, self.rate = drift_norm, headroom_weighting, budget, rate
-        self.max_groups, self.speculate = max_groups, speculate
+        self.max_groups, self.latency_bound = max_groups, latency_bound
         # how the walk's groups start: "canonical" (first slice of ``passes``), "whole" or "thin" (one response);
-        # with a budget it is decided at the first entry (None until then)
-        self.mode = "whole" if self.passes == 1 else ("canonical" if budget is None else None)
+        # with a budget on a latency-bound device it is decided at the first entry (None until then)
+        self.mode = "whole" if self.passes == 1 else ("canonical" if budget is None or not latency_bound else None)
         self.groups: list[_Group] = []
         self.prefix = np.zeros(0, dtype=np.int64)
         self.calls, self.sizes, self.rows, self.tokens, self.yielded = 0, [], 0, 0, 0
@@ -267,8 +268,8 @@ class Walk:
         new = self._read(n)
         if self.mode is None and new:
             whole = sum(g.forward_tokens(g.layout.active) for g in new)
-            self.mode = "thin" if self.rate < THIN_BELOW else \
-                "canonical" if (1 - self.rate) * (1 - 1 / self.passes) * whole >= self.budget else "whole"
+            saves = (1 - self.rate) * (1 - 1 / self.passes) * whole >= self.budget
+            self.mode = "thin" if self.rate < THIN_BELOW else "canonical" if saves else "whole"
         for g in new:
             self._start(g)
         self.groups += new
@@ -303,7 +304,7 @@ class Walk:
             new = min(self.limit - len(self.groups), self.window(need)) if need > 0 else 0
             todo += self._enter(new) if new > 0 else []
         slices = [g.next_slice() for g in todo]
-        if kth is None and self.budget is not None and self.speculate:
+        if kth is None and self.budget is not None and self.latency_bound:
             self._fill(todo, slices)
         if not todo:
             return False

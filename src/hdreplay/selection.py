@@ -43,7 +43,8 @@ MIN_ACCEPTANCE_RATE = 0.05
 
 def select_replay(buffer: BufferView, config: ReplayConfig, scorer: Scorer | None, *, step: int,
                   tau: float | Tau | None = None, rng: np.random.Generator | None = None,
-                  acceptance_rate: float = 1.0, scan_tokens: int | None = None, speculate: bool = True) -> Selection:
+                    acceptance_rate: float = 1.0, scan_tokens: int | None = None,
+                  latency_bound: bool = True) -> Selection:
     """Choose this step's replay groups from the pre-existing buffer (Algorithm 1; the buffer is not modified).
 
     Args:
@@ -54,9 +55,9 @@ def select_replay(buffer: BufferView, config: ReplayConfig, scorer: Scorer | Non
         rng: the generator of a random order (the peers of :mod:`hdreplay.baselines`); advanced, state returned.
         acceptance_rate: running gate pass rate in [0, 1]; it only sizes the walk's batches.
         scan_tokens: the token budget of one scorer forward when ``config.scan_tokens`` is unset (a trainer passes its
-            own forward's); it only sizes the walk's batches and slices.
-        speculate: with a budget, score further groups in the room a forward has left (worth it where a partly filled
-            forward costs what a full one does: a GPU; a CPU pays per token, so the trainers turn it off there).
+            own forward's); it sizes the walk's batches and slices only.
+        latency_bound: the scorer's device runs a partly filled forward at a full one's cost (a GPU; not a CPU):
+            with a budget, a forward's room is scored speculatively and groups start whole where slices save none.
     Returns:
         a :class:`Selection` (read-only arrays; ``groups`` are copies of the stored groups).
     """
@@ -65,7 +66,7 @@ def select_replay(buffer: BufferView, config: ReplayConfig, scorer: Scorer | Non
     rate = check_real("acceptance_rate", acceptance_rate, lo=0.0, hi=1.0)
     budget = config.scan_tokens if config.scan_tokens is not None else \
         (None if scan_tokens is None else check_int("scan_tokens", scan_tokens, lo=1, hi=MAX_TOKENS))
-    speculate = check_bool("speculate", speculate)
+    latency_bound = check_bool("latency_bound", latency_bound)
     base = tau if not callable(tau) else float("nan")
     if spec.order is None or K == 0 or len(buffer) == 0:
         return empty_selection(step, spec.name, len(buffer), base)
@@ -79,7 +80,8 @@ def select_replay(buffer: BufferView, config: ReplayConfig, scorer: Scorer | Non
     walk = Walk(order, buffer.get, scorer, limit=limit, k=K, gate=spec.gate, tau=tau, passes=config.scan_passes,
                 refresh=config.scan_refresh, drift_norm=config.drift_norm, headroom_weighting=config.headroom_weighting,
                 window=(lambda need: _batch(need, rate, config)) if spec.gate else (lambda need: need),
-                budget=budget, rate=rate, speculate=speculate, max_groups=config.scan_chunk or config.max_scan_chunk)
+                budget=budget, rate=rate, latency_bound=latency_bound,
+                max_groups=config.scan_chunk or config.max_scan_chunk)
     scan, passed = [], []
     for g in walk:                                               # l.7: each group g in that order
         scan.append(g)                                           # l.11-12: one pass gives Drift(g) and runtime H(g)

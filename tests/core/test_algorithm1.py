@@ -144,7 +144,7 @@ SETTINGS = dict(
     K=st.integers(1, 8), tau=st.sampled_from([0.0, 1e-3, 5e-3, 2e-2, 0.1]), u=st.integers(1, 3),
     passes=st.integers(1, 8), chunk=st.sampled_from([None, 1, 3]), rate=st.sampled_from([0.02, 0.1, 0.5, 1.0]),
     walk=st.sampled_from([0.02, 0.05, 0.15]), n_max=st.integers(1, 8), budget=st.sampled_from([None, 1.0, 1.7, 4.0]),
-    speculate=st.booleans())
+    latency_bound=st.booleans())
 
 
 def scan_tokens(buffer, budget):
@@ -181,7 +181,7 @@ def _check_selection(sel, ref_admitted, ref_scanned, insertion_ids, *, exact_ref
 @given(**SETTINGS, refresh=st.sampled_from(["slice", "finish"]))
 @settings(max_examples=60, deadline=None)
 def test_a_selection_is_algorithm_1(seed, selector, norm, weighting, ingress, K, tau, u, passes, chunk, rate, walk,
-                                    n_max, budget, speculate, refresh):
+                                    n_max, budget, latency_bound, refresh):
     """One step: the library's buffer state after a few steps, selected by the library and by the reference."""
     cfg = _config(selector, norm, weighting, ingress, K, tau, u, passes, chunk, refresh, capacity=20)
     rng = np.random.default_rng(seed)
@@ -198,14 +198,14 @@ def test_a_selection_is_algorithm_1(seed, selector, norm, weighting, ingress, K,
     ref_admitted, ref_scanned = algorithm1(entries, current_of(pol), K=K, tau=tau, selector=selector, norm=norm,
                                            weighting=weighting, u=u)
     sel = select_replay(buf, cfg, pol.scorer, step=6, acceptance_rate=rate, scan_tokens=scan_tokens(buf, budget),
-                        speculate=speculate)
+                        latency_bound=latency_bound)
     _check_selection(sel, ref_admitted, ref_scanned, {i: i for i in ids}, exact_refresh=refresh == "finish")
 
 
 @given(**SETTINGS, paper_refresh=st.sampled_from(["passes=1", "finish"]))
 @settings(max_examples=30, deadline=None)
 def test_a_run_is_algorithm_1_step_after_step(seed, selector, norm, weighting, ingress, K, tau, u, passes, chunk,
-                                               rate, walk, n_max, budget, speculate, paper_refresh):
+                                               rate, walk, n_max, budget, latency_bound, paper_refresh):
     """Many steps from an empty buffer, the library against the paper's loop with its own buffer: every step's scan,
     decisions and admitted groups, and the buffer (group ids, order) after every commit."""
     passes = 1 if paper_refresh == "passes=1" else passes
@@ -216,7 +216,8 @@ def test_a_run_is_algorithm_1_step_after_step(seed, selector, norm, weighting, i
         pol = policy_walk(t, step_size=walk, walk_seed=seed)
         ref_admitted, ref_scanned = algorithm1(paper.entries, current_of(pol), K=K, tau=tau, selector=selector,
                                                norm=norm, weighting=weighting, u=u)
-        sel = ctrl.select(step=t, scorer=pol.scorer, scan_tokens=scan_tokens(ctrl.buffer, budget), speculate=speculate)
+        sel = ctrl.select(step=t, scorer=pol.scorer, scan_tokens=scan_tokens(ctrl.buffer, budget),
+                          latency_bound=latency_bound)
         ids = dict(zip([e["id"] for e in paper.entries], ctrl.buffer.insertion_ids().tolist()))
         _check_selection(sel, ref_admitted, ref_scanned, ids, exact_refresh=True)
         groups = fresh(t, pol, rng, 4, n_max)

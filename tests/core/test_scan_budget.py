@@ -56,6 +56,8 @@ def test_a_budgeted_scan_makes_the_full_scans_decisions_with_no_more_calls(rate,
 
 
 def test_speculative_groups_are_scored_but_neither_scanned_nor_refreshed():
+    """On a latency-bound device (the default) a forward's room holds further groups; beyond the stop they change
+    nothing."""
     ctrl, cfg = _buffer(tau=1.0)  # every group passes: K_rep = 3 groups are needed, a big budget holds many more
     pol = policy_at(8)
     sel = ctrl.select(step=8, scorer=pol.scorer, scan_tokens=20 * _largest(ctrl.buffer))
@@ -84,6 +86,13 @@ def test_the_mode_follows_the_acceptance_rate_and_whole_groups_report_as_the_can
     for f in ("scanned", "scanned_pass", "scanned_exact", "scanned_drift", "scanned_headroom", "scanned_kl"):
         assert np.array_equal(getattr(whole, f), getattr(canonical, f)), f
     assert whole.cost.rows >= canonical.cost.rows  # ... at the whole groups' cost
+    # a device that pays per token (a CPU) keeps the slices at every rate: the walk of no budget, no speculation
+    for rate in (THIN_BELOW / 2, 0.5, 1.0):
+        cpu = select_replay(ctrl.buffer, cfg, pol.scorer, step=8, acceptance_rate=rate, scan_tokens=big,
+                            latency_bound=False)
+        plain = select_replay(ctrl.buffer, cfg, pol.scorer, step=8, acceptance_rate=rate)
+        assert cpu.cost.sliced and (cpu.cost.rows, cpu.cost.unused) == (plain.cost.rows, plain.cost.unused)
+        assert np.array_equal(cpu.scanned_headroom, plain.scanned_headroom)
     assert thin.accepted.tolist() == canonical.accepted.tolist()
     assert thin.cost.forward_tokens - thin.cost.unused_forward_tokens <= canonical.cost.forward_tokens
 

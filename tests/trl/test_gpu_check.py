@@ -144,10 +144,12 @@ def test_gpu_gate_benchmark_runs_tiny_on_cpu(tmp_path):
     assert all(c["scans"]["default"]["sliced"] and c["scans"]["default"]["early_rejected"] > 0 for c in low)
 
 
-def test_gate_trainer_benchmark_runs_tiny_on_cpu(tmp_path):
+@pytest.mark.parametrize("latency_bound", [True, False])
+def test_gate_trainer_benchmark_runs_tiny_on_cpu(tmp_path, latency_bound):
     """benchmarks/gate_trainer.py --tiny: the gate through HDRGRPOTrainer against TRL's old-log-prob forward.  At tau
-    0.05 every scanned group passes: the default (the trainer's token budget) forwards each group whole in one call
-    per step, as scan_passes=1 does, where the pre-issue-37 default sliced them over more, smaller calls."""
+    0.05 every scanned group passes.  Walking as on a GPU (--latency-bound), the default (the trainer's token budget)
+    forwards each group whole in one call per step, as scan_passes=1 does, where the pre-issue-37 default sliced them
+    over more, smaller calls; on the CPU (the trainer's own choice there) the default walks as before."""
     import importlib.util
     import sys
     from pathlib import Path
@@ -157,14 +159,17 @@ def test_gate_trainer_benchmark_runs_tiny_on_cpu(tmp_path):
     spec = importlib.util.spec_from_file_location("_bench_gate_trainer", bench / "gate_trainer.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    res = mod.main(["--tiny", "--steps", "4", "--out-dir", str(tmp_path)])
+    res = mod.main(["--tiny", "--steps", "4", "--out-dir", str(tmp_path)] + ["--latency-bound"] * latency_bound)
     runs = {(r["name"], r["k_rep"]): r for r in res["runs"]}
     assert len(runs) == 5 and (tmp_path / "gate_trainer_tiny.md").exists()
     for r in runs.values():
         steps = [g for g in r["gate_steps"] if g["scanned"] >= r["k_rep"]]
         assert steps and r["gate_s_per_needed_token_vs_fresh"] > 0 and r["fresh"]
         assert all(g["needed_tokens"] == g["forward_tokens"] for g in steps)  # every group passes: nothing unused
-        if r["name"] == "legacy":
+        if r["name"] == "legacy" or (r["name"] == "default" and not latency_bound):
             assert all(g["sliced"] and g["calls"] >= 2 for g in steps)
         else:
             assert all(not g["sliced"] and g["calls"] == 1 for g in steps)
+    legacy, default = runs[("legacy", 1)], runs[("default", 1)]
+    if not latency_bound:  # the CPU's walk is the old one, call for call
+        assert [g["calls"] for g in default["gate_steps"]] == [g["calls"] for g in legacy["gate_steps"]]

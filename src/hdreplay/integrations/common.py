@@ -118,9 +118,9 @@ def trim_rows(pg: PaddedGroups, idx: torch.Tensor | slice) -> TrimmedRows:
 
 
 def scan_budget(controller, *, rows_per_forward: int, group_size: int, configured: int | None,
-                speculate: bool) -> dict:
-    """``select``'s ``scan_tokens`` / ``speculate`` for a trainer whose log-prob forward runs ``rows_per_forward`` rows
-    per call (every rank's together): those rows at the mean row length of the buffer's largest group, never less
+                latency_bound: bool) -> dict:
+    """``select``'s ``scan_tokens`` / ``latency_bound`` for a trainer whose log-prob forward runs ``rows_per_forward``
+    rows per call (every rank's together): those rows at the mean row length of the buffer's largest group, never less
     than that group -- the same on every rank, as the buffer is (issue 37).  {} for a strategy whose controller takes
     no budget; no ``scan_tokens`` when the user ``configured`` one or the buffer is empty."""
     import inspect
@@ -128,7 +128,7 @@ def scan_budget(controller, *, rows_per_forward: int, group_size: int, configure
     buffer = getattr(controller, "buffer", None)
     if not hasattr(buffer, "forward_tokens") or "scan_tokens" not in inspect.signature(controller.select).parameters:
         return {}
-    out = {"speculate": bool(speculate)}
+    out = {"latency_bound": bool(latency_bound)}
     if configured is None and len(buffer):
         tokens = int(buffer.forward_tokens(buffer.insertion_ids()).max())
         out["scan_tokens"] = -(-max(rows_per_forward, group_size) * tokens // group_size)

@@ -194,11 +194,11 @@ class HDRGRPOTrainer(GRPOTrainer):
 
     def _scan_budget(self) -> dict:
         """How the gate fills its forwards (:func:`..common.scan_budget`): the rows of TRL's own old-log-prob forward,
-        ``_score_batch_size`` on every rank; speculative scoring off the CPU only, where a partly filled forward costs
-        what a full one does (a CPU pays per token)."""
+        ``_score_batch_size`` on every rank; latency-bound (speculative scoring, whole groups at high acceptance) off
+        the CPU only, where a partly filled forward costs what a full one does (a CPU pays per token)."""
         return scan_budget(self.replay, rows_per_forward=self.accelerator.num_processes * self._score_batch_size,
                            group_size=self.args.num_generations, configured=self.args.replay_scan_tokens,
-                           speculate=self.accelerator.device.type != "cpu")
+                           latency_bound=self.accelerator.device.type != "cpu")
 
     def _logps(self, input_ids, attention_mask, logits_to_keep, model=None, **mm_inputs):
         """Per-token log-probs through TRL's own forward (same temperature, autocast, fused head); a VLM's rows

@@ -76,11 +76,11 @@ class HDRRayPPOTrainer(ReplayCheckpoints, RayPPOTrainer):
 
     def _scan_budget(self) -> dict:
         """The gate's forwards filled as verl's own: a log-prob call runs in micro-batches of dp x the inference
-        micro-batch rows and pads up to them, so that room is filled speculatively (issue 37; ``hdr.scan_tokens``
-        sets the budget instead)."""
+        micro-batch rows and pads up to them, so that room is filled speculatively; its workers are GPUs,
+        latency-bound (issue 37; ``hdr.scan_tokens`` sets the budget instead)."""
         return scan_budget(self.replay, rows_per_forward=self._scoring_divisor(),
                            group_size=int(self.config.actor_rollout_ref.rollout.n),
-                           configured=self.hdr.replay_config.scan_tokens, speculate=True)
+                           configured=self.hdr.replay_config.scan_tokens, latency_bound=True)
 
     def _replay_scorer(self, groups):
         """Scorer for the core selection: current-policy log-probs of the groups' stored tokens.

@@ -112,11 +112,12 @@ class HDRTrainerMixin(ReplayCheckpoints):
 
     def _scan_budget(self) -> dict:
         """The gate's forwards filled as verl's own (:func:`..common.scan_budget`): rows of dp x the inference
-        micro-batch, which a log-prob call pads up to anyway, so that room is filled speculatively (issue 37)."""
+        micro-batch, which a log-prob call pads up to anyway, so that room is filled speculatively; its workers are
+        GPUs, latency-bound (issue 37)."""
         cfg = self.config.actor_rollout_ref
         micro = 1 if cfg.actor.use_dynamic_bsz else int(cfg.rollout.get("log_prob_micro_batch_size_per_gpu") or 1)
         return scan_budget(self.replay, rows_per_forward=self._actor_dp() * micro, group_size=int(cfg.rollout.n),
-                           configured=self.hdr.replay_config.scan_tokens, speculate=True)
+                           configured=self.hdr.replay_config.scan_tokens, latency_bound=True)
 
     def _replay_scorer(self, groups: Sequence[GroupRecord]) -> list[torch.Tensor]:
         """Current-policy log-probs of the groups' stored tokens: G flat ``(T_g,)`` tensors.
