@@ -16,10 +16,10 @@ Batching: each scorer call takes, breadth-first, the next slice of every unresol
 n / passes responses; responses without a loss token are never forwarded), then the first slices of W new groups,
 W sized by ``window`` from the groups still needed and the acceptance rate.  With a token ``budget`` per forward on
 a ``latency_bound`` device (a GPU: a partly filled forward costs a full one), the call is filled to whole forwards
-with further groups (speculative scoring), and groups start with one response below THIN_BELOW acceptance, whole
-where slicing cannot save a forward (``(1 - rate)(1 - 1/passes)`` of the window's tokens < budget), else with the
-``passes`` slices (always, elsewhere).  Groups touched beyond the stop are reported as unused (:meth:`Walk.cost`):
-results discarded, caches not refreshed.
+with further groups (speculative scoring), and groups start whole where slicing cannot save a forward
+(``(1 - rate)(1 - 1/passes)`` of the window's tokens < budget), reported as the ``passes`` slices would report them:
+the budget and the device change what is forwarded, never a result.  Groups touched beyond the stop are reported
+as unused (:meth:`Walk.cost`): results discarded, caches not refreshed.
 
 An early-rejected group's Headroom (``refresh``): that of the responses forwarded ("slice"), or exact because the
 rest of the group is forwarded after the decision ("finish", the paper's refresh at the full scan's cost).
@@ -40,9 +40,6 @@ from .scores import check_scorer_output, drift_rejects, drift_term_sums, score_g
 
 #: a group that looks rejectable forwards next what its running mean Drift term says the bound needs, times this
 PREDICT_MARGIN = 1.25
-#: with a token budget, a running acceptance rate below this starts every group with a one-response slice ("thin"):
-#: nearly every group is rejected, and the thinnest slice proves most rejections
-THIN_BELOW = 0.1
 _OPEN, _PASS, _REJECT, _EARLY = 0, 1, 2, 3  # a group's state in the walk
 
 
@@ -218,8 +215,8 @@ class Walk:
         self.tau, self.passes, self.refresh, self.window = tau, (passes if gate else 1), refresh, window
         self.norm, self.weighting, self.budget, self.rate = drift_norm, headroom_weighting, budget, rate
         self.max_groups, self.latency_bound = max_groups, latency_bound
-        # how the walk's groups start: "canonical" (first slice of ``passes``), "whole" or "thin" (one response);
-        # with a budget on a latency-bound device it is decided at the first entry (None until then)
+        # how the walk's groups start: "canonical" (first slice of ``passes``) or "whole"; with a budget on a
+        # latency-bound device it is decided at the first entry (None until then)
         self.mode = "whole" if self.passes == 1 else ("canonical" if budget is None or not latency_bound else None)
         self.groups: list[_Group] = []
         self.prefix = np.zeros(0, dtype=np.int64)
@@ -239,7 +236,7 @@ class Walk:
         rest = self.groups[self.yielded:]
         return WalkCost(self.calls, self.sizes, self.rows, self.tokens, len(rest), sum(g.tokens for g in rest),
                         len(self.groups), self.fwd_tokens, sum(g.fwd for g in rest), self.seconds,
-                        self.mode in ("canonical", "thin"))
+                        self.mode == "canonical")
 
     def _kth_pass(self) -> int | None:
         seen = 0
@@ -268,15 +265,14 @@ class Walk:
         new = self._read(n)
         if self.mode is None and new:
             whole = sum(g.forward_tokens(g.layout.active) for g in new)
-            saves = (1 - self.rate) * (1 - 1 / self.passes) * whole >= self.budget
-            self.mode = "thin" if self.rate < THIN_BELOW else "canonical" if saves else "whole"
+            self.mode = "canonical" if (1 - self.rate) * (1 - 1 / self.passes) * whole >= self.budget else "whole"
         for g in new:
             self._start(g)
         self.groups += new
         return new
 
     def _start(self, g: _Group) -> None:
-        g.first = {"canonical": g.canon, "whole": len(g.layout.active), "thin": 1}[self.mode]
+        g.first = g.canon if self.mode == "canonical" else len(g.layout.active)
 
     def _fill(self, todo: list[_Group], slices: list[list[int]]) -> None:
         """Speculative scoring: enter further groups while their first slice fits in the last forward's room."""

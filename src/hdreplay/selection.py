@@ -158,6 +158,9 @@ def _check_budget(buffer: BufferView, budget: int | None, walk: np.ndarray) -> N
     """A token budget must fit every group the walk may forward whole (checked before any forward)."""
     if budget is None or not len(walk):
         return
+    if not hasattr(buffer, "forward_tokens"):
+        raise ReplayInputError("scan_tokens: a token budget needs a buffer that counts its groups' tokens "
+                               "(ReplayBuffer.forward_tokens); leave it unset for this buffer")
     tokens = buffer.forward_tokens(walk)
     j = int(np.argmax(tokens))
     if tokens[j] > budget:

@@ -1,5 +1,5 @@
 """The scan's token budget (issue 37): windows filled to whole forwards, speculative scoring beyond the stop, the
-walk's mode (thin / canonical / whole) from the acceptance rate, the cost in the step record, the ReplayCostWarning,
+walk's mode (canonical slices / whole groups) from the acceptance rate and the device, the cost in the step record, the ReplayCostWarning,
 and the bad input it refuses.  That a budgeted scan is Algorithm 1 for every setting is tests/core/test_algorithm1.py
 (its ``budget`` and ``rate`` draws); here, what the budget itself promises."""
 
@@ -11,14 +11,13 @@ import pytest
 
 from hdreplay import ReplayConfig, ReplayConfigError, ReplayController, ReplayCostWarning, ReplayInputError, select_replay
 from hdreplay.controller import COST_FACTOR, COST_STEPS
-from hdreplay.rescore import THIN_BELOW
 from protocol import fresh, policy_at, run_steps
 
 pytestmark = pytest.mark.filterwarnings("ignore::hdreplay.ReplayStarvedWarning", "ignore::hdreplay.ReplayCostWarning")
 
 
 def _buffer(tau=3e-3, steps=8, k=5, capacity=40):
-    cfg = ReplayConfig(k_rep=3, tau=tau, capacity=capacity)
+    cfg = ReplayConfig(k_rep=3, tau=tau, capacity=capacity, scan_passes=2)  # first slices of 2+ responses
     return run_steps(ReplayController(cfg), range(steps), k=k), cfg
 
 
@@ -52,7 +51,7 @@ def test_a_budgeted_scan_makes_the_full_scans_decisions_with_no_more_calls(rate,
         assert sel.scanned_pass.tolist() == full.scanned_pass.tolist()
     # breadth-first, filled calls: never more scorer calls than the window-sized walk (one host sync each)
     assert len(after.calls) <= len(before.calls)
-    assert new.cost.forward_tokens >= new.cost.forward_tokens - new.cost.unused_forward_tokens > 0
+    assert new.cost.forward_tokens > new.cost.unused_forward_tokens >= 0
 
 
 def test_speculative_groups_are_scored_but_neither_scanned_nor_refreshed():
@@ -79,22 +78,43 @@ def test_the_mode_follows_the_acceptance_rate_and_whole_groups_report_as_the_can
     big = 1000 * _largest(ctrl.buffer)  # a forward holds the whole window: slicing cannot save one
     canonical = select_replay(ctrl.buffer, cfg, pol.scorer, step=8, acceptance_rate=0.5)
     whole = select_replay(ctrl.buffer, cfg, pol.scorer, step=8, acceptance_rate=0.5, scan_tokens=big)
-    thin = select_replay(ctrl.buffer, cfg, pol.scorer, step=8, acceptance_rate=THIN_BELOW / 2, scan_tokens=big)
-    assert canonical.cost.sliced and not whole.cost.sliced and thin.cost.sliced
+    low = select_replay(ctrl.buffer, cfg, pol.scorer, step=8, acceptance_rate=0.02, scan_tokens=_largest(ctrl.buffer))
+    assert canonical.cost.sliced and not whole.cost.sliced and low.cost.sliced  # few pass: slices save forwards
     assert not canonical.scanned_exact.all()  # the buffer has groups the canonical slices reject early
     # forwarded whole, a rejected group reports the canonical slicing's bound, exactness and refreshed Headroom
-    for f in ("scanned", "scanned_pass", "scanned_exact", "scanned_drift", "scanned_headroom", "scanned_kl"):
-        assert np.array_equal(getattr(whole, f), getattr(canonical, f)), f
+    for sel in (whole, low):
+        for f in ("scanned", "scanned_pass", "scanned_exact", "scanned_drift", "scanned_headroom", "scanned_kl"):
+            assert np.array_equal(getattr(sel, f), getattr(canonical, f)), f
     assert whole.cost.rows >= canonical.cost.rows  # ... at the whole groups' cost
     # a device that pays per token (a CPU) keeps the slices at every rate: the walk of no budget, no speculation
-    for rate in (THIN_BELOW / 2, 0.5, 1.0):
+    for rate in (0.02, 0.5, 1.0):
         cpu = select_replay(ctrl.buffer, cfg, pol.scorer, step=8, acceptance_rate=rate, scan_tokens=big,
                             latency_bound=False)
         plain = select_replay(ctrl.buffer, cfg, pol.scorer, step=8, acceptance_rate=rate)
         assert cpu.cost.sliced and (cpu.cost.rows, cpu.cost.unused) == (plain.cost.rows, plain.cost.unused)
         assert np.array_equal(cpu.scanned_headroom, plain.scanned_headroom)
-    assert thin.accepted.tolist() == canonical.accepted.tolist()
-    assert thin.cost.forward_tokens - thin.cost.unused_forward_tokens <= canonical.cost.forward_tokens
+
+
+@pytest.mark.parametrize("tau", [2e-3, 5e-3])
+@pytest.mark.parametrize("refresh", ["slice", "finish"])
+def test_a_run_with_a_budget_is_the_run_without_one(tau, refresh):
+    """Step after step, budget, device and speculation change what is forwarded, never a result: every selection,
+    every scanned group's Drift, exactness and refreshed Headroom, and the buffer's caches after every commit."""
+    runs = []
+    for budget, latency in ((None, True), (1.0, True), (40.0, True), (3.0, False)):
+        cfg = ReplayConfig(k_rep=3, tau=tau, capacity=24, scan_refresh=refresh, scan_passes=2)  # first slices of 2+
+        ctrl, log = ReplayController(cfg), []
+        for t in range(12):
+            tokens = None if budget is None or not len(ctrl.buffer) else int(budget * _largest(ctrl.buffer))
+            sel = ctrl.select(step=t, scorer=policy_at(t).scorer, scan_tokens=tokens, latency_bound=latency)
+            log.append((sel.accepted.tolist(), sel.scanned.tolist(), sel.scanned_exact.tolist(),
+                        sel.scanned_drift.tolist(), sel.scanned_headroom.tolist()))
+            ctrl.stage(fresh(t), step=t)
+            ctrl.commit()
+            ids = ctrl.buffer.insertion_ids()
+            log.append(ctrl.buffer.slot_values("cached_headroom", ids).tolist())
+        runs.append(log)
+    assert all(r == runs[0] for r in runs[1:])
 
 
 def test_a_budget_that_cannot_fit_a_group_is_refused_before_any_forward():
