@@ -64,8 +64,8 @@ def select_replay(buffer: BufferView, config: ReplayConfig, scorer: Scorer | Non
     spec, tau = _checked(buffer, config, scorer, tau, rng)
     step, K, u = check_step("step", step), config.unit_budget, config.unit_multiple
     rate = check_real("acceptance_rate", acceptance_rate, lo=0.0, hi=1.0)
-    budget = config.scan_tokens if config.scan_tokens is not None else \
-        (None if scan_tokens is None else check_int("scan_tokens", scan_tokens, lo=1, hi=MAX_TOKENS))
+    budget = None if scan_tokens is None else check_int("scan_tokens", scan_tokens, lo=1, hi=MAX_TOKENS)
+    budget = config.scan_tokens if config.scan_tokens is not None else budget  # the configured one first
     latency_bound = check_bool("latency_bound", latency_bound)
     base = tau if not callable(tau) else float("nan")
     if spec.order is None or K == 0 or len(buffer) == 0:

@@ -128,6 +128,8 @@ def test_a_budget_that_cannot_fit_a_group_is_refused_before_any_forward():
     for bad in (0, -5, 2.5, True, "100"):
         with pytest.raises(ReplayInputError, match="scan_tokens"):
             select_replay(ctrl.buffer, cfg, calls, step=8, scan_tokens=bad)
+        with pytest.raises(ReplayInputError, match="scan_tokens"):  # checked even where the config's budget rules
+            select_replay(ctrl.buffer, dataclasses.replace(cfg, scan_tokens=10 * need), calls, step=8, scan_tokens=bad)
         with pytest.raises(ReplayConfigError, match="scan_tokens"):
             ReplayConfig(scan_tokens=bad)
     assert calls.calls == []  # no forward ran
