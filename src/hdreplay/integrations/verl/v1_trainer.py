@@ -114,10 +114,15 @@ class HDRTrainerMixin(ReplayCheckpoints):
         """The gate's forwards filled as verl's own (:func:`..common.scan_budget`): rows of dp x the inference
         micro-batch, which a log-prob call pads up to anyway, so that room is filled speculatively; its workers are
         GPUs, latency-bound (issue 37)."""
+        return scan_budget(self.replay, rows_per_forward=self._score_rows(),
+                           group_size=int(self.config.actor_rollout_ref.rollout.n),
+                           configured=self.hdr.replay_config.scan_tokens, latency_bound=True)
+
+    def _score_rows(self) -> int:
+        """Rows a log-prob call runs in whole: dp x the inference micro-batch (1 with dynamic bsz)."""
         cfg = self.config.actor_rollout_ref
         micro = 1 if cfg.actor.use_dynamic_bsz else int(cfg.rollout.get("log_prob_micro_batch_size_per_gpu") or 1)
-        return scan_budget(self.replay, rows_per_forward=self._actor_dp() * micro, group_size=int(cfg.rollout.n),
-                           configured=self.hdr.replay_config.scan_tokens, latency_bound=True)
+        return self._actor_dp() * micro
 
     def _replay_scorer(self, groups: Sequence[GroupRecord]) -> list[torch.Tensor]:
         """Current-policy log-probs of the groups' stored tokens: G flat ``(T_g,)`` tensors.
@@ -130,8 +135,7 @@ class HDRTrainerMixin(ReplayCheckpoints):
         fields, tags = scoring_rows(groups)
         names = score_fields(groups)
         K = groups[0].mm_inputs[POSITIONS].shape[1] if POSITIONS in groups[0].mm_inputs else None
-        micro = 1 if cfg.actor.use_dynamic_bsz else int(cfg.rollout.get("log_prob_micro_batch_size_per_gpu") or 1)
-        n_pad = padding_needed(len(fields), minibatch_rows=self._actor_dp() * micro)
+        n_pad = padding_needed(len(fields), minibatch_rows=self._score_rows())
         pad, pad_tags = padding_rows(n_pad, fields=names, dtypes={}, token_id=self._token_id, uid="hdrpad",
                                      position_rows=K)
         self._score_calls += 1
