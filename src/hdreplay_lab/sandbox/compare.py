@@ -313,7 +313,7 @@ def run_compare(cfg: CompareConfig, out: Path, *, overwrite: bool = False, log=p
     from .model import load_model  # noqa: F401  (fail early if transformers is missing)
     from .pool import run_jobs
     from .summary import write_summary
-    from .warmstart import warm_start
+    from .warmstart import check_regime, warm_start
 
     out = Path(out)
     t0 = time.perf_counter()
@@ -332,6 +332,7 @@ def run_compare(cfg: CompareConfig, out: Path, *, overwrite: bool = False, log=p
     if model_dir is None:
         log("warm start (cached once per settings in the shared cache directory) ...")
         model_dir = warm_start(task, log=log)
+    check_regime(task, model_dir, log=log)  # a setting that misses its asked regime stops here, before any run
     jobs, done = [], 0
     planned = [(cfg.spec(m.name, seed), out / "runs" / m.name / f"seed{seed}")
                for seed in range(cfg.seeds) for m in methods]  # seed-major: whole seeds of every method first

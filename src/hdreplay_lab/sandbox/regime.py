@@ -101,7 +101,8 @@ def run_regime(run_dir: Path, *, model_ms_per_token: float = 0.0) -> dict:
                                                 for s in active if s.get("ingress_candidates")]),
         })
         out["series"].update({"replay_step": [s["step"] for s in active], "acceptance": acc,
-                              "replay_kl": [s.get("replay_kl") for s in active]})
+                              "replay_kl": [s.get("replay_kl") for s in active],
+                              "scanned": [s.get("scanned") for s in active]})
     return out
 
 
@@ -122,4 +123,30 @@ def method_regime(runs: list[dict]) -> dict:
     for k in ("zero_variance_in_band", "acceptance_in_band"):
         vals = [r[k] for r in runs if r.get(k) is not None]
         out[k] = float(np.mean(vals)) if vals else None
+    return out
+
+
+#: the per-interval series: (series key, the key of its steps)
+INTERVAL_SERIES = (("zero_variance_share", "step"), ("acceptance", "replay_step"), ("scanned", "replay_step"))
+
+
+def interval_regime(regimes: list[dict], steps: int, width: int) -> list[dict]:
+    """Seed means of each run's per-step regime numbers over intervals of ``width`` steps (1..width, width+1..2 width,
+    ... up to ``steps``): is the regime held through the run, not only on average?  Each run's interval mean first,
+    then the mean over the runs that have the series (None where none has a step in the interval)."""
+    if width < 1:
+        raise ValueError(f"interval width must be >= 1, got {width!r}")
+    out = []
+    for lo in range(1, steps + 1, width):
+        hi = min(lo + width - 1, steps)
+        row = {"steps": [lo, hi]}
+        for key, xkey in INTERVAL_SERIES:
+            means = []
+            for r in regimes:
+                xs, ys = r["series"].get(xkey) or [], r["series"].get(key) or []
+                vals = [y for x, y in zip(xs, ys) if lo <= x <= hi and y is not None]
+                if vals:
+                    means.append(float(np.mean(vals)))
+            row[key] = float(np.mean(means)) if means else None
+        out.append(row)
     return out

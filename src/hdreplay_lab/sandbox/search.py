@@ -8,6 +8,7 @@ Knowledge base (generated from a seed, on the machine): entities with made-up na
     hop1   "city of lum?"           -> search lum -> vora
     boss   "boss of lum?"           -> search lum -> tek
     hop2   "city of boss of lum?"   -> search lum -> search tek -> (tek's city)
+    hop3   "city of boss of boss of lum?" -> three lookups (the ``search_mix`` setting's hard end, tasks.py)
 
 Conversation format (a char-level chat template, prefix-preserving, tool calling supported)::
 
@@ -136,7 +137,7 @@ class SearchProblem:
 @dataclass(frozen=True)
 class SearchBenchmark:
     name: str
-    kind: str  # hop1 | boss | hop2
+    kind: str  # hop1 | boss | hop2 | hop3
     size: int
 
 
@@ -149,6 +150,10 @@ def make_search_problem(kind: str, e: str, kb: KnowledgeBase = KB) -> SearchProb
     if kind == "hop2":
         b = f["boss"]
         return SearchProblem(f"city of boss of {e}?", kb.facts[b]["city"], (e, b))
+    if kind == "hop3":
+        b = f["boss"]
+        bb = kb.facts[b]["boss"]
+        return SearchProblem(f"city of boss of boss of {e}?", kb.facts[bb]["city"], (e, b, bb))
     raise ValueError(f"unknown question kind {kind!r}")
 
 
@@ -178,6 +183,8 @@ class SearchTask:
     name: str = "search"
     vocab: str = VOCAB
     train_kinds: tuple = ("hop1", "boss", "hop2")
+    #: the kinds the supervised warm start demonstrates (None: train_kinds); a kind left out is one GRPO must discover
+    warmstart_kinds: tuple | None = None
     benchmarks: tuple = (SearchBenchmark("hop1", "hop1", 60), SearchBenchmark("boss", "boss", 60),
                          SearchBenchmark("hop2", "hop2", 60))
     heldout_share: float = 0.4  # entities whose questions are only asked in the benchmarks
@@ -186,6 +193,9 @@ class SearchTask:
     #: warm start: sequences are ~90 tokens, accuracy rises fast, so check it often
     warmstart_overrides: tuple = (("batch", 64), ("eval_every", 20), ("eval_prompts", 24))
     default_latency_ms: float = 5.0
+    #: the zero-variance share of fresh groups the warm start must leave, or None (no regime asked): a comparison on
+    #: a task whose share after the warm start lies outside it stops before training, naming the share (compare.py)
+    zero_variance_band: tuple | None = None
     notes: str = "multi-turn: model calls <search q=...>, the environment appends [facts] (loss mask 0)"
     extra: dict = field(default_factory=dict)
 
@@ -204,6 +214,10 @@ class SearchTask:
         train, _ = self._split()
         rng = random.Random(f"search/train/{seed}")
         return [make_search_problem(rng.choice(self.train_kinds), rng.choice(train)) for _ in range(k)]
+
+    def warmstart_problems(self, k: int, seed: int) -> list[SearchProblem]:
+        """The warm start's training problems: :meth:`train_problems` over ``warmstart_kinds``."""
+        return replace(self, train_kinds=self.warmstart_kinds or self.train_kinds).train_problems(k, seed)
 
     def benchmark_problems(self, bench: SearchBenchmark) -> list[SearchProblem]:
         _, held = self._split()

@@ -49,7 +49,7 @@ def render_markdown(summary: dict) -> str:
     lines.append(table(["Metric", *(ms[k]["label"] for k in names)], rows))
     if summary.get("multiturn"):
         lines += _tool_table(summary)
-    lines += _gate(summary) + _regime(summary) + _paired(summary, seeds) + _efficiency(summary)
+    lines += _gate(summary) + _regime(summary) + _intervals(summary) + _paired(summary, seeds) + _efficiency(summary)
     lines += _environment(summary)
     return "\n".join(lines) + "\n"
 
@@ -80,6 +80,29 @@ def _gate(summary: dict) -> list[str]:
         out.append(f"* **Why there is something to replay.** {_pct(zv)} of Headroom-Drift's fresh groups were "
                    "zero-variance (all answers right or all wrong: no GRPO gradient); they never enter the buffer.")
     return out
+
+
+def _intervals(summary: dict) -> list[str]:
+    """The zero-variance share of every method and the gate's acceptance and scan depth, per interval of steps."""
+    ms = summary["methods"]
+    per = {k: e.get("regime_intervals") for k, e in ms.items() if e.get("regime_intervals")}
+    if not per:
+        return []
+    gate = next((k for k in ("headroom_drift",) if k in per), None)
+    rows = []
+    for i, iv in enumerate(next(iter(per.values()))):
+        row = [f"{iv['steps'][0]}-{iv['steps'][1]}", *(_pct(per[k][i]["zero_variance_share"]) for k in per)]
+        if gate:
+            g = per[gate][i]
+            row += [_pct(g["acceptance"]) if g["acceptance"] is not None else "-", _f(g["scanned"], ".1f", "-")]
+        rows.append(row)
+    head = ["Steps", *(f"Zero-var. {ms[k]['label']}" for k in per)]
+    if gate:
+        head += ["HDR acceptance", "HDR scanned / step"]
+    return ["", "## Regime per interval", "",
+            "Seed means of each run's interval mean: the share of fresh groups that are zero-variance, per method, and "
+            "Headroom-Drift's gate acceptance (passes / groups re-scored) and groups scanned per step.", "",
+            table(head, rows)]
 
 
 def _regime(summary: dict) -> list[str]:

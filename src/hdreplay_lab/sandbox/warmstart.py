@@ -129,7 +129,8 @@ def warm_start(task: Task, cache_dir: str | os.PathLike | None = None, cfg: Warm
         torch.manual_seed(cfg.seed)
         rng = random.Random(cfg.seed)
         opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0, betas=(0.9, 0.98))
-        train = task.train_problems(cfg.max_steps * cfg.batch // 4 + cfg.batch, seed=cfg.seed)
+        problems = getattr(task, "warmstart_problems", task.train_problems)  # search_mix: a kind left to GRPO
+        train = problems(cfg.max_steps * cfg.batch // 4 + cfg.batch, seed=cfg.seed)
         history, acc, step = [], 0.0, 0
         model.train()
         for step in range(1, cfg.max_steps + 1):
@@ -190,8 +191,52 @@ def zero_variance_share(model, tok, task: Task, cfg: WarmStartConfig) -> float:
     from .evaluate import sample_completions
 
     probe = task.train_problems(cfg.zero_variance_prompts, seed=10_000 + cfg.seed)
-    width = max(len(p.answer) for p in probe) + 2
-    comps = sample_completions(model, tok, [p.prompt for p in probe], n=cfg.zero_variance_n, max_new_tokens=width,
-                               seed=cfg.seed)
+    if task.is_multiturn:  # whole episodes through the tool loop, as GRPO samples them; the caller's RNG kept
+        from .search import install_chat_format, rollout
+
+        install_chat_format(tok)
+        state = torch.get_rng_state()
+        try:
+            torch.manual_seed(cfg.seed)
+            comps = rollout(model, tok, probe, n=cfg.zero_variance_n, max_tool_calls=task.max_tool_calls)
+        finally:
+            torch.set_rng_state(state)
+    else:
+        width = max(len(p.answer) for p in probe) + 2
+        comps = sample_completions(model, tok, [p.prompt for p in probe], n=cfg.zero_variance_n,
+                                   max_new_tokens=width, seed=cfg.seed)
     same = [len({task.score(c, p.answer) for c in cs}) == 1 for cs, p in zip(comps, probe)]
     return sum(same) / len(same)
+
+
+class RegimeOutOfBand(ValueError):
+    """A task's warm start leaves a zero-variance share outside the band the task asks for (``zero_variance_band``)."""
+
+
+def check_regime(task: Task, model_dir: str | os.PathLike, log=print) -> float | None:
+    """The zero-variance share of fresh groups ``model_dir`` starts a comparison with, checked against the task's
+    ``zero_variance_band`` (None: the task asks for no regime; nothing is measured).
+
+    Reads the share the warm start measured at its stop (``warmstart.json``); a checkpoint without one (``--model``)
+    is measured here with the task's warm-start probe.  Raises :class:`RegimeOutOfBand`, naming the measured share,
+    when it lies outside the band: the comparison must stop before training."""
+    band = getattr(task, "zero_variance_band", None)
+    if band is None:
+        return None
+    model_dir = Path(model_dir)
+    meta = model_dir / "warmstart.json"
+    share = json.loads(meta.read_text()).get("zero_variance_share") if meta.is_file() else None
+    if share is None:
+        from dataclasses import replace
+
+        cfg = replace(WarmStartConfig(), **dict(getattr(task, "warmstart_overrides", ())))
+        model, tok = load_model(model_dir)
+        share = zero_variance_share(model, tok, task, cfg)
+    lo, hi = band
+    if not lo <= share <= hi:
+        raise RegimeOutOfBand(
+            f"task {task.name}: {share:.0%} of fresh groups are zero-variance after the warm start ({model_dir.name}), "
+            f"outside the {lo:.0%}-{hi:.0%} this setting asks for; the comparison stops before training. Change the "
+            "task's question mix or its warm start (zero_variance_target), or use a task that asks for no regime")
+    log(f"regime: {share:.0%} of fresh groups zero-variance after the warm start (asked {lo:.0%}-{hi:.0%})")
+    return float(share)
