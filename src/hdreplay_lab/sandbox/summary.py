@@ -130,7 +130,8 @@ def summarize(out: Path, cfg, methods, task, *, reps: int = 4000) -> dict:
                    for s in range(cfg.seeds)]
         entry["regime"] = method_regime(regimes)
         entry["regime_series"] = _mean_series(regimes)
-        entry["regime_intervals"] = interval_regime(regimes, cfg.steps - 1, cfg.eval_every or max(1, cfg.steps // 4))  # steps 1..T-1 (0-based)
+        width = cfg.eval_every or max(1, cfg.steps // 4)  # the curve's intervals
+        entry["regime_intervals"] = interval_regime(regimes, cfg.steps - 1, width)  # steps 1..T-1 (0-based)
         seed_curves = [read_curve(_run_dir(out, m.name, s)) for s in range(cfg.seeds)]
         if all(len(c) >= 2 for c in seed_curves):
             curves[m.name] = entry["curve"] = method_curve(
