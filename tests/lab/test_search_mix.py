@@ -14,12 +14,19 @@ from hdreplay_lab.sandbox.warmstart import RegimeOutOfBand, check_regime
 def test_search_mix_spans_one_to_three_lookups_and_asks_for_the_papers_band():
     task = get_task("search_mix")
     assert task.is_multiturn and task.max_tool_calls == 3 and task.zero_variance_band == (0.40, 0.60)
-    assert dict(task.warmstart_overrides)["zero_variance_target"] == 0.5
+    assert "zero_variance_target" not in dict(task.warmstart_overrides)  # the accuracy stop; the mix sets the share
     assert [b.kind for b in task.benchmarks] == ["hop1", "boss", "hop2", "hop3"]
     probs = task.train_problems(200, seed=0)
     assert {len(p.hops) for p in probs} == {1, 2, 3}
     # the warm start demonstrates one and two lookups; a third is left for GRPO to discover (the all-wrong end)
     assert {len(p.hops) for p in task.warmstart_problems(200, seed=0)} == {1, 2}
+    # the warm start records the share of this mix: another mix must not reuse its cache entry
+    from dataclasses import replace
+
+    from hdreplay_lab.sandbox.warmstart import WarmStartConfig
+
+    assert WarmStartConfig().key(task) != WarmStartConfig().key(replace(task, train_kinds=("hop1", "hop3")))
+    assert sum(len(p.hops) == 3 for p in probs) / len(probs) == pytest.approx(0.5, abs=0.1)  # half are three-hop
     held = task.heldout_prompts()
     assert not held & {p.question for p in probs}  # benchmark entities never asked in training
     e = sorted(KB.facts)[3]

@@ -18,10 +18,11 @@ Tasks
                   0.0 wrong.  Use with answer-based ingress (threshold 0.9).
 ``search``        multi-turn agentic search with a local tool (see search.py); after its warm start few fresh
                   groups are zero-variance (6 %, docs/results/search)
-``search_mix``    the search task in the paper's regime: questions from one lookup to three (hop1, boss, hop2,
-                  hop3; up to 3 tool calls), warm-started until half of the fresh groups are zero-variance (the
-                  easy kinds all right, the three-hop ones all wrong); a comparison refuses a warm start that
-                  leaves the share outside 40-60 % (docs/results/search_mix)
+``search_mix``    the search task in the paper's regime: questions from one lookup to three (hop1, boss, hop2 and,
+                  for half of them, hop3; up to 3 tool calls); the warm start demonstrates one and two lookups
+                  only, so the three-hop groups start almost all wrong and about half of the fresh groups are
+                  zero-variance; a comparison refuses a warm start that leaves the share outside 40-60 %
+                  (docs/results/search_mix)
 ``geo``           visual geometry with a tiny VLM: labelled lengths read from a PIL-drawn image, the
                   Geometry3K answer x format reward (see geo.py)
 """
@@ -171,11 +172,14 @@ def _register_search() -> None:
 
     TASKS["search"] = SearchTask()
     TASKS["search_mix"] = SearchTask(
-        name="search_mix", train_kinds=("hop1", "boss", "hop2", "hop3"), warmstart_kinds=("hop1", "boss", "hop2"),
+        # half of the questions need a third lookup the warm start never shows (92 % of their groups all wrong after it,
+        # the rest 2-12 % zero-variance: docs/results/search_mix), so about half of the fresh groups start zero-variance
+        name="search_mix", train_kinds=("hop1", "boss", "hop2", "hop3", "hop3", "hop3"),
+        warmstart_kinds=("hop1", "boss", "hop2"),
         max_tool_calls=3,
         benchmarks=(SearchBenchmark("hop1", "hop1", 40), SearchBenchmark("boss", "boss", 40),
                     SearchBenchmark("hop2", "hop2", 40), SearchBenchmark("hop3", "hop3", 40)),
-        warmstart_overrides=(("batch", 64), ("eval_every", 10), ("eval_prompts", 24), ("zero_variance_target", 0.5)),
+        warmstart_overrides=(("batch", 64), ("eval_every", 20), ("eval_prompts", 24)),
         zero_variance_band=(0.40, 0.60),
         notes="search from one to three lookups, warm-started to about half zero-variance fresh groups")
 

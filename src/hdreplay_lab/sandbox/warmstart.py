@@ -57,7 +57,10 @@ class WarmStartConfig:
     zero_variance_n: int = 8
 
     def key(self, task: Task) -> str:
-        blob = json.dumps({"task": task.name, "vocab": task.vocab, **asdict(self)}, sort_keys=True)
+        setting = {"task": task.name, "vocab": task.vocab, **asdict(self)}
+        if getattr(task, "warmstart_kinds", None):  # the recorded zero-variance share depends on the question mix
+            setting["kinds"] = [list(task.train_kinds), list(task.warmstart_kinds)]
+        blob = json.dumps(setting, sort_keys=True)
         return f"{task.name}-{self.arch}-h{self.hidden}l{self.layers}-s{self.seed}-" + hashlib.sha1(blob.encode()).hexdigest()[:10]
 
 
@@ -159,6 +162,8 @@ def warm_start(task: Task, cache_dir: str | os.PathLike | None = None, cfg: Warm
                     break
         if history and "mean_at_n" not in history[-1]:  # max_steps reached before the zero-variance target
             history[-1]["mean_at_n"] = acc = _quick_eval(model, tok, task, cfg)
+        if history and "zero_variance_share" not in history[-1] and getattr(task, "zero_variance_band", None):
+            history[-1]["zero_variance_share"] = zero_variance_share(model, tok, task, cfg)  # what check_regime reads
         with quiet_hf_progress():
             model.save_pretrained(tmp)
         meta = {"task": task.name, "config": asdict(cfg), "steps": step, "mean_at_n": acc, "history": history,
