@@ -29,6 +29,7 @@ from .controller import ReplayController
 from .errors import (
     CheckpointError,
     CheckpointLockedError,
+    CheckpointMismatchError,
     IngestError,
     ReplayConfigError,
     ReplayError,
@@ -50,7 +51,7 @@ from .selectors import SELECTORS, Selection
 __version__ = "0.2.0.dev0"
 
 __all__ = [
-    "AnswerBased", "CheckpointError", "CheckpointLockedError", "DiagnosticsWriter", "drift", "group_scores",
+    "AnswerBased", "CheckpointError", "CheckpointLockedError", "CheckpointMismatchError", "DiagnosticsWriter", "drift", "group_scores",
     "GroupRecord", "groups_from_rows", "headroom", "Ingest", "IngestError", "make_ingress_rule", "METRIC_KEYS",
     "metrics_from_record", "MixedOutcome", "pad_groups", "PaddedGroups", "reference_headroom", "replay_kl",
     "replay_kl_per_group", "ReplayBuffer", "ReplayConfig", "ReplayConfigError", "ReplayController", "ReplayCostWarning",

@@ -18,11 +18,14 @@ Save (:func:`write_checkpoint_dir`), a crash at any file-system call included:
 3. write both files into a new hidden directory ``D/.tmp-v-...`` -- the tensors streamed block by block from
    the caller's storage (:mod:`hdreplay.tensorfile`: no copy of the whole state is ever built) -- fsync each and
    the directory, and rename it to ``D/v-...`` (not referenced by the manifest yet: invisible to a load);
-4. write the new manifest to a hidden temporary file, fsync it, check the lock is still this save's, and rename
-   the manifest over ``D/manifest.json`` -- the single commit point (``rename`` replaces atomically) -- then fsync
-   ``D``;
-5. delete whatever the new manifest does not reference: the previous version and leftovers of crashed saves
-   (hidden temporaries, unreferenced versions); release the lock.
+4. write the new manifest to a hidden temporary file named with the lock's token, fsync it, check the lock is still
+   this save's, and rename the manifest over ``D/manifest.json`` -- the single commit point (``rename`` replaces
+   atomically) -- then fsync ``D``.  A writer that breaks a stale lock first deletes the broken save's staged
+   manifest (:mod:`hdreplay.dirlock`), so a save that stalled past the lock's age limit after its check cannot
+   commit: it fails with :class:`~hdreplay.errors.CheckpointLockedError`;
+5. delete what the new manifest does not reference among the entries that were there when the lock was taken: the
+   previous version and leftovers of crashed saves (hidden temporaries, unreferenced versions) -- never what another
+   writer made since, nor the directory the manifest names at that moment; release the lock.
 
 Before the commit point the manifest names the previous complete version, which steps 1-4 never
 touch; after it, it names the new complete one.  So after a crash anywhere, a load yields exactly
@@ -54,9 +57,9 @@ from typing import Any, BinaryIO, Iterable, Iterator, Mapping
 
 import torch
 
-from . import tensorfile
+from . import dirlock, tensorfile
 from .dirlock import LOCK_FILE, DirLock
-from .errors import CheckpointError
+from .errors import CheckpointError, CheckpointLockedError, CheckpointMismatchError
 
 TENSORS_FILE = "tensors.safetensors"
 STATE_FILE = "state.json"
@@ -175,12 +178,15 @@ def write_checkpoint_dir(
         raise CheckpointError(f"{d}: cannot serialise the state ({e}); nothing was written") from e
     name = f"v-{uuid.uuid4().hex[:16]}"
     tmp, final = d / f".tmp-{name}", d / name
-    mtmp = d / f".{MANIFEST_FILE}.tmp-{uuid.uuid4().hex[:16]}"
-    committed, lock = False, None
+    committed, lock, mtmp = False, None, None
     try:
         FS.makedirs(d)
         lock = DirLock(d, FS)
+        mtmp = _staged_manifest(d, lock.token)
         lock.acquire()
+        for token in lock.broken:  # the fence: a stalled writer whose lock was broken can no longer commit
+            _remove_quietly(_staged_manifest(d, token))
+        before = set(FS.listdir(d))  # what cleanup may delete: nothing another writer creates from now on
         FS.mkdir(tmp)
         files = {STATE_FILE: _write_file(tmp / STATE_FILE, [sbytes]),
                  TENSORS_FILE: _write_file(tmp / TENSORS_FILE, tensorfile.chunks(specs, prefix), lock.heartbeat)}
@@ -206,6 +212,12 @@ def write_checkpoint_dir(
             _release(lock)
             raise CheckpointError(f"{d}: the new checkpoint is in place but its directory could not be synced "
                                   f"({_describe(e)})") from e
+        if lock is not None and lock.held and not lock.holds():
+            _abandon(lock, tmp, final, mtmp)
+            raise CheckpointLockedError(
+                f"{d}: this save stalled past the lock's age limit ({dirlock.STALE_AFTER_S:.0f} s untouched) and another "
+                f"writer broke its lock and fenced it off ({_describe(e)}); nothing was committed: the directory "
+                "holds the other writer's checkpoint. Two jobs must not write the same checkpoint directory") from e
         _abandon(lock, tmp, final, mtmp)
         raise CheckpointError(f"{d}: cannot write the checkpoint ({_describe(e)}); the previous checkpoint at "
                               "this path, if any, is intact") from e
@@ -214,7 +226,7 @@ def write_checkpoint_dir(
             lock._forget()
         raise
     try:
-        _clean(d, keep={MANIFEST_FILE, name})
+        _clean(d, keep={MANIFEST_FILE, name}, only=before)
     finally:
         lock._forget()  # (a crash during the cleanup leaves a lock the next save finds stale)
     _release(lock)
@@ -237,13 +249,26 @@ def _release(lock: DirLock | None) -> None:
         pass
 
 
-def _clean(d: Path, keep: set[str]) -> None:
-    """Remove what the current manifest does not reference (best effort: the next save retries)."""
+def _staged_manifest(d: Path, token: str) -> Path:
+    """Where the save holding the lock with ``token`` stages its manifest (a breaker of that lock deletes it)."""
+    return d / f".{MANIFEST_FILE}.tmp-{token}"
+
+
+def _named_dir(d: Path) -> str | None:
+    """The version directory the manifest names now (None if unreadable)."""
     try:
-        entries = FS.listdir(d)
-    except OSError:
-        return
-    for entry in entries:
+        man = json.loads(FS.read_bytes(d / MANIFEST_FILE, _MAX_MANIFEST_BYTES))
+        return man.get("dir") if isinstance(man, dict) and isinstance(man.get("dir"), str) else None
+    except (OSError, CheckpointError, ValueError, UnicodeDecodeError, RecursionError):
+        return None
+
+
+def _clean(d: Path, keep: set[str], only: set[str]) -> None:
+    """Remove what the current manifest does not reference among ``only`` (the entries there before this save took
+    its lock: never what another writer made after breaking it) and never the directory the manifest names at this
+    moment (best effort: the next save retries)."""
+    keep = keep | {_named_dir(d)}
+    for entry in sorted(only):
         if entry not in keep and _OURS.fullmatch(entry):
             _remove_quietly(d / entry)
 
@@ -354,3 +379,30 @@ def _read_manifest_layout(d: Path, format_name: str) -> tuple[dict, BinaryIO, Pa
         raise CheckpointError(f"{d}: state.json is not an object")
     _check_format(state.get("format"), format_name, d)
     return state, _verified(paths[TENSORS_FILE], files[TENSORS_FILE], why), paths[STATE_FILE]
+
+
+def identity_of(name: str, d: Any, err: type, where: str = "") -> dict[str, Any]:
+    """``d`` (None: {}) checked to be what a state may say it belongs to: a few names mapped to JSON scalars."""
+    if d is None:
+        return {}
+    ok = isinstance(d, dict) and len(d) <= 16 and all(
+        isinstance(k, str) and (v is None or isinstance(v, (str, int, float, bool))) and len(str(v)) <= 256
+        for k, v in d.items())
+    if not ok:
+        raise err(f"{where}{name}: must map names to JSON scalars (e.g. {{'run_id': str, 'global_step': int}}), "
+                  f"got {d!r:.120}")
+    return dict(d)
+
+
+def check_identity(meta: Mapping[str, Any], expect: Mapping[str, Any], directory: Any) -> None:
+    """CheckpointMismatchError naming both values unless every value ``expect`` and the state's saved ``identity`` both
+    hold is equal (a state saved without an identity, by an earlier hdreplay, is not compared)."""
+    saved = meta.get("identity")
+    if saved is None or not expect:
+        return
+    saved = identity_of("identity", saved, CheckpointError, where=f"{directory}: ")
+    differ = [f"{k}: the replay state holds {saved[k]!r}, the checkpoint {v!r}" for k, v in expect.items()
+              if k in saved and v is not None and saved[k] != v]
+    if differ:
+        raise CheckpointMismatchError(f"{directory}: this replay state belongs to another run or step than the "
+                                      "checkpoint it is resumed with (" + "; ".join(differ) + ")")

@@ -66,8 +66,9 @@ class ReplayController(ControllerCheckpoint):
         observers:       what stands around the method (:mod:`hdreplay.diagnostics`); each has a unique ``name``
                          and any of ``on_select(controller, selection, scorer) -> Selection | None``,
                          ``on_commit(controller, record) -> dict | None`` (fields for ``record.extras``),
-                         ``state_dict() -> dict`` with ``check_state(state or None) -> parsed`` (raises
-                         CheckpointError, changes nothing) and ``restore(controller, parsed)``.
+                         ``state_dict() -> dict`` with ``check_state(saved or None, loading) -> parsed``
+                         (``loading``: the validated controller state being loaded; raises CheckpointError,
+                         changes nothing) and ``restore(controller, parsed)``.
 
     >>> from hdreplay import GroupRecord, ReplayConfig
     >>> g = GroupRecord.from_responses(group_id="g0", prompt_ids=[5, 6], completion_ids=[[1, 2], [3]],

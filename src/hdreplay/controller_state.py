@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from . import sampling
-from .checkpoint import open_checkpoint_dir, write_checkpoint_dir
+from .checkpoint import check_identity, identity_of, open_checkpoint_dir, write_checkpoint_dir
 from .checkpoint_schema import ControllerState, parse_buffer_state, parse_controller_state
 from .errors import CheckpointError, ReplayConfigError, ReplayInputError, ReplayProtocolError, ReplayResumeWarning
 from .storage import SLOT_FIELDS, materialize
@@ -75,7 +75,7 @@ class ControllerCheckpoint:
             raise ReplayProtocolError(f"load_state_dict() while step {self._open_step} is open; commit() first")
         state = parse_controller_state(tensors, meta, config=self.config)
         try:
-            observed = [(o, o.check_state(state.observers.get(o.name))) for o in self.observers
+            observed = [(o, o.check_state(state.observers.get(o.name), state)) for o in self.observers
                         if hasattr(o, "check_state")]
         except CheckpointError as e:
             raise CheckpointError(f"controller state (observers): {e}") from None
@@ -102,19 +102,32 @@ class ControllerCheckpoint:
         self.rng_state = state.rng_state or sampling.rng_state(sampling.new_rng(self.config.seed))
         self.last_record = None
 
-    def save(self, directory: str | os.PathLike, *, allow_open_step: bool = False) -> None:
-        """Write the controller (buffer included) to ``directory`` crash-safely (see :mod:`hdreplay.checkpoint`)."""
+    def save(self, directory: str | os.PathLike, *, allow_open_step: bool = False,
+             identity: dict[str, Any] | None = None) -> None:
+        """Write the controller (buffer included) to ``directory`` crash-safely (see :mod:`hdreplay.checkpoint`).
+
+        ``identity``: what the state belongs to, as named JSON scalars (a trainer's run id and global step), written
+        with it and compared by :meth:`load`'s ``expect``."""
         check_path("save", directory)
+        identity = identity_of("identity", identity, ReplayInputError)
         tensors, meta = self.checkpoint_state(allow_open_step=allow_open_step)
+        if identity:
+            meta["identity"] = identity
         write_checkpoint_dir(directory, format_name=CONTROLLER_FORMAT, version=CONTROLLER_VERSION,
                              tensors=tensors, meta=meta)
 
-    def load(self, directory: str | os.PathLike) -> None:
-        """Restore from a directory written by :meth:`save`; on error nothing changes."""
+    def load(self, directory: str | os.PathLike, *, expect: dict[str, Any] | None = None) -> None:
+        """Restore from a directory written by :meth:`save`; on error nothing changes.
+
+        ``expect``: the identity the state must carry (each named value that both hold must be equal; a state saved
+        without an identity is not compared); else :class:`~hdreplay.errors.CheckpointMismatchError` naming both
+        values, before any file or state is touched."""
         check_path("load", directory)
+        expect = identity_of("expect", expect, ReplayInputError)
         if self._open_step is not None:
             raise ReplayProtocolError(f"load() while step {self._open_step} is open; commit() first")
         with open_checkpoint_dir(directory, format_name=CONTROLLER_FORMAT, versions=CONTROLLER_VERSIONS) as (t, meta):
+            check_identity(meta, expect, directory)
             try:
                 self.load_state_dict(t, meta)  # (the groups are read block by block)
             except CheckpointError as e:
@@ -144,3 +157,4 @@ class ControllerCheckpoint:
             except ReplayInputError:
                 raise CheckpointError(f"{directory}: last_step {last!r} is not a step") from None
         return last
+

@@ -24,6 +24,12 @@ Something other than a regular file at the lock's name (a FIFO, a directory, a s
 once, one wins), checked to be the lock judged stale, and deleted.  Before its commit point a save checks that the
 lock still holds its token (:meth:`DirLock.verify`), so a writer whose lock was broken under it fails instead of
 committing.
+
+That check and the commit are two steps, and a writer may stall between them longer than the age limit (a paused VM,
+another host's writer judged by age).  So the breaker also *fences* the broken save off: it records the broken lock's
+token (:attr:`DirLock.broken`) and the checkpoint module deletes that save's staged manifest, whose name carries the
+token, before writing anything; the stalled writer's commit is a rename of that file, which then fails (one atomic
+rename against another: either the stalled commit landed first and is an ordinary earlier save, or it cannot land).
 """
 
 from __future__ import annotations
@@ -180,6 +186,7 @@ class DirLock:
         self.token = uuid.uuid4().hex[:16]
         self.held = False
         self._beat = 0.0
+        self.broken: list[str] = []  # tokens of the stale locks this one broke (their saves must be fenced off)
 
     def _identity(self) -> dict:
         pid = os.getpid()
@@ -263,6 +270,8 @@ class DirLock:
                 self.fs.link(aside, self.path)
             except OSError:
                 pass  # its holder finds its token gone and fails before committing
+        elif holder is not None:
+            self.broken.append(holder["token"])
         self.fs.unlink(aside)
 
     def _refusal(self, holder: dict | None, problem: str, why: str) -> str:
@@ -283,11 +292,16 @@ class DirLock:
 
     def verify(self) -> None:
         """Raise CheckpointLockedError unless the lock file still holds this save's token (called before committing)."""
-        holder = self._holder()
-        if holder is None or holder["token"] != self.token:
+        if not self.holds():
+            holder = self._holder()
             raise CheckpointLockedError(
                 f"{self.dir}: this save's lock {self.path} was taken over by another writer "
                 f"({describe(holder) if holder else 'no valid lock file'}); nothing was committed")
+
+    def holds(self) -> bool:
+        """Whether the lock file holds this save's token now."""
+        holder = self._holder()
+        return holder is not None and holder["token"] == self.token
 
     def heartbeat(self) -> None:
         """Refresh the lock's mtime (at most every HEARTBEAT_S / 2 seconds; best effort)."""

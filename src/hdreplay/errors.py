@@ -45,6 +45,10 @@ class CheckpointLockedError(CheckpointError):
     """Another writer holds the checkpoint directory's lock (the message names its host, pid and start time)."""
 
 
+class CheckpointMismatchError(CheckpointError):
+    """A replay state belongs to another run or step than the checkpoint being resumed (the message names both)."""
+
+
 class ReplayStarvedWarning(UserWarning):
     """The Drift gate has starved replay for several consecutive steps (see ``ReplayController``)."""
 

@@ -13,6 +13,7 @@ from hdreplay import (CheckpointError, GroupRecord, ReplayConfig, ReplayControll
                       ReplayResumeWarning)
 from hdreplay.staleness import AsyncReplay, StalenessConfig
 from protocol import log_lines
+from strategy_states import read_state, resign
 
 pytestmark = pytest.mark.filterwarnings("ignore::hdreplay.staleness.FloorWarning")
 
@@ -173,3 +174,99 @@ def test_load_while_the_rule_has_an_open_update_is_refused(tmp_path):
     with pytest.raises(ReplayProtocolError, match="staleness rule's step 4 is open"):
         other.controller.load(tmp_path / "ckpt")
     assert other.controller.last_step is None and other._pending
+
+
+# ------------------------------------------------------------------ issue 39, item 2: cross-checked against the controller
+# Each case edits one field of a saved staleness state and re-signs the checkpoint (the checksums pass), as a hostile
+# or careless edit would.  Before: 20 of 28 such edits loaded silently, and a step of null or 0 truncated the run's
+# ``async.jsonl``.  Now each is refused with a CheckpointError naming the field, and nothing changes: not the rule,
+# not the controller, not a byte of the diagnostics files.
+
+
+def _saved(tmp_path):
+    """A checkpoint after updates 3-5 (diverted groups tracked and sampler-referenced, a floor measured)."""
+    ar, log = make(), []
+    for u in range(3, 6):
+        update(ar, u, log)
+    ar.commit()
+    s = ar.controller.state_dict()[1]["observers"]["staleness"]
+    assert s["tracked"] and s["sampler_ref"] and s["floor"]["groups"] > 0 and s["step"] == 6
+    ar.controller.save(tmp_path / "ckpt")
+    return tmp_path / "ckpt"
+
+
+def _edit(s, how):
+    tracked_gid = s["tracked"][0][0]
+    if how == "step +1":
+        s["step"] += 1
+    elif how == "step -1":
+        s["step"] -= 1
+    elif how == "step null":
+        s["step"] = None
+    elif how == "step 0":
+        s["step"] = 0
+    elif how == "tracked id not buffered":
+        s["tracked"][0][0] = "never-buffered"
+    elif how == "sampler_ref id not buffered":
+        s["sampler_ref"].append("never-buffered")
+    elif how == "tracked born after the step":
+        s["tracked"][0][1]["birth"] = s["step"] + 3
+    elif how == "floor estimate over 0 groups":
+        s["floor"]["groups"] = 0
+    elif how == "floor groups without an estimate":
+        s["floor"]["estimate"] = None
+    elif how == "generated != fresh + diverted + dropped":
+        s["totals"]["generated_groups"] += 1
+    elif how == "admitted > diverted":
+        s["totals"]["admitted_tokens"] = s["totals"]["diverted_tokens"] + 1
+    elif how == "more tracked than diverted":
+        s["totals"]["evicted_unused_groups"] = s["totals"]["diverted_groups"]
+        s["totals"]["evicted_unused_tokens"] = s["totals"]["diverted_tokens"]
+    else:
+        raise AssertionError(how)
+    return tracked_gid
+
+
+CASES = ["step +1", "step -1", "step null", "step 0", "tracked id not buffered", "sampler_ref id not buffered",
+         "tracked born after the step", "floor estimate over 0 groups", "floor groups without an estimate",
+         "generated != fresh + diverted + dropped", "admitted > diverted", "more tracked than diverted"]
+NAMES = {"step": "step", "tracked": "tracked", "sampler_ref": "sampler-referenced", "born": "born after",
+         "floor": "floor estimate", "generated": "generated_groups", "admitted": "admitted_tokens",
+         "more": "tracked diverted groups"}
+
+
+@pytest.mark.parametrize("how", CASES)
+def test_a_re_signed_staleness_state_that_does_not_fit_its_controller_is_refused_and_changes_nothing(tmp_path, how):
+    ckpt = _saved(tmp_path)
+    st, _ = read_state(ckpt)
+    meta = st["meta"]
+    _edit(meta["observers"]["staleness"], how)
+    resign(ckpt, meta)
+    # a run that went further, with its diagnostics files (steps.jsonl, groups.jsonl, async.jsonl)
+    other, log = make(tmp_path / "diag"), []
+    for u in range(3, 9):
+        update(other, u, log)
+    other.commit()
+    files = {p: p.read_bytes() for p in sorted((tmp_path / "diag").rglob("*")) if p.is_file()}
+    assert len(files) >= 2 and all(files.values())
+    before = state(other)
+    with pytest.raises(CheckpointError, match=r"staleness state: .*") as e:
+        other.controller.load(ckpt)
+    word = next(v for k, v in NAMES.items() if how.startswith(k) or k in how.split()[0])
+    assert word in str(e.value), (how, str(e.value))
+    assert "resume from an intact checkpoint" in str(e.value)
+    after = state(other)
+    assert after[1] == before[1] and all(torch.equal(after[0][k], before[0][k]) for k in after[0])
+    assert {p: p.read_bytes() for p in files} == files  # no line of any log lost
+
+
+def test_the_unedited_state_loads_and_rewinds_the_ledger_to_its_own_step(tmp_path):
+    ckpt = _saved(tmp_path)
+    other, log = make(tmp_path / "diag"), []
+    for u in range(3, 9):
+        update(other, u, log)
+    other.commit()
+    other.controller.load(ckpt)
+    steps = [json.loads(line)["step"] for line in (tmp_path / "diag" / "async.jsonl").read_text().splitlines()]
+    assert steps == [3, 4, 5, 6]  # rewound to the state's step, 6, and not below it
+    shutil.rmtree(ckpt)

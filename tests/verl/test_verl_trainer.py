@@ -228,6 +228,45 @@ def test_resume_without_replay_state_fails_unless_allowed(frozen, worker_group, 
     assert trainer.global_steps == 3 and len(trainer.replay.buffer) == 0
 
 
+def _files(root):
+    return {p: p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("case", ["another step's folder", "another run's state"])
+def test_resume_refuses_a_replay_state_of_another_step_or_run_before_touching_anything(frozen, worker_group, tmp_path,
+                                                                                      case):
+    """Issue 39: global_step_N/hdreplay carries the run id and step N; hdreplay_run.json beside it records the run.
+    Before: a folder holding another step's or another run's replay state resumed silently."""
+    import json
+
+    from hdreplay import CheckpointMismatchError
+    from hdreplay.integrations.verl.checkpoints import RUN_FILE
+
+    _, _, ckpt = frozen
+    copy = tmp_path / "ckpt"
+    shutil.copytree(ckpt, copy)
+    run = json.loads((copy / "global_step_3" / RUN_FILE).read_text())
+    assert run["global_step"] == 3 and len(run["run_id"]) == 32
+    if case == "another step's folder":  # global_step_5 whose files (replay state included) are step 3's
+        shutil.copytree(copy / "global_step_3", copy / "global_step_5")
+        (copy / "latest_checkpointed_iteration.txt").write_text("5")
+        want = "global_step: the replay state holds 3, the checkpoint 5"
+    else:  # the folder's run is another than the one whose replay state it holds
+        (copy / "global_step_3" / RUN_FILE).write_text(json.dumps({**run, "run_id": "f" * 32}))
+        want = f"run_id: the replay state holds '{run['run_id']}', the checkpoint '{'f' * 32}'"
+    before = _files(copy)
+    trainer = make_trainer(HDRRayPPOTrainer, compose_config(ckpt_dir=str(copy)), worker_group)
+    with pytest.raises(CheckpointMismatchError, match=want) as e:
+        trainer._load_checkpoint()
+    assert "hdr.resume_without_state=True" in str(e.value)
+    assert _files(copy) == before and len(trainer.replay.buffer) == 0
+    trainer = make_trainer(HDRRayPPOTrainer, compose_config("hdr.resume_without_state=true", ckpt_dir=str(copy)),
+                           worker_group)
+    with pytest.warns(UserWarning, match="empty replay state"):
+        trainer._load_checkpoint()
+    assert len(trainer.replay.buffer) == 0
+
+
 # ---------------------------------------------------------------------------------------------------------- moving
 def test_drifted_groups_are_rejected_and_not_trained(moving):
     trainer, records = moving

@@ -302,3 +302,44 @@ def test_resume_without_the_staleness_state_is_refused_naming_verls_option(resum
     assert len(run.trainer.steps[0]["selection"].scanned) > 0  # the buffer was restored
     [rec] = [json.loads(x) for x in (tmp_path / "diagnostics" / "async.jsonl").read_text().splitlines()]
     assert all(rec["totals"][k] == rec[k] for k in rec["totals"])  # the ledger started empty
+
+
+@pytest.mark.parametrize("case", ["another run's state", "staleness step re-signed"])
+def test_resume_refuses_a_replay_state_that_is_not_this_checkpoints_and_changes_no_file(resumed, worker_group,
+                                                                                       tokenizer, tiny_model_dir,
+                                                                                       tmp_path, case):
+    """Issue 39: the replay state carries the run id and step of its folder (hdreplay_run.json beside it), and the
+    staleness state is checked against the controller it is saved with; a mismatch is refused before any file changes
+    (the diagnostics logs of the run included); with hdr.resume_without_state the replay starts empty."""
+    from hdreplay import CheckpointError, CheckpointMismatchError
+    from hdreplay.integrations.verl.checkpoints import RUN_FILE
+    from strategy_states import read_state, resign
+
+    *_, ckpt = resumed
+    copy, resume = _checkpoint_copy(ckpt, tmp_path)
+    folder = copy / "global_step_2"
+    run = json.loads((folder / RUN_FILE).read_text())
+    if case == "another run's state":
+        (folder / RUN_FILE).write_text(json.dumps({**run, "run_id": "0" * 32}))
+        error, refusal = CheckpointMismatchError, rf"run_id: the replay state holds '{run['run_id']}', the checkpoint '0+'"
+        warning = r"empty replay state \(hdr\.resume_without_state=True\)"
+    else:
+        st = read_state(folder / "hdreplay")[0]
+        st["meta"]["observers"]["staleness"]["step"] = 0
+        resign(folder / "hdreplay", st["meta"])
+        error, refusal, warning = CheckpointError, r"staleness state: step 0 differs from the controller's", None
+    diag = tmp_path / "diagnostics"
+    diag.mkdir()
+    (diag / "async.jsonl").write_text('{"step": 0}\n{"step": 1}\n{"step": 2}\n{"step": 3}\n')
+    before = {p: p.read_bytes() for p in sorted(tmp_path.rglob("*")) if p.is_file()}
+    with pytest.raises(error, match=refusal):
+        _run(worker_group, tokenizer, tiny_model_dir, copy, *resume, steps=3)
+    assert {p: p.read_bytes() for p in sorted(tmp_path.rglob("*")) if p.is_file()} == before  # no log line lost
+    if warning is None:  # a malformed state is not "another run's": resume_without_state does not take it
+        return
+    with pytest.warns(UserWarning, match=warning):
+        again, _ = _run(worker_group, tokenizer, tiny_model_dir, copy, *resume, "hdr.resume_without_state=true",
+                        steps=3)
+    assert again.trainer.resumed_at == 2 and [s["step"] for s in again.trainer.steps] == [3]
+    rec = json.loads((diag / "async.jsonl").read_text().splitlines()[-1])
+    assert rec["step"] == 3 and all(rec["totals"][k] == rec[k] for k in rec["totals"])  # the ledger started empty

@@ -25,7 +25,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
-from ..checkpoint import read_checkpoint_dir, write_checkpoint_dir
+from ..checkpoint import check_identity, identity_of, read_checkpoint_dir, write_checkpoint_dir
 from ..errors import CheckpointError, ReplayConfigError, ReplayInputError, ReplayResumeWarning
 from ..multimodal import schema_from_json, schema_of, schema_to_json
 from ..record import GroupRecord
@@ -220,12 +220,19 @@ class StoredState:
 
     FORMAT: str
 
-    def save(self, directory, *, allow_open_step: bool = False) -> None:
-        save_state(directory, self.FORMAT, *self.state_dict())
+    def save(self, directory, *, allow_open_step: bool = False, identity: dict | None = None) -> None:
+        """``identity``: what the state belongs to (see :meth:`hdreplay.ReplayController.save`)."""
+        identity = identity_of("identity", identity, ReplayInputError)
+        tensors, meta = self.state_dict()
+        save_state(directory, self.FORMAT, tensors, {**meta, "identity": identity} if identity else meta)
 
-    def load(self, directory) -> None:
-        """Restore from :meth:`save`'s directory (CheckpointError naming the field if malformed; nothing changes)."""
+    def load(self, directory, *, expect: dict | None = None) -> None:
+        """Restore from :meth:`save`'s directory (CheckpointError naming the field if malformed; nothing changes);
+        ``expect``: see :meth:`hdreplay.ReplayController.load`."""
+        expect = identity_of("expect", expect, ReplayInputError)
         tensors, meta = load_state(directory, self.FORMAT)
+        check_identity(meta, expect, directory)
+        meta = {k: v for k, v in meta.items() if k != "identity"}
         try:
             self.load_state_dict(tensors, meta)
         except CheckpointError as e:

@@ -192,7 +192,7 @@ class AdaptiveTauObserver:
     def state_dict(self) -> dict | None:
         return None if self.state is None else self.state.to_dict()
 
-    def check_state(self, d: Any) -> TauState | None:
+    def check_state(self, d: Any, loading: Any = None) -> TauState | None:
         """A saved state, clamped into this schedule's bounds (None: none saved, the schedule starts over)."""
         if d is None:
             return None

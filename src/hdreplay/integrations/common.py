@@ -17,7 +17,7 @@ import torch
 from .. import baselines as _peers  # noqa: F401  (registers the peers' selectors: every trainer accepts them)
 from ..config import Knob
 from ..controller import ReplayController
-from ..errors import CheckpointError
+from ..errors import CheckpointError, CheckpointMismatchError, ReplayResumeWarning
 from ..ingest import split_by_schema  # noqa: F401  (re-exported: its home before hdreplay.ingest)
 from ..padding import PaddedGroups
 
@@ -30,8 +30,9 @@ INTEGRATION_KNOBS = (
          "directory of steps.jsonl / groups.jsonl; unset = the trainer's default (TRL: <output_dir>/replay, "
          "verl: <default_local_dir>/hdreplay_diagnostics), empty string = off", None),
     Knob("resume_without_state", bool, False, False,
-         "allow resuming from a checkpoint that has no replay state (e.g. written without hdreplay); the buffer "
-         "then starts empty. Off by default: losing the buffer silently changes the run", None),
+         "allow resuming from a checkpoint that has no replay state (e.g. written without hdreplay), or one whose "
+         "replay state belongs to another run or step; the buffer then starts empty. Off by default: losing the buffer "
+         "silently changes the run", None),
 )
 
 
@@ -67,14 +68,28 @@ def resume_policy(checkpoint: str | os.PathLike, *, allow_missing: bool, option:
 
 
 def restore(controller: ReplayController, checkpoint: str | os.PathLike, *, allow_missing: bool,
-            option: str) -> bool:
-    """Apply :func:`resume_policy`: load the state into ``controller``; True if a state was loaded."""
+            option: str, expect: dict | None = None) -> bool:
+    """Apply :func:`resume_policy`: load the state into ``controller``; True if a state was loaded.
+
+    ``expect``: the identity (run id, global step) the framework's own checkpoint files give; a replay state that
+    belongs to another run or step is refused before anything is touched (CheckpointMismatchError naming both
+    values and the way out), or with ``allow_missing`` set, left unloaded (the replay starts empty, with a warning)."""
     decision = resume_policy(checkpoint, allow_missing=allow_missing, option=option)
     if decision.warning:
         warnings.warn(decision.warning, stacklevel=3)
     if decision.path is None:
         return False
-    controller.load(decision.path)
+    try:
+        controller.load(decision.path, expect=expect)
+    except CheckpointMismatchError as e:
+        if not allow_missing:
+            raise CheckpointMismatchError(
+                f"{e}. Resume from the checkpoint this replay state was saved with (or copy that checkpoint's "
+                f"{STATE_DIR}/ back), or set {option}=True to resume with an empty replay state (the replay history "
+                "is lost)") from None
+        warnings.warn(f"hdreplay: {e}; resuming with an empty replay state ({option}=True)", ReplayResumeWarning,
+                      stacklevel=3)
+        return False
     return True
 
 

@@ -95,6 +95,43 @@ def parse(d: Any) -> dict[str, Any]:
             "tracked": out_tracked, "sampler_ref": set(refs), "warned_floor": d["warned_floor"]}
 
 
+def cross_check(parsed: dict[str, Any], *, last_step: int | None, buffered: set) -> None:
+    """A :func:`parse`d state against the controller state it is loaded with: the same step (the state is taken at the
+    controller's commit), diverted / sampler-referenced groups that the buffer holds, a floor estimate over at least
+    one group (and over none without one), ledger totals that add up.  CheckpointError naming the first mismatch."""
+    def bad(msg: str) -> CheckpointError:
+        return CheckpointError(f"staleness state: {msg}; it does not belong to the controller state it was saved "
+                               "with (edited, or copied from another checkpoint): resume from an intact checkpoint")
+
+    if parsed["step"] != last_step:
+        raise bad(f"step {parsed['step']!r} differs from the controller's last committed step {last_step!r}")
+    for what, ids in (("tracked (diverted) group", parsed["tracked"]), ("sampler-referenced group",
+                                                                        parsed["sampler_ref"])):
+        missing = sorted((g for g in ids if g not in buffered), key=repr)
+        if missing:
+            raise bad(f"{what} id(s) {missing[:5]!r:.120} are not in the buffer")
+    late = [g for g, info in parsed["tracked"].items() if last_step is None or info["birth"] > last_step]
+    if late:
+        raise bad(f"tracked group(s) {late[:5]!r:.120} were born after the last committed step {last_step!r}")
+    fl = parsed["floor"]
+    if (fl["estimate"] is None) != (fl["groups"] == 0) or (fl["last_step_mean"] is not None and fl["estimate"] is None):
+        raise bad(f"floor estimate {fl['estimate']!r} over {fl['groups']} group(s) (last step mean "
+                  f"{fl['last_step_mean']!r}): an estimate needs at least one group, and a group gives one")
+    t = parsed["totals"]
+    for u in ("groups", "tokens"):
+        parts = t[f"fresh_{u}"] + t[f"diverted_{u}"] + t[f"dropped_{u}"]
+        if t[f"generated_{u}"] != parts:
+            raise bad(f"totals: generated_{u} {t[f'generated_{u}']} != fresh + diverted + dropped ({parts})")
+        for part, whole in (("admitted", "diverted"), ("evicted_unused", "diverted"), ("fresh_mixed", "fresh")):
+            if t[f"{part}_{u}"] > t[f"{whole}_{u}"]:
+                raise bad(f"totals: {part}_{u} {t[f'{part}_{u}']} exceeds {whole}_{u} {t[f'{whole}_{u}']}")
+    if len(parsed["tracked"]) > t["diverted_groups"] - t["evicted_unused_groups"]:
+        raise bad(f"{len(parsed['tracked'])} tracked diverted groups, but the totals leave "
+                  f"{t['diverted_groups'] - t['evicted_unused_groups']} diverted and not evicted")
+    if last_step is None and (any(t.values()) or parsed["warned_floor"]):
+        raise bad("totals or warnings recorded before the first committed step")
+
+
 def install(ar: _AsyncReplay, parsed: dict[str, Any] | None) -> None:
     """Put a :func:`parse`d state (None: the empty state) into ``ar`` (nothing here can fail)."""
     ar.floor = type(ar.floor)(initial=ar.floor.initial, ema=ar.floor.ema, min_groups=ar.floor.min_groups)
@@ -113,7 +150,8 @@ def install(ar: _AsyncReplay, parsed: dict[str, Any] | None) -> None:
 
 
 def rewind_ledger(ar: _AsyncReplay, step: int | None) -> None:
-    """Drop the ledger file's records written after ``step`` (a resumed run writes them again)."""
+    """Drop the ledger file's records written after ``step`` (a resumed run writes them again); called only with the
+    step of a state that passed :func:`cross_check` (None: nothing was committed, so no record is kept)."""
     import json
 
     if ar.path is None or not ar.path.exists():
@@ -140,7 +178,9 @@ class StalenessState:
     def state_dict(self) -> dict[str, Any]:
         return {**self.ar._committed, "routing": self.ar.routing}
 
-    def check_state(self, d: Any) -> tuple[dict | None, Any]:
+    def check_state(self, d: Any, loading: Any = None) -> tuple[dict | None, Any]:
+        """Validate a saved state alone (:func:`parse`) and against ``loading``, the controller state it is loaded with
+        (:func:`cross_check`); CheckpointError naming the first mismatch, nothing changed."""
         ar = self.ar
         if ar._step is not None:
             raise ReplayProtocolError(f"load() while the staleness rule's step {ar._step} is open; commit() first")
@@ -156,6 +196,9 @@ class StalenessState:
                           f"start empty ({ar.resume_option}=True)", ReplayResumeWarning, stacklevel=4)
             return None, None
         parsed = parse(d)
+        if loading is not None:
+            cross_check(parsed, last_step=loading.last_step,
+                        buffered={gid for blk in loading.buffer.blocks for gid in blk.group_ids})
         routing = d.get("routing") if isinstance(d, Mapping) else None
         if routing is not None and ar.routing_parser is not None:
             try:

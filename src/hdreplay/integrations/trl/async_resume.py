@@ -60,8 +60,9 @@ def _int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def parse_routing(d: Any, *, samples_per_step: int) -> dict[str, Any]:
-    """A validated :func:`routing_state` with its samples rebuilt (CheckpointError saying what is wrong)."""
+def parse_routing(d: Any, *, samples_per_step: int, step: int | None = None) -> dict[str, Any]:
+    """A validated :func:`routing_state` with its samples rebuilt (CheckpointError saying what is wrong); ``step``:
+    the global step of the checkpoint it is resumed with (None: not known), which the routing state must name."""
     keys = {"format", "step", "shift", "samples_per_step", "emitted", "sent", "replay", "selected", "out", "partial",
             "kind_of", "intended"}
     if not isinstance(d, dict) or set(d) != keys or d["format"] != ROUTING_FORMAT:
@@ -75,6 +76,9 @@ def parse_routing(d: Any, *, samples_per_step: int) -> dict[str, Any]:
     if not all(_int(d[k]) for k in ("step", "shift", "emitted")) or d["step"] < 0:
         raise CheckpointError(f"step, shift and emitted must be ints, got {d['step']!r:.20} / {d['shift']!r:.20} / "
                               f"{d['emitted']!r:.20}")
+    if step is not None and d["step"] != step:
+        raise CheckpointError(f"it was taken after update {d['step']}, the checkpoint after update {step} "
+                              "(trainer_state.json's global_step): it belongs to another checkpoint")
     lists = {k: d[k] for k in ("sent", "replay", "selected", "out", "partial", "kind_of", "intended")}
     if not all(isinstance(v, list) for v in lists.values()):
         raise CheckpointError("sent, replay, selected, out, partial, kind_of and intended must be lists")

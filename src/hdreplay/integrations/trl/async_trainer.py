@@ -51,7 +51,8 @@ from .async_config import HDRAsyncGRPOConfig
 from .async_queue import GroupRoutingQueue
 from .async_resume import apply_routing, parse_routing, routing_state
 from .async_rows import tree_logprobs
-from .checkpoints import refuse_incomplete, resume_target, save_with_replay
+from .checkpoints import (HDReplayRun, checkpoint_identity, refuse_incomplete, resume_target, resumed_run,
+                          save_with_replay)
 
 SEGMENT_KEY = "hdr_segment_group"
 
@@ -140,6 +141,7 @@ class HDRAsyncGRPOTrainer(AsyncGRPOTrainer):
         #: per update, what the replay step did (every rank; for logging and tests)
         self.replay_log: list[dict] = []
         self.add_callback(_AfterWeightSync(self))  # after TRL's weight-sync callback
+        self.add_callback(HDReplayRun())  # the run id in trainer_state.json (checkpoints.py)
 
     # ------------------------------------------------------------------ per-sample Drift from the loss's forward
     def get_train_dataloader(self):
@@ -258,11 +260,11 @@ class HDRAsyncGRPOTrainer(AsyncGRPOTrainer):
 
     # ------------------------------------------------------------------ checkpoints (see the module doc, 4.)
     def _save_checkpoint(self, model, trial):
-        def write_state(path):
+        def write_state(path, identity):
             self.areplay.routing = routing_state(self.rollout_queue, step=self.state.global_step,
                                                  intended=self._intended)
-            try:
-                self.areplay.controller.save(path, allow_open_step=True)  # the state as of the last commit
+            try:  # the state as of the last commit
+                self.areplay.controller.save(path, allow_open_step=True, identity=identity)
             finally:
                 self.areplay.routing = None
 
@@ -273,8 +275,14 @@ class HDRAsyncGRPOTrainer(AsyncGRPOTrainer):
             resume_from_checkpoint = str(resume_target(self.args.output_dir))
         if isinstance(resume_from_checkpoint, (str, os.PathLike)) and os.path.isdir(resume_from_checkpoint):
             refuse_incomplete(resume_from_checkpoint)  # (a missing directory: the Trainer's own error)
+            identity = checkpoint_identity(resume_from_checkpoint)
+            # the routing state must be of the checkpoint's step too (checked with the rest, before any file changes)
+            self.areplay.routing_parser = partial(parse_routing, samples_per_step=self.samples_per_step,
+                                                  step=identity["global_step"])
             restore(self.areplay.controller, resume_from_checkpoint,
-                    allow_missing=self.args.replay_resume_without_state, option="replay_resume_without_state")
+                    allow_missing=self.args.replay_resume_without_state, option="replay_resume_without_state",
+                    expect=identity)
+            resumed_run(self, identity)
             self._resuming = True
         return super().train(resume_from_checkpoint, *args, **kwargs)
 

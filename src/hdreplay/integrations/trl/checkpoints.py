@@ -12,16 +12,24 @@
 So a crash at any moment leaves the previous complete checkpoint on disk, and an incomplete one is
 recognisable: :func:`checkpoint_problem` says what is missing and why, and
 :func:`newest_complete_checkpoint` is what ``resume_from_checkpoint=True`` resumes.
+
+Identity: the run has an id (:class:`HDReplayRun`, made at its start and kept by every resume) that the Trainer writes
+into ``trainer_state.json`` (``stateful_callbacks``); the replay state of ``checkpoint-N`` carries the same id and
+the global step N.  A resume compares the two (:func:`checkpoint_identity`) before it touches anything, so another
+checkpoint's or another run's ``hdreplay/`` copied in is refused by name.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import uuid
 import warnings
 from contextlib import contextmanager
 from pathlib import Path
 
+from transformers.trainer_callback import ExportableState, TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
 from ...errors import CheckpointError
@@ -30,6 +38,43 @@ from ..common import STATE_DIR
 PENDING = "hdreplay.pending"
 TRAINER_STATE = "trainer_state.json"
 _CKPT = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")
+
+
+class HDReplayRun(TrainerCallback, ExportableState):
+    """The run's id, written by the Trainer into ``trainer_state.json`` (``stateful_callbacks``) with every checkpoint
+    and carried by the replay state saved beside it."""
+
+    def __init__(self, run_id: str | None = None):
+        self.run_id = run_id or uuid.uuid4().hex
+
+    def state(self) -> dict:
+        return {"args": {"run_id": self.run_id}, "attributes": {}}
+
+
+def checkpoint_identity(ckpt: str | os.PathLike) -> dict:
+    """What the replay state resumed with ``ckpt`` must belong to, from its ``trainer_state.json``: ``global_step``
+    and ``run_id`` (None where the file does not record it: a checkpoint written before hdreplay recorded its run)."""
+    path = Path(ckpt) / TRAINER_STATE
+    try:
+        st = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{path}: unreadable ({e}); the checkpoint is incomplete or corrupted") from None
+    run = (st.get("stateful_callbacks") or {}).get(HDReplayRun.__name__) if isinstance(st, dict) else None
+    run_id = run.get("args", {}).get("run_id") if isinstance(run, dict) and isinstance(run.get("args"), dict) else None
+    step = st.get("global_step") if isinstance(st, dict) else None
+    return {"run_id": run_id if isinstance(run_id, str) else None,
+            "global_step": step if isinstance(step, int) and not isinstance(step, bool) else None}
+
+
+def run_of(trainer) -> HDReplayRun:
+    """The trainer's :class:`HDReplayRun` callback (added at construction)."""
+    return next(cb for cb in trainer.callback_handler.callbacks if isinstance(cb, HDReplayRun))
+
+
+def resumed_run(trainer, identity: dict) -> None:
+    """After a resume: the run goes on under the checkpoint's run id (if it recorded one)."""
+    if identity.get("run_id"):
+        run_of(trainer).run_id = identity["run_id"]
 
 
 def mark_pending(ckpt: str | os.PathLike) -> None:
@@ -123,16 +168,20 @@ def refuse_incomplete(checkpoint: str | os.PathLike) -> None:
 
 def save_with_replay(trainer, model, trial, *, save_trainer, write_state) -> None:
     """``Trainer._save_checkpoint`` with the replay state, in the order of the module doc: the pending marker,
-    the Trainer's files (``save_trainer(model, trial)``, rotation held back), ``write_state(<checkpoint>/hdreplay)``
-    on the main process (crash-safe: ``ReplayController.save``), the marker removed, then the rotation."""
+    the Trainer's files (``save_trainer(model, trial)``, rotation held back), ``write_state(<checkpoint>/hdreplay,
+    identity)`` on the main process (crash-safe: ``ReplayController.save``; ``identity``: the run id and global
+    step), the marker removed, then the rotation."""
     run_dir = trainer._get_output_dir(trial=trial)
     ckpt = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{trainer.state.global_step}")
+    run = run_of(trainer)
+    # (a checkpoint resumed from one written before the run id was recorded has no entry the Trainer can update)
+    trainer.state.stateful_callbacks.setdefault(HDReplayRun.__name__, run.state())
     if trainer.accelerator.is_main_process:
         mark_pending(ckpt)
     with rotation_held(trainer.args) as limit:
         save_trainer(model, trial)
     if trainer.accelerator.is_main_process:  # every rank holds the same replay state
-        write_state(os.path.join(ckpt, STATE_DIR))
+        write_state(os.path.join(ckpt, STATE_DIR), {"run_id": run.run_id, "global_step": trainer.state.global_step})
         clear_pending(ckpt)
     trainer.accelerator.wait_for_everyone()
     if trainer.args.should_save:

@@ -165,8 +165,9 @@ class _ReplayFields:
         "directory of steps.jsonl / groups.jsonl; unset = the trainer's default (TRL: <output_dir>/replay, verl: "
         '<default_local_dir>/hdreplay_diagnostics), empty string = off')})
     replay_resume_without_state: bool = field(default=False, metadata={"help": (
-        'allow resuming from a checkpoint that has no replay state (e.g. written without hdreplay); the buffer '
-        'then starts empty. Off by default: losing the buffer silently changes the run')})
+        'allow resuming from a checkpoint that has no replay state (e.g. written without hdreplay), or one whose '
+        'replay state belongs to another run or step; the buffer then starts empty. Off by default: losing the buffer '
+        'silently changes the run')})
 
 
 REPLAY_FIELDS = tuple(f.name for f in fields(_ReplayFields))

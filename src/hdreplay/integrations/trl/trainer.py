@@ -46,7 +46,8 @@ from .agreement import check_rank_agreement, selection_digest
 from .batch import (ReplayStep, check_keys, gather_objects, gather_rows, generation_groups, ingress_rows,
                     replay_rows)
 from .checks import check_padding_drift
-from .checkpoints import refuse_incomplete, resume_target, save_with_replay
+from .checkpoints import (HDReplayRun, checkpoint_identity, refuse_incomplete, resume_target, resumed_run,
+                          save_with_replay)
 from .config import as_replay_config
 from .exgrpo import split_off
 from .positions import install_position_ids, padding_drift
@@ -101,6 +102,7 @@ class HDRGRPOTrainer(GRPOTrainer):
                                   and not shards_parameters(self.accelerator))  # see .sharded
             # first in line: user callbacks' on_step_end (step timers, loggers) see the step committed
             self.callback_handler.callbacks.insert(0, _CommitAfterUpdate(self))
+            self.add_callback(HDReplayRun())  # the run id in trainer_state.json (checkpoints.py)
 
     # ------------------------------------------------------------------ 1. generation and selection
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
@@ -432,7 +434,8 @@ class HDRGRPOTrainer(GRPOTrainer):
         if not self.replay_active:
             return super()._save_checkpoint(model, trial)
         save_with_replay(self, model, trial, save_trainer=super()._save_checkpoint,
-                         write_state=lambda path: self.replay.save(path, allow_open_step=True))
+                         write_state=lambda path, identity: self.replay.save(path, allow_open_step=True,
+                                                                             identity=identity))
 
     def train(self, resume_from_checkpoint=None, *args, **kwargs):
         if self.replay_active and resume_from_checkpoint is True:
@@ -440,8 +443,10 @@ class HDRGRPOTrainer(GRPOTrainer):
         if self.replay_active and isinstance(resume_from_checkpoint, (str, os.PathLike)) \
                 and os.path.isdir(resume_from_checkpoint):  # (a missing directory: the Trainer's own error)
             refuse_incomplete(resume_from_checkpoint)  # before anything is loaded
+            identity = checkpoint_identity(resume_from_checkpoint)
             restore(self.replay, resume_from_checkpoint, allow_missing=self.args.replay_resume_without_state,
-                    option="replay_resume_without_state")
+                    option="replay_resume_without_state", expect=identity)
+            resumed_run(self, identity)
         if self._is_vlm and not (self.is_deepspeed_enabled or self.is_fsdp_enabled):
             # transformers#43701: the Trainer's resume skips the weights a VLM saved under their original key names;
             # load them converted first (the Trainer then loads the keys it can map: the same values)

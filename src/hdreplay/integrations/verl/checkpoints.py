@@ -4,17 +4,30 @@ verl writes ``<default_local_dir>/global_step_N/{actor,critic,data.pt[,transfer_
 marker ``<default_local_dir>/latest_checkpointed_iteration.txt`` = N, which ``resume_mode=auto`` reads.
 The recipes write the controller to ``global_step_N/hdreplay/`` *before* calling verl's save, so a crash
 mid-save leaves the previous checkpoint as the latest one, and restore it from the folder verl resumes from.
+
+Identity: ``global_step_N/hdreplay_run.json`` (``{"run_id", "global_step"}``, written first) records the run the
+checkpoint belongs to: an id made at the run's start and kept by every resume.  The replay state carries the same id
+and step N, and a resume compares them with the folder verl resumes from (its step is the folder's N, as verl reads
+it) before anything is touched: another checkpoint's or another run's ``hdreplay/`` copied in is refused by name.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import shutil
+import uuid
 from typing import Any
 
 from verl.utils.checkpoint.checkpoint_manager import find_latest_ckpt_path
 
+from ...atomic import atomic_write_text
+from ...errors import CheckpointError
 from ..common import STATE_DIR, restore
+
+#: the run a verl checkpoint folder belongs to (beside ``hdreplay/``)
+RUN_FILE = "hdreplay_run.json"
 
 
 def step_dir(trainer_config: Any, step: int) -> str:
@@ -55,6 +68,19 @@ def prune_states(trainer_config: Any) -> None:
         shutil.rmtree(os.path.join(step_dir(tr, s), STATE_DIR), ignore_errors=True)
 
 
+def folder_identity(folder: str) -> dict:
+    """What the replay state resumed from ``folder`` must belong to: the step verl reads from the folder's name and
+    the run id of its :data:`RUN_FILE` (None where the folder has none: written before hdreplay recorded its run)."""
+    m = re.search(r"global_step_(\d+)$", os.path.normpath(folder))
+    run_id, path = None, os.path.join(folder, RUN_FILE)
+    if os.path.exists(path):
+        try:
+            run_id = json.loads(open(path).read()).get("run_id")
+        except (OSError, ValueError, AttributeError) as e:
+            raise CheckpointError(f"{path}: unreadable ({e}); the checkpoint is corrupted") from None
+    return {"run_id": run_id if isinstance(run_id, str) else None, "global_step": int(m.group(1)) if m else None}
+
+
 class ReplayCheckpoints:
     """``_save_checkpoint`` / ``_load_checkpoint`` of a verl trainer (v0 or v1) extended with the replay state.
 
@@ -64,14 +90,24 @@ class ReplayCheckpoints:
 
     RESUME_HONOURS_HDFS = False
 
+    @property
+    def replay_run_id(self) -> str:
+        """The run's id (made at the first use, replaced by the checkpoint's on a resume)."""
+        if getattr(self, "_replay_run_id", None) is None:
+            self._replay_run_id = uuid.uuid4().hex
+        return self._replay_run_id
+
     def _save_checkpoint(self):
         if self.replay_active:  # before verl writes latest_checkpointed_iteration.txt
             seam = getattr(self, "async_seam", None)
             if seam is not None:  # the staleness rule's state rides in the controller's checkpoint
                 seam.before_save()
+            folder = step_dir(self.config.trainer, self.global_steps)
+            identity = {"run_id": self.replay_run_id, "global_step": int(self.global_steps)}
+            os.makedirs(folder, exist_ok=True)
+            atomic_write_text(os.path.join(folder, RUN_FILE), json.dumps(identity))
             # the state as of the last commit (no step is open when verl saves, after the update)
-            self.replay.save(os.path.join(step_dir(self.config.trainer, self.global_steps), STATE_DIR),
-                             allow_open_step=True)
+            self.replay.save(os.path.join(folder, STATE_DIR), allow_open_step=True, identity=identity)
         super()._save_checkpoint()
         if self.replay_active:
             prune_states(self.config.trainer)
@@ -81,8 +117,10 @@ class ReplayCheckpoints:
             else None
         result = super()._load_checkpoint()
         if folder is not None:
+            identity = folder_identity(folder)
             restore(self.replay, folder, allow_missing=self.hdr.resume_without_state,
-                    option="hdr.resume_without_state")
+                    option="hdr.resume_without_state", expect=identity)
+            self._replay_run_id = identity["run_id"] or self.replay_run_id
             if getattr(self, "async_seam", None) is not None:
                 self.async_seam.after_load()
         return result

@@ -135,8 +135,9 @@ class HDRSection:
         "directory of steps.jsonl / groups.jsonl; unset = the trainer's default (TRL: <output_dir>/replay, verl: "
         '<default_local_dir>/hdreplay_diagnostics), empty string = off')})
     resume_without_state: Any = field(default=False, metadata={"help": (
-        'allow resuming from a checkpoint that has no replay state (e.g. written without hdreplay); the buffer '
-        'then starts empty. Off by default: losing the buffer silently changes the run')})
+        'allow resuming from a checkpoint that has no replay state (e.g. written without hdreplay), or one whose '
+        'replay state belongs to another run or step; the buffer then starts empty. Off by default: losing the buffer '
+        'silently changes the run')})
 
 
 #: the diagnostics' keys (handed to hdreplay.diagnostics.DiagnosticsConfig) and the recipe's own

@@ -1,0 +1,154 @@
+"""A writer that stalls past the lock's age limit must never publish over another writer's save (issue 39, item 3).
+
+Writer A holds the lock as a process of another pid namespace or host would (judged by age only), stalls at its
+commit point (just before or just after the manifest rename) while its lock file's mtime is aged past
+``dirlock.STALE_AFTER_S``; writer B breaks the aged lock and saves; A resumes while B is paused just before or just
+after B's own commit; then B finishes.  Before the fence, A's commit and both cleanups interleaved so that the manifest
+named a version directory the other writer had deleted: both saves returned normally and nothing loaded.  Now a stalled
+A that had not committed fails with CheckpointLockedError (its staged manifest was deleted by the breaker), a stalled
+A that had committed cleans only what was there before it took the lock, and B's checkpoint loads.
+
+Deterministic: two threads of this process, paused and resumed at the checkpoint module's file-system calls."""
+
+import os
+import threading
+import time
+
+import pytest
+
+from hdreplay import CheckpointError, ReplayConfig, ReplayController, checkpoint, dirlock
+from hdreplay.errors import CheckpointLockedError
+from protocol import run_steps, state_hash
+
+CFG = ReplayConfig(k_rep=3, tau=5e-3, capacity=12, group_size=4)
+FOREIGN_NS = "pid:[4026599999]"  # writer A's pid namespace: not this one, so A's lock is judged by its age
+
+
+def controller(steps):
+    return run_steps(ReplayController(CFG), range(steps), k=4)
+
+
+def loaded_hash(path):
+    ctrl = ReplayController(CFG)
+    try:
+        ctrl.load(path)
+    except CheckpointError:
+        return None
+    return state_hash(ctrl)
+
+
+class Gate:
+    """Pause thread ``who`` at ``where`` ('before_commit' | 'after_commit': around the manifest rename)."""
+
+    def __init__(self, who, where):
+        self.who, self.where = who, where
+        self.reached, self.go = threading.Event(), threading.Event()
+
+    def hit(self, where):
+        if threading.current_thread().name == self.who and where == self.where and not self.reached.is_set():
+            self.reached.set()
+            assert self.go.wait(60), f"{self.who} was never resumed"
+
+
+class PausingFS:
+    """hdreplay.checkpoint.FS whose commit rename (``replace``, the only one a save makes) calls the gates."""
+
+    def __init__(self, real, gates):
+        self.real, self.gates = real, gates
+
+    def __getattr__(self, name):
+        return getattr(self.real, name)
+
+    def replace(self, src, dst):
+        for g in self.gates:
+            g.hit("before_commit")
+        out = self.real.replace(src, dst)
+        for g in self.gates:
+            g.hit("after_commit")
+        return out
+
+
+def _run(name, ctrl, d, results):
+    def body():
+        try:
+            ctrl.save(d)
+            results[name] = "saved"
+        except CheckpointLockedError as e:
+            results[name] = e
+        except Exception as e:  # noqa: BLE001 - reported by the test
+            results[name] = f"other error: {type(e).__name__}: {e}"
+    t = threading.Thread(target=body, name=name)
+    t.start()
+    return t
+
+
+@pytest.mark.parametrize("b_at", ["before_commit", "after_commit"])
+@pytest.mark.parametrize("a_at", ["before_commit", "after_commit"])
+def test_a_writer_stalled_past_the_lock_age_never_publishes_over_the_next_writers_save(tmp_path, monkeypatch, a_at,
+                                                                                      b_at):
+    old, a_state, b_state = controller(2), controller(3), controller(5)
+    d = tmp_path / "ck"
+    old.save(d)
+    identity = dirlock.DirLock._identity
+
+    def foreign_for_a(self):
+        me = identity(self)
+        return {**me, "pid_ns": FOREIGN_NS} if threading.current_thread().name == "A" else me
+
+    monkeypatch.setattr(dirlock.DirLock, "_identity", foreign_for_a)
+    ga, gb = Gate("A", a_at), Gate("B", b_at)
+    monkeypatch.setattr(checkpoint, "FS", PausingFS(checkpoint.FS, [ga, gb]))
+    results = {}
+    ta = _run("A", a_state, d, results)
+    assert ga.reached.wait(60)
+    if a_at == "before_commit":  # A holds its lock and has checked it: only a stall separates it from its commit
+        assert (d / checkpoint.LOCK_FILE).exists()
+        past = time.time() - dirlock.STALE_AFTER_S - 5
+        os.utime(d / checkpoint.LOCK_FILE, (past, past))
+    else:  # A committed and stalls before its cleanup; its lock is still there, aged
+        assert loaded_hash(d) == state_hash(a_state)
+        past = time.time() - dirlock.STALE_AFTER_S - 5
+        os.utime(d / checkpoint.LOCK_FILE, (past, past))
+    tb = _run("B", b_state, d, results)
+    assert gb.reached.wait(60), results  # B broke A's aged lock and reached its own commit point
+    ga.go.set()  # A resumes while B is paused there
+    ta.join(60)
+    gb.go.set()
+    tb.join(60)
+    assert not ta.is_alive() and not tb.is_alive()
+    assert results["B"] == "saved", results
+    if a_at == "before_commit":  # A never committed: a named error, and it says what happened
+        assert isinstance(results["A"], CheckpointLockedError), results
+        assert "stalled" in str(results["A"]) and "nothing was committed" in str(results["A"])
+    else:  # A committed before its lock was broken: an ordinary earlier save
+        assert results["A"] == "saved", results
+    assert loaded_hash(d) == state_hash(b_state), sorted(p.name for p in d.iterdir())
+    assert not (d / checkpoint.LOCK_FILE).exists()
+    monkeypatch.setattr(checkpoint, "FS", checkpoint.FS.real)
+    old.save(d)  # the next save cleans whatever is left and loads
+    assert loaded_hash(d) == state_hash(old)
+    assert sorted(p.name for p in d.iterdir() if p.name != checkpoint.MANIFEST_FILE)[0].startswith("v-")
+    assert len(list(d.iterdir())) == 2
+
+
+def test_a_broken_lock_is_fenced_even_when_the_breaker_finished_long_before(tmp_path, monkeypatch):
+    """A stalls before its commit rename; B breaks the lock and completes its save (and its cleanup) entirely; A's
+    commit then fails by name, not with a bare file-not-found, and B's checkpoint loads."""
+    old, a_state, b_state = controller(2), controller(3), controller(5)
+    d = tmp_path / "ck"
+    old.save(d)
+    identity = dirlock.DirLock._identity
+    monkeypatch.setattr(dirlock.DirLock, "_identity", lambda self: {
+        **identity(self), **({"pid_ns": FOREIGN_NS} if threading.current_thread().name == "A" else {})})
+    ga = Gate("A", "before_commit")
+    monkeypatch.setattr(checkpoint, "FS", PausingFS(checkpoint.FS, [ga]))
+    results = {}
+    ta = _run("A", a_state, d, results)
+    assert ga.reached.wait(60)
+    past = time.time() - dirlock.STALE_AFTER_S - 5
+    os.utime(d / checkpoint.LOCK_FILE, (past, past))
+    b_state.save(d)
+    ga.go.set()
+    ta.join(60)
+    assert isinstance(results["A"], CheckpointLockedError) and "stalled" in str(results["A"]), results
+    assert loaded_hash(d) == state_hash(b_state)
