@@ -77,3 +77,13 @@ def test_interval_regime_averages_each_run_then_the_seeds():
                                              "scanned": None}
     with pytest.raises(ValueError, match="width"):
         interval_regime([a], 4, 0)
+
+
+def test_best_at_n_per_prompt_is_any_right_for_0_1_rewards():
+    from hdreplay_lab.sandbox.evaluate import best_at_n
+    from hdreplay_lab.sandbox.summary import _prompt_scores
+
+    scores = [[0, 0, 1, 0], [0, 0, 0, 0], [1, 1, 1, 1]]  # one benchmark, 3 prompts, n = 4
+    runs = [{"benchmarks": {"b": {"prompt_mean": [sum(s) / 4 for s in scores]}}}]
+    best = _prompt_scores(runs, best=True)["b"]
+    assert best.tolist() == [[1.0, 0.0, 1.0]] and best.mean() == pytest.approx(best_at_n(scores))

@@ -57,8 +57,11 @@ def _run_dir(out: Path, method: str, seed: int) -> Path:
     return out / "runs" / method / f"seed{seed}"
 
 
-def _prompt_scores(runs: list[dict]) -> dict[str, np.ndarray]:
-    return {b: np.asarray([r["benchmarks"][b]["prompt_mean"] for r in runs]) for b in runs[0]["benchmarks"]}
+def _prompt_scores(runs: list[dict], best: bool = False) -> dict[str, np.ndarray]:
+    """(seeds, prompts) per benchmark: each prompt's Mean@n, or with ``best`` its Best@n, which for 0/1 rewards is
+    whether any of its n samples scored (Mean@n > 0)."""
+    out = {b: np.asarray([r["benchmarks"][b]["prompt_mean"] for r in runs]) for b in runs[0]["benchmarks"]}
+    return {b: (v > 0).astype(np.float64) for b, v in out.items()} if best else out
 
 
 def _conflicts(have, want, path: str = "") -> list[tuple[str, object, object]]:
@@ -143,6 +146,9 @@ def summarize(out: Path, cfg, methods, task, *, reps: int = 4000) -> dict:
         for name, runs in metrics.items():
             if name != ref:
                 res["methods"][name]["paired"] = _paired(metrics[ref], runs, reps=reps, family=family)
+                if res["multiturn"]:  # the search tasks' rewards are 0/1, so Best@n per prompt is known from Mean@n
+                    res["methods"][name]["paired_best"] = _paired(metrics[ref], runs, reps=reps, family=family,
+                                                                  best=True)
     _curve_costs(res, curves, cfg.target, ref, reps=reps)
     if res["multiturn"]:
         res["env_cost"] = env_cost(out, cfg, [m.name for m in methods], res.get("target"), reps=reps)
@@ -197,10 +203,11 @@ def _round_up(ms: float) -> float:
     return float(np.ceil(ms / scale - 1e-9) * scale)
 
 
-def _paired(ref_runs: list[dict], runs: list[dict], *, reps: int, family: int = 1) -> dict:
+def _paired(ref_runs: list[dict], runs: list[dict], *, reps: int, family: int = 1, best: bool = False) -> dict:
     """The 95 % paired interval, its seed / prompt parts, the seeds the target needs, and under ``corrected`` the
-    Bonferroni interval for ``family`` simultaneous comparisons (level 1 - 0.05 / family, same replicates)."""
-    d = paired_differences(_prompt_scores(ref_runs), _prompt_scores(runs))
+    Bonferroni interval for ``family`` simultaneous comparisons (level 1 - 0.05 / family, same replicates); of the
+    macro Best@n with ``best`` (0/1 rewards only)."""
+    d = paired_differences(_prompt_scores(ref_runs, best), _prompt_scores(runs, best))
     out = paired_bootstrap(d, reps=reps, also=(1 - 0.05 / max(family, 1),))
     out["corrected"] = {"method": "bonferroni", "comparisons": family, **out.pop("also")[0]}
     out.update(components(d, reps=reps))

@@ -183,6 +183,14 @@ def _paired(summary: dict, seeds: int) -> list[str]:
                                                                "none holds: treat them as suggestive"))
     out += ["", f"Verdict: {said}. Largest half-width {hw:.4f}"
                 + (" (<= 0.01)." if hw <= 0.01 else " (> 0.01: see the last column).")]
+    best = [(k, e) for k, e in rows if "paired_best" in e]
+    if best:  # the search tasks (0/1 rewards): Best@n per prompt = any of its n samples right
+        out += ["", f"Macro Best@{n} of the method minus Headroom-Drift's, the same bootstrap (0/1 rewards: a prompt's "
+                    f"Best@{n} is whether any of its {n} samples was right):", "",
+                table(["Method", "Best difference", "95 % interval", "Excludes 0", *corr_head],
+                      [[e["label"], f"{p['diff']:+.4f}", f"[{p['lo']:+.4f}, {p['hi']:+.4f}]",
+                        "yes" if p["excludes_zero"] else "no", *corr(p)]
+                       for p, e in ((e["paired_best"], e) for _, e in best)])]
     return out
 
 
