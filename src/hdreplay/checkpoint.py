@@ -181,11 +181,9 @@ def write_checkpoint_dir(
     committed, lock, mtmp = False, None, None
     try:
         FS.makedirs(d)
-        lock = DirLock(d, FS)
+        lock = DirLock(d, FS, fence=lambda token: _fence(d, token))
         mtmp = _staged_manifest(d, lock.token)
         lock.acquire()
-        for token in lock.broken:  # the fence: a stalled writer whose lock was broken can no longer commit
-            _remove_quietly(_staged_manifest(d, token))
         before = set(FS.listdir(d))  # what cleanup may delete: nothing another writer creates from now on
         FS.mkdir(tmp)
         files = {STATE_FILE: _write_file(tmp / STATE_FILE, [sbytes]),
@@ -212,7 +210,7 @@ def write_checkpoint_dir(
             _release(lock)
             raise CheckpointError(f"{d}: the new checkpoint is in place but its directory could not be synced "
                                   f"({_describe(e)})") from e
-        if lock is not None and lock.held and not lock.holds():
+        if isinstance(e, FileNotFoundError) and lock is not None and lock.held and lock.lost():
             _abandon(lock, tmp, final, mtmp)
             raise CheckpointLockedError(
                 f"{d}: this save stalled past the lock's age limit ({dirlock.STALE_AFTER_S:.0f} s untouched) and another "
@@ -226,7 +224,8 @@ def write_checkpoint_dir(
             lock._forget()
         raise
     try:
-        _clean(d, keep={MANIFEST_FILE, name}, only=before)
+        if lock.holds():  # (a save whose lock was broken after its commit leaves the cleanup to the next one)
+            _clean(d, keep={MANIFEST_FILE, name}, only=before)
     finally:
         lock._forget()  # (a crash during the cleanup leaves a lock the next save finds stale)
     _release(lock)
@@ -252,6 +251,21 @@ def _release(lock: DirLock | None) -> None:
 def _staged_manifest(d: Path, token: str) -> Path:
     """Where the save holding the lock with ``token`` stages its manifest (a breaker of that lock deletes it)."""
     return d / f".{MANIFEST_FILE}.tmp-{token}"
+
+
+def _fence(d: Path, token: str) -> None:
+    """Delete the staged manifest of the save holding the lock with ``token``, whose lock is being broken: its commit
+    (a rename of that file) can then no longer land.  CheckpointError if it cannot be deleted."""
+    path = _staged_manifest(d, token)
+    if not _OURS.fullmatch(path.name):  # (tokens are 16 hex digits: dirlock.parse)
+        raise CheckpointError(f"{d}: a lock token {token!r} that names no staged manifest; the lock file is not ours")
+    try:
+        FS.unlink(path)
+    except FileNotFoundError:
+        return
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot delete the staged manifest of the save whose lock was broken "
+                              f"({_describe(e)}), so a stalled writer could still commit; remove {path}") from e
 
 
 def _named_dir(d: Path) -> str | None:

@@ -26,10 +26,12 @@ lock still holds its token (:meth:`DirLock.verify`), so a writer whose lock was 
 committing.
 
 That check and the commit are two steps, and a writer may stall between them longer than the age limit (a paused VM,
-another host's writer judged by age).  So the breaker also *fences* the broken save off: it records the broken lock's
-token (:attr:`DirLock.broken`) and the checkpoint module deletes that save's staged manifest, whose name carries the
-token, before writing anything; the stalled writer's commit is a rename of that file, which then fails (one atomic
-rename against another: either the stalled commit landed first and is an ordinary earlier save, or it cannot land).
+another host's writer judged by age).  So a broken save is also *fenced* off: the breaker, right after setting the
+stale lock aside and before deleting it, calls ``fence(token)`` (the checkpoint module deletes that save's staged
+manifest, whose name carries the token), and every writer, right after taking the lock, fences the tokens of any
+lock still set aside (a breaker that died or stalled before its fence leaves one).  The stalled writer's commit is a
+rename of that staged manifest, so it lands before the next writer holds the lock -- an ordinary earlier save --
+or not at all.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ import errno
 import json
 import math
 import os
+import re
 import socket
 import stat
 import sys
@@ -45,7 +48,7 @@ import threading
 import time
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from .errors import CheckpointError, CheckpointLockedError
 
@@ -69,7 +72,7 @@ _SCHEMA = {
     "pid": (lambda v: type(v) is int and 0 < v < 1 << 31, "a pid (an int >= 1)"),
     "pid_start": (lambda v: v is None or type(v) is int and v >= 0, "null or clock ticks (an int >= 0)"),
     "started": (lambda v: type(v) in (int, float) and math.isfinite(v) and 0 <= v < 1e11, "a time in s since 1970"),
-    "token": (lambda v: isinstance(v, str) and 0 < len(v) <= 64, "a non-empty string"),
+    "token": (lambda v: isinstance(v, str) and re.fullmatch(r"[0-9a-f]{16}", v) is not None, "16 hex digits"),
 }
 
 
@@ -180,13 +183,12 @@ class DirLock:
     """The lock of checkpoint directory ``directory`` (which must exist); ``fs`` is the checkpoint module's file-system
     shim (so crash and error injection reach the lock too)."""
 
-    def __init__(self, directory: Path, fs: Any) -> None:
-        self.dir, self.fs = Path(directory), fs
+    def __init__(self, directory: Path, fs: Any, fence: Callable[[str], None] = lambda token: None) -> None:
+        self.dir, self.fs, self.fence = Path(directory), fs, fence
         self.path = self.dir / LOCK_FILE
         self.token = uuid.uuid4().hex[:16]
         self.held = False
         self._beat = 0.0
-        self.broken: list[str] = []  # tokens of the stale locks this one broke (their saves must be fenced off)
 
     def _identity(self) -> dict:
         pid = os.getpid()
@@ -204,6 +206,7 @@ class DirLock:
             for _ in range(8):
                 if self._create(data):
                     self._beat, self.held = time.monotonic(), True
+                    self._sweep()
                     return
                 self._break_if_stale()
             raise CheckpointLockedError(f"{self.dir}: could not take the checkpoint lock {self.path}: other writers "
@@ -270,9 +273,25 @@ class DirLock:
                 self.fs.link(aside, self.path)
             except OSError:
                 pass  # its holder finds its token gone and fails before committing
-        elif holder is not None:
-            self.broken.append(holder["token"])
-        self.fs.unlink(aside)
+        else:  # fence the broken save off before the last trace of its lock goes (a crash here: see _sweep)
+            self._fence(raw)
+        _unlink_quietly(self.fs, aside)
+
+    def _fence(self, raw: bytes) -> None:
+        holder = parse(raw)[0]
+        if holder is not None:
+            self.fence(holder["token"])
+
+    def _sweep(self) -> None:
+        """Just after taking the lock: fence off the saves of locks other writers broke and may not have fenced yet
+        (set aside under ``.stale-`` names; a breaker that died or stalled before its fence leaves one), so that no
+        save whose lock was broken can commit from now on."""
+        for name in self.fs.listdir(self.dir):
+            if name.startswith(f"{LOCK_FILE}.stale-"):
+                found = _read(self.dir / name, self.fs)
+                if found is not None:
+                    self._fence(found[0])
+                _unlink_quietly(self.fs, self.dir / name)
 
     def _refusal(self, holder: dict | None, problem: str, why: str) -> str:
         if holder is None:
@@ -303,6 +322,14 @@ class DirLock:
         holder = self._holder()
         return holder is not None and holder["token"] == self.token
 
+    def lost(self) -> bool:
+        """Whether the lock file is readable and is no longer this save's (gone, or another's): taken over."""
+        try:
+            found = _read(self.path, self.fs)
+        except (OSError, CheckpointError):
+            return False
+        return found is None or parse(found[0])[0] is None or parse(found[0])[0]["token"] != self.token
+
     def heartbeat(self) -> None:
         """Refresh the lock's mtime (at most every HEARTBEAT_S / 2 seconds; best effort)."""
         now = time.monotonic()
@@ -324,6 +351,13 @@ class DirLock:
         self.held = False
         with _HELD_LOCK:
             _HELD.discard(self.token)
+
+
+def _unlink_quietly(fs: Any, path: Path) -> None:
+    try:
+        fs.unlink(path)
+    except FileNotFoundError:  # another writer's sweep removed it first
+        pass
 
 
 def _links(path: Path) -> int:

@@ -51,7 +51,8 @@ class Gate:
 
 
 class PausingFS:
-    """hdreplay.checkpoint.FS whose commit rename (``replace``, the only one a save makes) calls the gates."""
+    """hdreplay.checkpoint.FS calling the gates around the commit rename (``replace``, the only one a save makes),
+    after a lock is set aside by its breaker, and when a cleanup reads the manifest."""
 
     def __init__(self, real, gates):
         self.real, self.gates = real, gates
@@ -59,12 +60,26 @@ class PausingFS:
     def __getattr__(self, name):
         return getattr(self.real, name)
 
+    def _hit(self, where):
+        for g in self.gates:
+            g.hit(where)
+
     def replace(self, src, dst):
-        for g in self.gates:
-            g.hit("before_commit")
+        self._hit("before_commit")
         out = self.real.replace(src, dst)
-        for g in self.gates:
-            g.hit("after_commit")
+        self._hit("after_commit")
+        return out
+
+    def rename(self, src, dst):
+        out = self.real.rename(src, dst)
+        if os.path.basename(src) == checkpoint.LOCK_FILE:
+            self._hit("after_break_rename")
+        return out
+
+    def read_bytes(self, path, *a):
+        out = self.real.read_bytes(path, *a)
+        if os.path.basename(path) == checkpoint.MANIFEST_FILE:
+            self._hit("cleanup_read")
         return out
 
 
@@ -152,3 +167,58 @@ def test_a_broken_lock_is_fenced_even_when_the_breaker_finished_long_before(tmp_
     ta.join(60)
     assert isinstance(results["A"], CheckpointLockedError) and "stalled" in str(results["A"]), results
     assert loaded_hash(d) == state_hash(b_state)
+
+
+@pytest.mark.parametrize("c_at", ["after_commit", "cleanup_read"])
+def test_a_breaker_that_stalls_before_fencing_leaves_the_fence_to_the_next_writer(tmp_path, monkeypatch, c_at):
+    """Review finding: B sets A's aged lock aside and stalls before fencing A; C finds no lock, takes it and saves; A
+    wakes while C is paused at or after its commit.  Before: nobody fenced A, A committed over C's save (C's save lost)
+    or into C's cleanup (unloadable).  Now C fences the set-aside lock's save as soon as it holds the lock."""
+    old, a_state, b_state, c_state = controller(2), controller(3), controller(5), controller(7)
+    d = tmp_path / "ck"
+    old.save(d)
+    identity = dirlock.DirLock._identity
+    monkeypatch.setattr(dirlock.DirLock, "_identity", lambda self: {
+        **identity(self), **({"pid_ns": FOREIGN_NS} if threading.current_thread().name == "A" else {})})
+    ga, gb, gc = Gate("A", "before_commit"), Gate("B", "after_break_rename"), Gate("C", c_at)
+    monkeypatch.setattr(checkpoint, "FS", PausingFS(checkpoint.FS, [ga, gb, gc]))
+    results = {}
+    ta = _run("A", a_state, d, results)
+    assert ga.reached.wait(60)
+    past = time.time() - dirlock.STALE_AFTER_S - 5
+    os.utime(d / checkpoint.LOCK_FILE, (past, past))
+    tb = _run("B", b_state, d, results)
+    assert gb.reached.wait(60)  # B set A's lock aside, and stalls before fencing A
+    tc = _run("C", c_state, d, results)
+    assert gc.reached.wait(60), results  # C took the free lock and committed
+    ga.go.set()
+    ta.join(60)
+    gb.go.set()
+    tb.join(60)
+    gc.go.set()
+    tc.join(60)
+    assert isinstance(results["A"], CheckpointLockedError) and "stalled" in str(results["A"]), results
+    assert results["C"] == "saved", results
+    assert isinstance(results["B"], CheckpointLockedError) or results["B"] == "saved", results
+    want = state_hash(b_state) if results["B"] == "saved" else state_hash(c_state)
+    assert loaded_hash(d) == want, sorted(p.name for p in d.iterdir())
+
+
+def test_a_lock_token_is_never_followed_as_a_path(tmp_path):
+    """Review finding: the fence deletes the broken save's staged manifest, named with the lock's token; a token such
+    as 'x/../../victim' made the next save delete a directory outside the checkpoint.  Tokens are 16 hex digits:
+    anything else is an invalid lock (aged away like one), and nothing outside the directory is touched."""
+    old = controller(3)
+    d, victim = tmp_path / "ck", tmp_path / "victim"
+    old.save(d)
+    victim.mkdir()
+    (victim / "keep.txt").write_text("x")
+    (d / ".manifest.json.tmp-x").mkdir()
+    holder = {"host": "elsewhere", "boot_id": "b", "pid_ns": None, "pid": 7, "pid_start": None, "started": 1.0,
+              "token": "x/../../victim"}
+    (d / checkpoint.LOCK_FILE).write_text(__import__("json").dumps(holder))
+    assert dirlock.parse((d / checkpoint.LOCK_FILE).read_bytes())[0] is None
+    past = time.time() - dirlock.STALE_AFTER_S - 5
+    os.utime(d / checkpoint.LOCK_FILE, (past, past))
+    controller(5).save(d)
+    assert (victim / "keep.txt").read_text() == "x" and loaded_hash(d) == state_hash(controller(5))

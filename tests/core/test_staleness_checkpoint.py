@@ -219,6 +219,10 @@ def _edit(s, how):
         s["totals"]["generated_groups"] += 1
     elif how == "admitted > diverted":
         s["totals"]["admitted_tokens"] = s["totals"]["diverted_tokens"] + 1
+    elif how == "tracked birth differs from the buffer's":
+        s["tracked"][0][1]["birth"] = max(s["tracked"][0][1]["birth"] - 1, 0) if s["tracked"][0][1]["birth"] else 1
+    elif how == "tracked tokens differ from the buffer's":
+        s["tracked"][0][1]["tokens"] *= 100
     elif how == "more tracked than diverted":
         s["totals"]["evicted_unused_groups"] = s["totals"]["diverted_groups"]
         s["totals"]["evicted_unused_tokens"] = s["totals"]["diverted_tokens"]
@@ -229,10 +233,17 @@ def _edit(s, how):
 
 CASES = ["step +1", "step -1", "step null", "step 0", "tracked id not buffered", "sampler_ref id not buffered",
          "tracked born after the step", "floor estimate over 0 groups", "floor groups without an estimate",
-         "generated != fresh + diverted + dropped", "admitted > diverted", "more tracked than diverted"]
-NAMES = {"step": "step", "tracked": "tracked", "sampler_ref": "sampler-referenced", "born": "born after",
-         "floor": "floor estimate", "generated": "generated_groups", "admitted": "admitted_tokens",
-         "more": "tracked diverted groups"}
+         "generated != fresh + diverted + dropped", "admitted > diverted", "tracked birth differs from the buffer's",
+         "tracked tokens differ from the buffer's", "more tracked than diverted"]
+#: what each refusal must say (the check that caught it, not just a word every message has)
+NAMES = {"step +1": "differs from the controller's last committed step", "step -1": "differs from the controller's",
+         "step null": "step None differs", "step 0": "step 0 differs", "tracked id not buffered": "are not in the buffer",
+         "sampler_ref id not buffered": "sampler-referenced group id(s)", "tracked born after the step": "born after",
+         "floor estimate over 0 groups": "over 0 group(s)", "floor groups without an estimate": "floor estimate None",
+         "generated != fresh + diverted + dropped": "generated_groups", "admitted > diverted": "admitted_tokens",
+         "tracked birth differs from the buffer's": "the buffer holds it with birth",
+         "tracked tokens differ from the buffer's": "the buffer holds it with birth",
+         "more tracked than diverted": "tracked diverted groups"}
 
 
 @pytest.mark.parametrize("how", CASES)
@@ -252,8 +263,7 @@ def test_a_re_signed_staleness_state_that_does_not_fit_its_controller_is_refused
     before = state(other)
     with pytest.raises(CheckpointError, match=r"staleness state: .*") as e:
         other.controller.load(ckpt)
-    word = next(v for k, v in NAMES.items() if how.startswith(k) or k in how.split()[0])
-    assert word in str(e.value), (how, str(e.value))
+    assert NAMES[how] in str(e.value), (how, str(e.value))
     assert "resume from an intact checkpoint" in str(e.value)
     after = state(other)
     assert after[1] == before[1] and all(torch.equal(after[0][k], before[0][k]) for k in after[0])

@@ -247,8 +247,9 @@ def test_resume_refuses_a_replay_state_of_another_step_or_run_before_touching_an
     shutil.copytree(ckpt, copy)
     run = json.loads((copy / "global_step_3" / RUN_FILE).read_text())
     assert run["global_step"] == 3 and len(run["run_id"]) == 32
-    if case == "another step's folder":  # global_step_5 whose files (replay state included) are step 3's
+    if case == "another step's folder":  # this run's global_step_5 holding step 3's replay state
         shutil.copytree(copy / "global_step_3", copy / "global_step_5")
+        (copy / "global_step_5" / RUN_FILE).write_text(json.dumps({**run, "global_step": 5}))
         (copy / "latest_checkpointed_iteration.txt").write_text("5")
         want = "global_step: the replay state holds 3, the checkpoint 5"
     else:  # the folder's run is another than the one whose replay state it holds
@@ -263,6 +264,23 @@ def test_resume_refuses_a_replay_state_of_another_step_or_run_before_touching_an
     trainer = make_trainer(HDRRayPPOTrainer, compose_config("hdr.resume_without_state=true", ckpt_dir=str(copy)),
                            worker_group)
     with pytest.warns(UserWarning, match="empty replay state"):
+        trainer._load_checkpoint()
+    assert len(trainer.replay.buffer) == 0
+
+
+def test_a_run_record_of_another_folder_is_refused(frozen, worker_group, tmp_path):
+    """hdreplay_run.json must name its own folder's step (a copied or edited record is refused by name)."""
+    import json
+
+    from hdreplay.integrations.verl.checkpoints import RUN_FILE
+
+    _, _, ckpt = frozen
+    copy = tmp_path / "ckpt"
+    shutil.copytree(ckpt, copy)
+    run = json.loads((copy / "global_step_3" / RUN_FILE).read_text())
+    (copy / "global_step_3" / RUN_FILE).write_text(json.dumps({**run, "global_step": 2}))
+    trainer = make_trainer(HDRRayPPOTrainer, compose_config(ckpt_dir=str(copy)), worker_group)
+    with pytest.raises(CheckpointError, match=r"hdreplay_run.json: expected .*'global_step': 3.*another folder"):
         trainer._load_checkpoint()
     assert len(trainer.replay.buffer) == 0
 

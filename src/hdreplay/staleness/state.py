@@ -95,10 +95,12 @@ def parse(d: Any) -> dict[str, Any]:
             "tracked": out_tracked, "sampler_ref": set(refs), "warned_floor": d["warned_floor"]}
 
 
-def cross_check(parsed: dict[str, Any], *, last_step: int | None, buffered: set) -> None:
-    """A :func:`parse`d state against the controller state it is loaded with: the same step (the state is taken at the
-    controller's commit), diverted / sampler-referenced groups that the buffer holds, a floor estimate over at least
-    one group (and over none without one), ledger totals that add up.  CheckpointError naming the first mismatch."""
+def cross_check(parsed: dict[str, Any], *, last_step: int | None, buffered: Mapping[Any, tuple[int, int]]) -> None:
+    """A :func:`parse`d state against the controller state it is loaded with (``buffered``: group id -> (birth step,
+    completion tokens) of every buffered group): the same step (the state is taken at the controller's commit),
+    diverted / sampler-referenced groups that the buffer holds, with the buffer's birth step and token count, a floor
+    estimate over at least one group (and over none without one), ledger totals that add up.  CheckpointError naming
+    the first mismatch."""
     def bad(msg: str) -> CheckpointError:
         return CheckpointError(f"staleness state: {msg}; it does not belong to the controller state it was saved "
                                "with (edited, or copied from another checkpoint): resume from an intact checkpoint")
@@ -113,6 +115,10 @@ def cross_check(parsed: dict[str, Any], *, last_step: int | None, buffered: set)
     late = [g for g, info in parsed["tracked"].items() if last_step is None or info["birth"] > last_step]
     if late:
         raise bad(f"tracked group(s) {late[:5]!r:.120} were born after the last committed step {last_step!r}")
+    for g, info in parsed["tracked"].items():
+        if (info["birth"], info["tokens"]) != buffered[g]:
+            raise bad(f"tracked group {g!r}: birth {info['birth']} / {info['tokens']} tokens, the buffer holds it with "
+                      f"birth {buffered[g][0]} / {buffered[g][1]} tokens")
     fl = parsed["floor"]
     if (fl["estimate"] is None) != (fl["groups"] == 0) or (fl["last_step_mean"] is not None and fl["estimate"] is None):
         raise bad(f"floor estimate {fl['estimate']!r} over {fl['groups']} group(s) (last step mean "
@@ -198,7 +204,8 @@ class StalenessState:
         parsed = parse(d)
         if loading is not None:
             cross_check(parsed, last_step=loading.last_step,
-                        buffered={gid for blk in loading.buffer.blocks for gid in blk.group_ids})
+                        buffered={gid: (int(blk.birth_steps[j]), int(blk.tok_off[j + 1] - blk.tok_off[j]))
+                                  for blk in loading.buffer.blocks for j, gid in enumerate(blk.group_ids)})
         routing = d.get("routing") if isinstance(d, Mapping) else None
         if routing is not None and ar.routing_parser is not None:
             try:

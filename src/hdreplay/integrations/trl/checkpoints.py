@@ -73,8 +73,9 @@ def run_of(trainer) -> HDReplayRun:
 
 def resumed_run(trainer, identity: dict) -> None:
     """After a resume: the run goes on under the checkpoint's run id (if it recorded one)."""
-    if identity.get("run_id"):
-        run_of(trainer).run_id = identity["run_id"]
+    if identity.get("run_id"):  # (every rank reads the same trainer_state.json: the ranks agree)
+        run = run_of(trainer)
+        run.run_id, run.agreed = identity["run_id"], True
 
 
 def mark_pending(ckpt: str | os.PathLike) -> None:
@@ -174,6 +175,11 @@ def save_with_replay(trainer, model, trial, *, save_trainer, write_state) -> Non
     run_dir = trainer._get_output_dir(trial=trial)
     ckpt = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{trainer.state.global_step}")
     run = run_of(trainer)
+    if trainer.accelerator.num_processes > 1 and not getattr(run, "agreed", False):  # one id: rank 0's, on every rank
+        from accelerate.utils import broadcast_object_list
+
+        ids = broadcast_object_list([run.run_id], from_process=0)
+        run.run_id, run.agreed = ids[0], True
     # (a checkpoint resumed from one written before the run id was recorded has no entry the Trainer can update)
     trainer.state.stateful_callbacks.setdefault(HDReplayRun.__name__, run.state())
     if trainer.accelerator.is_main_process:

@@ -72,13 +72,18 @@ def folder_identity(folder: str) -> dict:
     """What the replay state resumed from ``folder`` must belong to: the step verl reads from the folder's name and
     the run id of its :data:`RUN_FILE` (None where the folder has none: written before hdreplay recorded its run)."""
     m = re.search(r"global_step_(\d+)$", os.path.normpath(folder))
-    run_id, path = None, os.path.join(folder, RUN_FILE)
+    step, run_id, path = int(m.group(1)) if m else None, None, os.path.join(folder, RUN_FILE)
     if os.path.exists(path):
         try:
-            run_id = json.loads(open(path).read()).get("run_id")
-        except (OSError, ValueError, AttributeError) as e:
+            with open(path) as f:
+                run = json.load(f)
+        except (OSError, ValueError) as e:
             raise CheckpointError(f"{path}: unreadable ({e}); the checkpoint is corrupted") from None
-    return {"run_id": run_id if isinstance(run_id, str) else None, "global_step": int(m.group(1)) if m else None}
+        if not (isinstance(run, dict) and isinstance(run.get("run_id"), str) and run.get("global_step") == step):
+            raise CheckpointError(f"{path}: expected {{'run_id': str, 'global_step': {step}}} (the folder's step), "
+                                  f"got {run!r:.120}; it belongs to another folder or was edited")
+        run_id = run["run_id"]
+    return {"run_id": run_id, "global_step": step}
 
 
 class ReplayCheckpoints:
