@@ -328,7 +328,7 @@ class DirLock:
             found = _read(self.path, self.fs)
         except (OSError, CheckpointError):
             return False
-        return found is None or parse(found[0])[0] is None or parse(found[0])[0]["token"] != self.token
+        return found is None or (holder := parse(found[0])[0]) is None or holder["token"] != self.token
 
     def heartbeat(self) -> None:
         """Refresh the lock's mtime (at most every HEARTBEAT_S / 2 seconds; best effort)."""

@@ -46,6 +46,7 @@ class HDReplayRun(TrainerCallback, ExportableState):
 
     def __init__(self, run_id: str | None = None):
         self.run_id = run_id or uuid.uuid4().hex
+        self.agreed = False  # every rank holds rank 0's id (broadcast at the first save, or read on a resume)
 
     def state(self) -> dict:
         return {"args": {"run_id": self.run_id}, "attributes": {}}
@@ -175,7 +176,7 @@ def save_with_replay(trainer, model, trial, *, save_trainer, write_state) -> Non
     run_dir = trainer._get_output_dir(trial=trial)
     ckpt = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{trainer.state.global_step}")
     run = run_of(trainer)
-    if trainer.accelerator.num_processes > 1 and not getattr(run, "agreed", False):  # one id: rank 0's, on every rank
+    if trainer.accelerator.num_processes > 1 and not run.agreed:  # one id: rank 0's, on every rank
         from accelerate.utils import broadcast_object_list
 
         ids = broadcast_object_list([run.run_id], from_process=0)
