@@ -15,8 +15,12 @@ the fix) unless the lock is *stale*:
   token (an abandoned save).  A live pid whose start time is unknown falls under the age rule;
 * anything else -- another host, another container's pid namespace (two containers' writers may both be pid 1), a
   lock file that is not a valid lock: the lock was not touched for :data:`STALE_AFTER_S` seconds (a save refreshes its
-  lock's mtime at least every :data:`HEARTBEAT_S` seconds while it writes, so only a dead writer's lock ages; clocks
-  of the hosts are assumed to agree to well within that).
+  lock's mtime at least every :data:`HEARTBEAT_S` seconds while it writes, so only a dead writer's lock ages).  The
+  age is the file system's "now" -- the mtime of the temporary file the contender has just written -- minus the
+  lock's mtime: where the file server stamps mtimes (NFS), this host's clock does not enter; where each host stamps
+  its own (client-side timestamps), the hosts' clocks must agree to well within :data:`STALE_AFTER_S`.  A lock
+  stamped more than :data:`CLOCK_SKEW_S` in that future is refused with the skew named (the fix: sync the clocks),
+  never broken nor taken for fresh in silence.
 
 Something other than a regular file at the lock's name (a FIFO, a directory, a symbolic link) is refused with
 :class:`~hdreplay.errors.CheckpointError` naming it; it is never opened in blocking mode, nor read past
@@ -57,6 +61,8 @@ LOCK_FILE = ".hdreplay.lock"
 STALE_AFTER_S = 600.0
 #: a save refreshes its lock's mtime at least this often while it writes
 HEARTBEAT_S = 10.0
+#: a lock stamped further in the future than this (clock skew between hosts) is refused by name, not judged by age
+CLOCK_SKEW_S = 30.0
 #: a lock file is read up to this size (a larger one is invalid)
 MAX_LOCK_BYTES = 4096
 
@@ -139,8 +145,9 @@ def describe(holder: dict) -> str:
     return f"host {holder['host']!r}, pid {holder['pid']}, started {when}"
 
 
-def _judge(holder: dict | None, age: float) -> tuple[bool, str]:
-    """(stale?, why) of a lock with ``holder`` (None: invalid) untouched for ``age`` seconds."""
+def _judge(holder: dict | None, age: float) -> tuple[bool | None, str]:
+    """(stale?, why) of a lock with ``holder`` (None: invalid) untouched for ``age`` seconds (stale? None: stamped
+    too far in the future to tell)."""
     ns = pid_ns()
     if holder is not None and (holder["host"], holder["boot_id"], holder.get("pid_ns")) == (
             socket.gethostname(), boot_id(), ns) and (ns or not sys.platform.startswith("linux")):
@@ -154,9 +161,11 @@ def _judge(holder: dict | None, age: float) -> tuple[bool, str]:
         now = pid_start(pid)
         if start is not None and now is not None:
             return (False, f"pid {pid} is alive") if now == start else (True, f"pid {pid} is another process now")
+    if age < -CLOCK_SKEW_S:  # no age can be told: neither stale nor fresh (see DirLock._skewed)
+        return None, f"stamped {-age:.0f} s in the future"
     if age > STALE_AFTER_S:
         return True, f"untouched for {age:.0f} s"
-    return False, f"last touched {age:.0f} s ago; broken automatically once untouched for {STALE_AFTER_S:.0f} s"
+    return False, f"last touched {max(age, 0):.0f} s ago; broken automatically once untouched for {STALE_AFTER_S:.0f} s"
 
 
 def _read(path: Path, fs: Any) -> tuple[bytes, float] | None:
@@ -189,6 +198,7 @@ class DirLock:
         self.token = uuid.uuid4().hex[:16]
         self.held = False
         self._beat = 0.0
+        self._now = time.time()  # the file system's clock: the mtime of this writer's last temporary file
 
     def _identity(self) -> dict:
         pid = os.getpid()
@@ -222,6 +232,7 @@ class DirLock:
             try:
                 self.fs.write(fd, data)
                 self.fs.fsync(fd)
+                self._now = os.fstat(fd).st_mtime
             finally:
                 self.fs.close(fd)
             try:
@@ -259,7 +270,9 @@ class DirLock:
             return
         raw, mtime = found
         holder, problem = parse(raw)
-        stale, why = _judge(holder, max(0.0, time.time() - mtime))
+        stale, why = _judge(holder, self._now - mtime)
+        if stale is None:
+            raise CheckpointLockedError(self._skewed(holder, why))
         if not stale:
             raise CheckpointLockedError(self._refusal(holder, problem, why))
         aside = self.dir / f"{LOCK_FILE}.stale-{self.token}"
@@ -301,6 +314,14 @@ class DirLock:
                 f"{self.path}, {why}). Two jobs (or a restarted job while the old one still runs) must not write the "
                 f"same checkpoint: give each its own output directory, or stop the other writer. If you are sure no "
                 f"other process writes here, delete {self.path}")
+
+    def _skewed(self, holder: dict | None, why: str) -> str:
+        who = f"host {holder['host']!r} (pid {holder['pid']})" if holder else "an unknown writer (an invalid lock)"
+        return (f"{self.dir}: the checkpoint lock {self.path} of {who} is {why} (its mtime against a file this host "
+                f"just wrote there): the clocks of the hosts writing here (or of this host and the file server) "
+                f"disagree by more than {CLOCK_SKEW_S:.0f} s, so its age cannot be told; it is neither broken nor "
+                f"taken for fresh. Sync the clocks of every host (NTP, chrony); if that writer is known dead, delete "
+                f"{self.path}")
 
     def _holder(self) -> dict | None:
         try:
