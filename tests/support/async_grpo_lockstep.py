@@ -99,15 +99,33 @@ class LockstepWorker(CPURolloutWorker):
 
 
 class SaveWorker(TrainerCallback):
-    """Writes the worker's state into each checkpoint (``on_save``: after the checkpoint is complete)."""
+    """Writes the worker's state into each checkpoint (``on_save``: after the checkpoint is complete), from the global
+    main process only: the worker lives there (TRL hands every other rank ``rollout_worker=None``), and a second
+    writer of the same file, last one in, replaces it with its own (issue 43)."""
 
     def __init__(self, worker: LockstepWorker):
         self.worker = worker
 
     def on_save(self, args, state, control, **kwargs):
-        ckpt = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
-        with open(os.path.join(ckpt, WORKER_FILE), "wb") as f:
+        if not state.is_world_process_zero:
+            return
+        path = os.path.join(args.output_dir, f"checkpoint-{state.global_step}", WORKER_FILE)
+        with open(path + ".tmp", "wb") as f:
             pickle.dump(self.worker.state(), f)
+        os.replace(path + ".tmp", path)
+
+
+class MainSavesFirst(TrainerCallback):
+    """A barrier in ``on_save``: added after :class:`SaveWorker` on rank 0 and before any other rank's own
+    ``on_save`` work, it makes every other rank's later ``on_save`` callbacks run after rank 0 wrote the worker state.
+    The order in which a second writer of that file, written last, made the 2-process resume flaky (issue 43); here
+    forced, so a test sees it every time instead of one run in three to six."""
+
+    def on_save(self, args, state, control, **kwargs):
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.barrier()
 
 
 class StopAt(TrainerCallback):

@@ -44,9 +44,10 @@ def digit_reward(text: str, answer: str) -> float:
 def make_trainer(out_dir, model_dir, *, worker_kw=None, worker_cls=None, worker_state=None, **over):
     """(trainer, worker); rank 0 owns the worker, the other ranks pass None.  ``worker_cls``: the worker's class
     (default ``CPURolloutWorker``); ``worker_state``: what to restore it from (a resumed lock-step worker)."""
-    import torch.distributed as dist
-
-    rank0 = not dist.is_available() or not dist.is_initialized() or dist.get_rank() == 0
+    # the launcher's RANK: the process group does not exist yet here (the trainer's arguments create it), so asking
+    # torch.distributed said "rank 0" on every rank, and rank 1's never-used worker wrote its empty state into the
+    # checkpoint beside rank 0's (issue 43)
+    rank0 = int(os.environ.get("RANK", "0")) == 0
     model, tok = load_model(model_dir)
     worker = (worker_cls or cpu.CPURolloutWorker)(
         model, tok, PROMPTS, ANSWERS, n=4, max_new_tokens=5, reward=digit_reward,
@@ -111,6 +112,8 @@ def main() -> None:
     ap.add_argument("--stop", type=int, default=None)
     ap.add_argument("--resume", action="store_true")
     ap.add_argument("--tag", default="")
+    ap.add_argument("--main-saves-first", action="store_true",
+                    help="every other rank's on_save runs after rank 0 wrote the lock-step worker's state")
     a = ap.parse_args()
     over = {}
     if a.save_steps:
@@ -125,10 +128,16 @@ def main() -> None:
         over.update(worker_cls=LockstepWorker, worker_state=state, replay_k_rep=3,
                     worker_kw={"slow_per_version": 2, "slow_lag": 2})
     tr, worker = make_trainer(a.out, a.model_dir, max_steps=a.steps, **over)
-    if a.lockstep and worker is not None:
-        from async_grpo_lockstep import SaveWorker
+    if a.lockstep:
+        from async_grpo_lockstep import MainSavesFirst, SaveWorker
 
-        tr.add_callback(SaveWorker(worker))
+        rank0 = int(os.environ.get("RANK", "0")) == 0
+        if a.main_saves_first and not rank0:
+            tr.add_callback(MainSavesFirst())
+        if worker is not None:
+            tr.add_callback(SaveWorker(worker))
+        if a.main_saves_first and rank0:
+            tr.add_callback(MainSavesFirst())
     if a.stop is not None:
         from async_grpo_lockstep import StopAt
 

@@ -316,9 +316,18 @@ def _torchrun(*args, timeout=300):
 @pytest.mark.multiprocess
 def test_two_processes_interrupted_and_resumed_equal_the_uninterrupted_run(model_dir, tmp_path):
     """The same comparison on 2 processes (each rank holds a replica of the controller; rank 0 routes)."""
-    common = [7, "--lockstep", "--save-steps", CUT]
+    from async_grpo_lockstep import load_worker_state
+
+    # --main-saves-first: the other rank's on_save runs after rank 0 wrote the worker's state (issue 43: a second
+    # writer of that file, last one in, made the resume another run one time in three to six; now forced every time)
+    common = [7, "--lockstep", "--save-steps", CUT, "--main-saves-first"]
     _torchrun(tmp_path / "whole", model_dir, *common)
     _torchrun(tmp_path / "cut", model_dir, *common, "--stop", CUT, "--tag", ".first")
+    first0, first1 = (json.loads((tmp_path / "cut" / f"rank{r}.first.json").read_text()) for r in (0, 1))
+    saved = load_worker_state(tmp_path / "cut" / f"checkpoint-{CUT}")
+    assert saved["version"] == CUT + 1 and saved["log"] == first0["worker_log"], \
+        f"checkpoint-{CUT}'s worker state is not rank 0's worker (version {saved['version']}, {len(saved['log'])} groups)"
+    assert first1["worker_log"] is None  # only rank 0 holds a rollout worker (TRL hands the others None)
     _torchrun(tmp_path / "cut", model_dir, *common, "--resume", "--tag", ".resumed")
     for rank in (0, 1):
         whole, first, resumed = (json.loads((tmp_path / d / f"rank{rank}{t}.json").read_text())
