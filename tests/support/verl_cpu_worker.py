@@ -131,6 +131,13 @@ class CPUActorWorker(Worker):
         return {"history": self.history, "ckpt_log": self.ckpt_log}
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def node_id(self):
+        """The Ray node this worker runs on (the two-node tests check the placement from inside the worker)."""
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def state_dict(self):
         return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
 

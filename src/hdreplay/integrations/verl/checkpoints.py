@@ -17,6 +17,7 @@ import json
 import os
 import re
 import shutil
+import socket
 import uuid
 from typing import Any
 
@@ -51,6 +52,21 @@ def resume_folder(trainer_config: Any, *, honours_hdfs: bool) -> str | None:
     if tr.resume_mode == "resume_path":
         return _absolute(tr.resume_from_path)
     return find_latest_ckpt_path(_absolute(tr.default_local_dir))
+
+
+def require_replay_state(folder: str) -> None:
+    """Refuse a resume from ``folder`` without ``hdreplay/`` before verl loads anything (the workers' weights, the
+    dataloader, ``global_steps``).  On a Ray cluster verl's trainer process, on whichever node Ray put it, writes
+    ``hdreplay/``, ``data.pt`` and the marker on that node's disk while the workers write ``actor/`` on theirs."""
+    if os.path.isdir(os.path.join(folder, STATE_DIR)):
+        return
+    where = "does not exist" if not os.path.isdir(folder) else f"has no {STATE_DIR}/ replay state"
+    raise CheckpointError(
+        f"{folder} {where} on {socket.gethostname()}, the node this trainer process runs on: it was written without "
+        f"hdreplay, the run stopped between verl's checkpoint and the replay state, or trainer.default_local_dir is "
+        f"not shared by the nodes and the trainer that wrote {STATE_DIR}/ ran on another node. Put "
+        f"trainer.default_local_dir on a file system every node shares, resume from a checkpoint that has {STATE_DIR}/, "
+        "or set hdr.resume_without_state=True to resume with an empty buffer (the replay history is lost)")
 
 
 def prune_states(trainer_config: Any) -> None:
@@ -120,6 +136,8 @@ class ReplayCheckpoints:
     def _load_checkpoint(self):
         folder = resume_folder(self.config.trainer, honours_hdfs=self.RESUME_HONOURS_HDFS) if self.replay_active \
             else None
+        if folder is not None and not self.hdr.resume_without_state:
+            require_replay_state(folder)  # before verl loads weights and dataloader (a driver on another node)
         result = super()._load_checkpoint()
         if folder is not None:
             identity = folder_identity(folder)
