@@ -206,6 +206,7 @@ def _agent(stale_s: float, heartbeat_s: float, clock_offset_s: float) -> None:
             out = dict(zip(("t0", "t1", "result", "msg"), save(cmd["dir"], cmd["steps"])))
         elif op == "attempts":
             opts["on_hold"], verdicts[:] = None, []
+            state(cmd["steps"])  # (built before the first attempt: the attempts start at once)
             tries, deadline = [], time.monotonic() + cmd.get("deadline_s", 120)
             while not os.path.exists(cmd["stop"]) and time.monotonic() < deadline:
                 tries.append(save(cmd["dir"], cmd["steps"]))
