@@ -31,6 +31,7 @@ from datasets import Dataset  # noqa: E402
 from hdreplay.integrations.trl.async_config import HDRAsyncGRPOConfig  # noqa: E402
 from hdreplay.integrations.trl.async_trainer import HDRAsyncGRPOTrainer  # noqa: E402
 from hdreplay_lab.sandbox.model import load_model  # noqa: E402
+from trl_fixtures import weights_digest  # noqa: E402
 
 PROMPTS = [f"{i}+{i * 7 % 10}=" for i in range(40)]
 ANSWERS = [str(i + i * 7 % 10) for i in range(40)]
@@ -59,6 +60,7 @@ def make_trainer(out_dir, model_dir, *, worker_kw=None, worker_cls=None, worker_
               logging_steps=1, save_strategy="no", bf16=False, token_budget=0, max_staleness=1, disable_tqdm=True,
               replay_k_rep=1, replay_capacity=16, replay_tau=1.0, seed=0)
     kw.update(over)
+    kw.update(json.loads(os.environ.get("HDR_TEST_ARGS", "{}")))  # this process's own settings (a node's)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1:  # the same 16 samples per step: 8 per micro-batch, split over the ranks
         kw["per_device_train_batch_size"] = kw["per_device_train_batch_size"] // world
@@ -69,12 +71,6 @@ def make_trainer(out_dir, model_dir, *, worker_kw=None, worker_cls=None, worker_
     return tr, worker
 
 
-def weights_digest(model) -> str:
-    h = hashlib.sha256()
-    for k, v in sorted(model.state_dict().items()):
-        h.update(k.encode())
-        h.update(v.detach().cpu().contiguous().numpy().tobytes())
-    return h.hexdigest()
 
 
 def summary(tr, worker) -> dict:
@@ -142,8 +138,16 @@ def main() -> None:
         from async_grpo_lockstep import StopAt
 
         tr.add_callback(StopAt(a.stop))
-    tr.train(resume_from_checkpoint=True if a.resume else None)
     rank = dist.get_rank() if dist.is_initialized() else 0
+    try:
+        tr.train(resume_from_checkpoint=True if a.resume else None)
+    except Exception as e:  # each rank says what it saw (test_trl_two_nodes.py reads it)
+        os.makedirs(a.out, exist_ok=True)  # (a node that failed before writing anything)
+        with open(os.path.join(a.out, f"rank{rank}{a.tag}_error.txt"), "w") as f:
+            f.write(f"{type(e).__name__}: {e}")
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(3)
     with open(os.path.join(a.out, f"rank{rank}{a.tag}.json"), "w") as f:
         json.dump(summary(tr, worker), f, default=str)
     if dist.is_initialized():

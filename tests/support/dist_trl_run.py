@@ -3,6 +3,10 @@ and writes what each rank saw to ``<out>/rank<r>.json``.
 
     torchrun --nproc_per_node 2 tests/dist_trl_run.py OUT_DIR MODEL_DIR [max_steps] [resume_checkpoint]
 
+``resume_checkpoint``: a path, ``true`` (the newest complete checkpoint) or ``-`` (none).  Environment:
+``HDR_TEST_ARGS`` (JSON) overrides training arguments on this process (a node's own settings);
+``HDR_TEST_VERSION`` pretends this process runs another hdreplay version.
+
 A MODEL_DIR with a saved processor (hdreplay_lab.sandbox.vlm.build_tiny_vlm) trains the VLM on the geo task's images.
 """
 
@@ -17,7 +21,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from trl_fixtures import RecordingTrainer, make_args, prompts, reward_digit  # noqa: E402
+from trl_fixtures import RecordingTrainer, make_args, prompts, reward_digit, weights_digest  # noqa: E402
 from hdreplay_lab.sandbox.model import load_model  # noqa: E402
 from hdreplay_lab.sandbox.vlm import is_vlm_dir, load_vlm  # noqa: E402
 
@@ -70,6 +74,7 @@ def main() -> None:
     out, model_dir = sys.argv[1], sys.argv[2]
     max_steps = int(sys.argv[3]) if len(sys.argv) > 3 else 4
     resume = sys.argv[4] if len(sys.argv) > 4 and sys.argv[4] != "-" else None
+    resume = True if resume == "true" else resume
     data, reward, over = prompts(), reward_digit, {}
     if os.environ.get("HDR_TEST_SHARE") == "1":  # the prompt-shared re-scoring path, whatever the token counts
         import hdreplay.integrations.trl.rescore as rescore
@@ -87,6 +92,11 @@ def main() -> None:
         over = dict(replay_tau=10.0, max_completion_length=4)
     else:
         model, tok = load_model(model_dir)
+    over.update(json.loads(os.environ.get("HDR_TEST_ARGS", "{}")))  # per node (test_trl_two_nodes.py)
+    if os.environ.get("HDR_TEST_VERSION"):  # a node running another hdreplay version
+        import hdreplay
+
+        hdreplay.__version__ = os.environ["HDR_TEST_VERSION"]
     # 2 rows per rank and micro-step, groups of 4: every group spans both ranks
     args = make_args(out, **{**dict(max_steps=max_steps, per_device_train_batch_size=2, gradient_accumulation_steps=2,
                                     num_generations=4, replay_k_rep=2, replay_tau=0.1, learning_rate=5e-3,
@@ -102,6 +112,7 @@ def main() -> None:
     try:
         tr.train(resume_from_checkpoint=resume)
     except Exception as e:  # the rank-agreement check (or anything else): each rank says what it saw
+        os.makedirs(out, exist_ok=True)  # (a node that failed before writing anything)
         with open(os.path.join(out, f"rank{r}_error.txt"), "w") as f:
             f.write(f"{type(e).__name__}: {e}")
         sys.stdout.flush()
@@ -124,6 +135,7 @@ def main() -> None:
         "early_rejected": [h.get("replay/early_rejected") for h in tr.state.log_history if "loss" in h],
         "losses": [h["loss"] for h in tr.state.log_history if "loss" in h],
         "accepted": [h.get("replay/accepted") for h in tr.state.log_history if "loss" in h],
+        "weights_digest": weights_digest(tr.accelerator.unwrap_model(tr.model)),
     }
     with open(os.path.join(out, f"rank{r}.json"), "w") as f:
         json.dump(rec, f)

@@ -127,6 +127,15 @@ class RecordingTrainer(HDRGRPOTrainer):
         return loss
 
 
+def weights_digest(model) -> str:
+    """sha256 of a model's state dict (names and bytes)."""
+    h = hashlib.sha256()
+    for k, v in sorted(model.state_dict().items()):
+        h.update(k.encode())
+        h.update(v.detach().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
 def buffer_hash(ctrl) -> str:
     tensors, meta = ctrl.buffer.state_dict()
     h = hashlib.sha256(repr(sorted((k, v) for k, v in meta.items() if k != "group_ids")).encode())

@@ -51,8 +51,8 @@ from .async_config import HDRAsyncGRPOConfig
 from .async_queue import GroupRoutingQueue
 from .async_resume import apply_routing, parse_routing, routing_state
 from .async_rows import tree_logprobs
-from .checkpoints import (HDReplayRun, checkpoint_identity, refuse_incomplete, resume_target, resumed_run,
-                          save_with_replay)
+from .checkpoints import HDReplayRun, resumed_run, save_with_replay
+from .nodes import check_settings, resume_together
 
 SEGMENT_KEY = "hdr_segment_group"
 
@@ -260,9 +260,13 @@ class HDRAsyncGRPOTrainer(AsyncGRPOTrainer):
 
     # ------------------------------------------------------------------ checkpoints (see the module doc, 4.)
     def _save_checkpoint(self, model, trial):
+        routing = routing_state(self.rollout_queue, step=self.state.global_step, intended=self._intended) \
+            if self.accelerator.is_main_process else None
+        if self.accelerator.num_processes > 1:  # rank 0 routes; another node's first rank may write a copy too
+            routing = broadcast_object_list([routing], from_process=0)[0]
+
         def write_state(path, identity):
-            self.areplay.routing = routing_state(self.rollout_queue, step=self.state.global_step,
-                                                 intended=self._intended)
+            self.areplay.routing = routing
             try:  # the state as of the last commit
                 self.areplay.controller.save(path, allow_open_step=True, identity=identity)
             finally:
@@ -271,19 +275,19 @@ class HDRAsyncGRPOTrainer(AsyncGRPOTrainer):
         save_with_replay(self, model, trial, save_trainer=super()._save_checkpoint, write_state=write_state)
 
     def train(self, resume_from_checkpoint=None, *args, **kwargs):
-        if resume_from_checkpoint is True:
-            resume_from_checkpoint = str(resume_target(self.args.output_dir))
-        if isinstance(resume_from_checkpoint, (str, os.PathLike)) and os.path.isdir(resume_from_checkpoint):
-            refuse_incomplete(resume_from_checkpoint)  # (a missing directory: the Trainer's own error)
-            identity = checkpoint_identity(resume_from_checkpoint)
+        check_settings(self)  # every node runs the same replay settings (nodes.py)
+
+        def load(path, identity):
             # the routing state must be of the checkpoint's step too (checked with the rest, before any file changes)
             self.areplay.routing_parser = partial(parse_routing, samples_per_step=self.samples_per_step,
                                                   step=identity["global_step"])
-            restore(self.areplay.controller, resume_from_checkpoint,
-                    allow_missing=self.args.replay_resume_without_state, option="replay_resume_without_state",
-                    expect=identity)
+            restore(self.areplay.controller, path, allow_missing=self.args.replay_resume_without_state,
+                    option="replay_resume_without_state", expect=identity)
             resumed_run(self, identity)
             self._resuming = True
+
+        # every rank sees the checkpoint, or every rank refuses by name; then loaded, main process last (nodes.py)
+        resume_from_checkpoint = resume_together(self, resume_from_checkpoint, load=load)
         return super().train(resume_from_checkpoint, *args, **kwargs)
 
     def _known_group_ids(self, routing) -> set:

@@ -79,10 +79,42 @@ def resumed_run(trainer, identity: dict) -> None:
         run.run_id, run.agreed = identity["run_id"], True
 
 
-def mark_pending(ckpt: str | os.PathLike) -> None:
+def mark_pending(ckpt: str | os.PathLike, save: str = "") -> None:
+    """Write ``ckpt/hdreplay.pending`` (this checkpoint is being written), naming the save (``save``: its nonce)."""
     path = Path(ckpt)
     path.mkdir(parents=True, exist_ok=True)
-    (path / PENDING).write_text("hdreplay: this checkpoint is being written; it is complete once this file is gone\n")
+    (path / PENDING).write_text("hdreplay: this checkpoint is being written; it is complete once this file is gone\n"
+                                f"save {save}\n")
+
+
+def writes_state(trainer, ckpt: str) -> bool:
+    """Whether this rank writes ``ckpt``'s replay state (its pending marker is written here if so); collective.
+
+    The processes that save the Trainer's files (``args.should_save``: the main process, or each node's first one
+    with ``save_on_each_node``) write it, once per directory: in turn, in rank order, each writes its marker naming
+    this save (a nonce of rank 0's) unless an earlier writer's marker of this save is already there (a directory
+    they share).  Every rank holds the same replay state, so each node's copy is that state."""
+    acc = trainer.accelerator
+    if acc.num_processes == 1:
+        if trainer.args.should_save:
+            mark_pending(ckpt)
+        return bool(trainer.args.should_save)
+    from accelerate.utils import broadcast_object_list, gather_object
+
+    nonce = broadcast_object_list([uuid.uuid4().hex], from_process=0)[0]
+    savers = [r for r, s in enumerate(gather_object([bool(trainer.args.should_save)])) if s]
+    write = False
+    for r in savers:  # (a rank that does not save still takes part in every barrier)
+        if r == acc.process_index:
+            try:
+                shared = f"save {nonce}" in (Path(ckpt) / PENDING).read_text()
+            except OSError:
+                shared = False
+            if not shared:
+                mark_pending(ckpt, nonce)
+            write = not shared
+        acc.wait_for_everyone()
+    return write
 
 
 def clear_pending(ckpt: str | os.PathLike) -> None:
@@ -171,8 +203,8 @@ def refuse_incomplete(checkpoint: str | os.PathLike) -> None:
 def save_with_replay(trainer, model, trial, *, save_trainer, write_state) -> None:
     """``Trainer._save_checkpoint`` with the replay state, in the order of the module doc: the pending marker,
     the Trainer's files (``save_trainer(model, trial)``, rotation held back), ``write_state(<checkpoint>/hdreplay,
-    identity)`` on the main process (crash-safe: ``ReplayController.save``; ``identity``: the run id and global
-    step), the marker removed, then the rotation."""
+    identity)`` on the ranks :func:`writes_state` picks (crash-safe: ``ReplayController.save``; ``identity``: the run
+    id and global step), the markers removed once every copy is written, then the rotation."""
     run_dir = trainer._get_output_dir(trial=trial)
     ckpt = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{trainer.state.global_step}")
     run = run_of(trainer)
@@ -183,12 +215,13 @@ def save_with_replay(trainer, model, trial, *, save_trainer, write_state) -> Non
         run.run_id, run.agreed = ids[0], True
     # (a checkpoint resumed from one written before the run id was recorded has no entry the Trainer can update)
     trainer.state.stateful_callbacks.setdefault(HDReplayRun.__name__, run.state())
-    if trainer.accelerator.is_main_process:
-        mark_pending(ckpt)
+    write = writes_state(trainer, ckpt)
     with rotation_held(trainer.args) as limit:
         save_trainer(model, trial)
-    if trainer.accelerator.is_main_process:  # every rank holds the same replay state
+    if write:  # every rank holds the same replay state
         write_state(os.path.join(ckpt, STATE_DIR), {"run_id": run.run_id, "global_step": trainer.state.global_step})
+    trainer.accelerator.wait_for_everyone()  # every copy written before any marker goes
+    if write:
         clear_pending(ckpt)
     trainer.accelerator.wait_for_everyone()
     if trainer.args.should_save:

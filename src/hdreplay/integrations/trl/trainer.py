@@ -46,8 +46,8 @@ from .agreement import check_rank_agreement, selection_digest
 from .batch import (ReplayStep, check_keys, gather_objects, gather_rows, generation_groups, ingress_rows,
                     replay_rows)
 from .checks import check_padding_drift
-from .checkpoints import (HDReplayRun, checkpoint_identity, refuse_incomplete, resume_target, resumed_run,
-                          save_with_replay)
+from .checkpoints import HDReplayRun, resumed_run, save_with_replay
+from .nodes import check_settings, resume_together
 from .config import as_replay_config
 from .exgrpo import split_off
 from .positions import install_position_ids, padding_drift
@@ -438,15 +438,16 @@ class HDRGRPOTrainer(GRPOTrainer):
                                                                              identity=identity))
 
     def train(self, resume_from_checkpoint=None, *args, **kwargs):
-        if self.replay_active and resume_from_checkpoint is True:
-            resume_from_checkpoint = str(resume_target(self.args.output_dir))
-        if self.replay_active and isinstance(resume_from_checkpoint, (str, os.PathLike)) \
-                and os.path.isdir(resume_from_checkpoint):  # (a missing directory: the Trainer's own error)
-            refuse_incomplete(resume_from_checkpoint)  # before anything is loaded
-            identity = checkpoint_identity(resume_from_checkpoint)
-            restore(self.replay, resume_from_checkpoint, allow_missing=self.args.replay_resume_without_state,
-                    option="replay_resume_without_state", expect=identity)
-            resumed_run(self, identity)
+        if self.replay_active:
+            check_settings(self)  # every node runs the same replay settings (nodes.py)
+
+            def load(path, identity):
+                restore(self.replay, path, allow_missing=self.args.replay_resume_without_state,
+                        option="replay_resume_without_state", expect=identity)
+                resumed_run(self, identity)
+
+            # every rank sees the checkpoint, or every rank refuses by name; then loaded, main process last
+            resume_from_checkpoint = resume_together(self, resume_from_checkpoint, load=load)
         if self._is_vlm and not (self.is_deepspeed_enabled or self.is_fsdp_enabled):
             # transformers#43701: the Trainer's resume skips the weights a VLM saved under their original key names;
             # load them converted first (the Trainer then loads the keys it can map: the same values)
