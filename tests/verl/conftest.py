@@ -10,6 +10,9 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+# Ray's servers on 127.0.0.1: a local ray.init() otherwise listens on every interface at the machine's address (Ray
+# reads this when it is imported, i.e. before the test modules import verl)
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
 #: warnings verl 0.9.1 / ray / torchdata emit on every import or trainer construction (not ours)
 FRAMEWORK_WARNINGS = (
