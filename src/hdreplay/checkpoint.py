@@ -408,15 +408,38 @@ def identity_of(name: str, d: Any, err: type, where: str = "") -> dict[str, Any]
     return dict(d)
 
 
+def _shown(v: Any) -> str:
+    return "records none" if v is None else repr(v)
+
+
+def _a(v: Any) -> str:
+    name = type(v).__name__
+    return f"{'an' if name[0] in 'aeiou' else 'a'} {name}"
+
+
 def check_identity(meta: Mapping[str, Any], expect: Mapping[str, Any], directory: Any) -> None:
-    """CheckpointMismatchError naming both values unless every value ``expect`` and the state's saved ``identity`` both
-    hold is equal (a state saved without an identity, by an earlier hdreplay, is not compared)."""
-    saved = meta.get("identity")
-    if saved is None or not expect:
+    """CheckpointMismatchError naming both values unless the state's saved ``identity`` holds every value ``expect``
+    names, equal and of the same type (None: not recorded, on either side).  A state that records no identity at all
+    (written before hdreplay recorded one) is refused whenever something is expected: what it belongs to is unknown.
+    Nothing expected (``expect`` empty): nothing compared."""
+    if not expect:
         return
+    saved = meta.get("identity")
+    if saved is None:
+        err = CheckpointMismatchError(
+            f"{directory}: this replay state records no identity (it was written by an hdreplay before states recorded "
+            "what they belong to, which this version does not resume), so it cannot be matched to the checkpoint ("
+            + ", ".join(f"{k}={v!r}" for k, v in expect.items()) + ")")
+        err.unrecorded = True  # (the way out differs: no checkpoint of its own can be found)
+        raise err
     saved = identity_of("identity", saved, CheckpointError, where=f"{directory}: ")
-    differ = [f"{k}: the replay state holds {saved[k]!r}, the checkpoint {v!r}" for k, v in expect.items()
-              if k in saved and v is not None and saved[k] != v]
+    differ = []
+    for k, v in expect.items():
+        s = saved.get(k)
+        if type(s) is not type(v) or s != v:
+            kinds = f" ({_a(v)}, not {_a(s)})" if None not in (s, v) and type(s) is not type(v) else ""
+            differ.append(f"{k}: the replay state {'holds ' * (s is not None)}{_shown(s)}, the checkpoint "
+                          f"{_shown(v)}{kinds}")
     if differ:
         raise CheckpointMismatchError(f"{directory}: this replay state belongs to another run or step than the "
                                       "checkpoint it is resumed with (" + "; ".join(differ) + ")")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import warnings
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -19,6 +20,7 @@ from . import sampling
 from .checkpoint import check_identity, identity_of, open_checkpoint_dir, write_checkpoint_dir
 from .checkpoint_schema import ControllerState, parse_buffer_state, parse_controller_state
 from .errors import CheckpointError, ReplayConfigError, ReplayInputError, ReplayProtocolError, ReplayResumeWarning
+from .records import rewind_stamp
 from .storage import SLOT_FIELDS, materialize
 from .validate import MAX_CAPACITY, check_bool, check_int, check_path, check_step
 
@@ -80,16 +82,32 @@ class ControllerCheckpoint:
         except CheckpointError as e:
             raise CheckpointError(f"controller state (observers): {e}") from None
         # every check passed: now the files (a refused load leaves them too), then memory
-        if self.diagnostics is not None and state.last_step is not None:
-            self.diagnostics.rewind(state.last_step)  # before any assignment: a failure here changes nothing
-        for obs, parsed in observed:
-            if hasattr(obs, "rewind_files"):
-                obs.rewind_files(parsed)
+        self.rewind_logs(state.last_step)  # before any assignment: a failure here changes nothing
         self._install(state, observed)
         if state.changes:
             warnings.warn("hdreplay: resumed under a changed replay configuration (" + "; ".join(state.changes)
                           + "); the resumed run will not reproduce the uninterrupted one", ReplayResumeWarning,
                           stacklevel=3)
+
+    def rewind_logs(self, step: int | None) -> list[Path]:
+        """Set the diagnostics logs (``steps.jsonl``, ``groups.jsonl``, the observers' logs such as the staleness
+        ledger) back to a checkpoint whose last committed step is ``step`` (None: nothing committed), so that a resumed
+        run writes no step twice: the records after it move to side files beside each log, never deleted
+        (:func:`hdreplay.records.rewind_jsonl`); a :class:`~hdreplay.errors.ReplayResumeWarning` lists them.
+        :meth:`load` calls it with the loaded state's step; a resume without the state, with the checkpoint's."""
+        if self._open_step is not None:
+            raise ReplayProtocolError(f"rewind_logs() while step {self._open_step} is open; commit() first")
+        stamp = rewind_stamp()  # (one time names every side file of this rewind)
+        moved = self.diagnostics.rewind(step, stamp) if self.diagnostics is not None else []
+        for obs in self.observers:
+            if hasattr(obs, "rewind_files"):
+                moved += obs.rewind_files(step, stamp)
+        if moved:
+            at = f"after step {step}" if step is not None else "before any committed step"
+            warnings.warn(f"hdreplay: resumed {at}: the records of later steps were moved from the logs to "
+                          f"{', '.join(str(p) for p in moved)} (the resumed run writes those steps again; nothing was "
+                          "deleted)", ReplayResumeWarning, stacklevel=3)
+        return moved
 
     def _install(self, state: ControllerState, observed: list) -> None:
         self.buffer._apply(state.buffer)
@@ -119,9 +137,9 @@ class ControllerCheckpoint:
     def load(self, directory: str | os.PathLike, *, expect: dict[str, Any] | None = None) -> None:
         """Restore from a directory written by :meth:`save`; on error nothing changes.
 
-        ``expect``: the identity the state must carry (each named value that both hold must be equal; a state saved
-        without an identity is not compared); else :class:`~hdreplay.errors.CheckpointMismatchError` naming both
-        values, before any file or state is touched."""
+        ``expect``: the identity the state must carry (every named value equal, None meaning not recorded; a state
+        saved without an identity is refused when anything is expected); else
+        :class:`~hdreplay.errors.CheckpointMismatchError` naming both values, before any file or state is touched."""
         check_path("load", directory)
         expect = identity_of("expect", expect, ReplayInputError)
         if self._open_step is not None:

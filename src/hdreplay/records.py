@@ -5,6 +5,10 @@ Files written under a diagnostics directory:
     groups.jsonl   one lifetime record per group when it leaves the buffer (FIFO eviction),
                    plus, at :meth:`DiagnosticsWriter.close`, one per group still buffered
                    (``"evicted_step": null``)
+    <log>.rewound-from-step-<k>.<UTC time>.jsonl
+                   what a resume's rewind set aside (:meth:`DiagnosticsWriter.rewind`): the records of steps k and
+                   later of a run that resumed from an earlier checkpoint; never deleted, the resumed run writes
+                   those steps again into the log itself
 
 Non-finite floats are written as JSON ``null``.
 """
@@ -14,6 +18,7 @@ from __future__ import annotations
 import json
 import math
 import os
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
@@ -292,27 +297,60 @@ class DiagnosticsWriter:
     def write_groups(self, records: Iterable[Mapping[str, Any]]) -> None:
         self._append(self.groups_path, records)
 
-    def rewind(self, step: int) -> None:
-        """Drop records written after ``step`` (used when a run resumes from a checkpoint at ``step``):
-        step records with ``step > step`` and group records evicted after it or written at close."""
-        step = check_step("step", step)
-        self._filter(self.steps_path, lambda r: r.get("step", -1) <= step)
-        self._filter(self.groups_path,
-                     lambda r: r.get("evicted_step") is not None and r["evicted_step"] <= step)
+    def rewind(self, step: int | None, stamp: str | None = None) -> list[Path]:
+        """Set aside the records written after ``step`` (a run resumes from a checkpoint whose last committed step is
+        ``step``; None: nothing was committed, every record is set aside): step records with ``step > step`` and group
+        records evicted after it or written at close move to side files (:func:`rewind_jsonl`, named with ``stamp``);
+        returns those."""
+        step = None if step is None else check_step("step", step)
+        after, stamp = step + 1 if step is not None else 0, stamp or rewind_stamp()
+        moved = [rewind_jsonl(self.steps_path, lambda r: step is not None and r.get("step", -1) <= step, after, stamp),
+                 rewind_jsonl(self.groups_path, lambda r: step is not None and r.get("evicted_step") is not None
+                              and r["evicted_step"] <= step, after, stamp)]
+        return [p for p in moved if p is not None]
 
-    def _filter(self, path: Path, keep) -> None:
-        if not path.exists():
-            return
-        kept = []
-        with open(path) as f:
-            for line in f:
-                try:
-                    rec = json.loads(line)
-                except json.JSONDecodeError:
-                    continue  # a torn last line from a crash: drop it
-                if keep(rec):
-                    kept.append(line if line.endswith("\n") else line + "\n")
-        atomic_write_text(path, "".join(kept))
+
+#: a side file a rewind writes: ``<stem>.rewound-from-step-<k>.<UTC time>.jsonl`` beside ``<stem>.jsonl``
+REWOUND = "rewound-from-step"
+
+
+def rewound_files(path: str | os.PathLike) -> list[Path]:
+    """The side files rewinds of the log ``path`` wrote (oldest first)."""
+    path = Path(path)
+    return sorted(path.parent.glob(f"{path.stem}.{REWOUND}-*{path.suffix}"))
+
+
+def rewind_stamp() -> str:
+    """The time a rewind's side files are named with (UTC, to the microsecond)."""
+    return datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S.%fZ")
+
+
+def rewind_jsonl(path: Path, keep, first_step: int, stamp: str | None = None) -> Path | None:
+    """Move the lines of the JSONL log ``path`` that ``keep(record)`` rejects (and any line that does not parse: a
+    torn last line of a crash) to a new side file beside it, named with ``first_step`` (the first step moved) and the
+    time (``stamp``, default now); returns it (None when nothing moves).  Never deletes a record: the side file is complete on disk before
+    ``path`` is rewritten (a crash in between leaves the records in both)."""
+    if not path.exists():
+        return None
+    kept, moved = [], []
+    with open(path) as f:
+        for line in f:
+            line = line if line.endswith("\n") else line + "\n"
+            try:
+                ok = keep(json.loads(line))
+            except (json.JSONDecodeError, AttributeError, TypeError):
+                ok = False
+            (kept if ok else moved).append(line)
+    if not moved:
+        return None
+    stamp = stamp or rewind_stamp()
+    side, k = path.with_name(f"{path.stem}.{REWOUND}-{first_step}.{stamp}{path.suffix}"), 1
+    while side.exists():  # (two rewinds within a microsecond)
+        k += 1
+        side = path.with_name(f"{path.stem}.{REWOUND}-{first_step}.{stamp}-{k}{path.suffix}")
+    atomic_write_text(side, "".join(moved))
+    atomic_write_text(path, "".join(kept))
+    return side
 
 
 #: what ``commit(counters=...)`` accepts

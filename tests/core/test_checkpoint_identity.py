@@ -1,5 +1,6 @@
 """What a replay state belongs to (issue 39, item 1), at the core: ``save(identity=)`` writes it, ``load(expect=)``
-compares it before anything changes, for the controller and the peers' stores alike; bad identities are named."""
+compares it before anything changes, for the controller and the peers' stores alike; bad identities are named.
+Issue 44: a state without an identity, a value recorded on one side only or of another type, is refused by name."""
 
 import pytest
 
@@ -26,19 +27,44 @@ def test_the_controller_state_carries_its_identity_and_a_load_compares_it(tmp_pa
         with pytest.raises(CheckpointMismatchError, match=named):
             other.load(tmp_path / "ck", expect=expect)
         assert state_hash(other) == before and _files(tmp_path / "diag") == files  # nothing changed
-    other.load(tmp_path / "ck", expect={**ME, "extra": None})  # equal where both hold a value
+    other.load(tmp_path / "ck", expect={**ME, "extra": None})  # recorded on neither side: equal
     assert state_hash(other) == state_hash(ctrl)
     plain = ReplayController(CFG)
     plain.load(tmp_path / "ck")  # no expectation: nothing compared
 
 
-def test_a_state_saved_without_an_identity_loads_whatever_is_expected(tmp_path):
+def test_a_state_saved_without_an_identity_is_refused_when_one_is_expected(tmp_path):
+    """Issue 44: a pre-identity state (every state before issue 39) belongs to nothing known, so a resume that expects
+    an identity refuses it by name, leaving the controller and its logs as they were (before: it loaded anywhere)."""
     ctrl = run_steps(ReplayController(CFG), range(4), k=4)
     ctrl.save(tmp_path / "ck")  # as hdreplay before issue 39 wrote it
     assert "identity" not in read_state(tmp_path / "ck")[0]["meta"]
-    other = ReplayController(CFG)
-    other.load(tmp_path / "ck", expect=ME)
-    assert state_hash(other) == state_hash(ctrl)
+    other = run_steps(ReplayController(CFG, diagnostics_dir=tmp_path / "diag"), range(6), k=4)
+    before, files = state_hash(other), _files(tmp_path / "diag")
+    with pytest.raises(CheckpointMismatchError, match=r"records no identity .* \(run_id='a{32}', global_step=5\)"):
+        other.load(tmp_path / "ck", expect=ME)
+    assert state_hash(other) == before and _files(tmp_path / "diag") == files
+    plain = ReplayController(CFG)
+    plain.load(tmp_path / "ck")  # nothing expected (a library load): nothing compared
+    assert state_hash(plain) == state_hash(ctrl)
+
+
+@pytest.mark.parametrize("saved, expect, named", [
+    (ME, {**ME, "run_id": None}, r"run_id: the replay state holds 'a{32}', the checkpoint records none"),
+    ({"global_step": 5}, ME, r"run_id: the replay state records none, the checkpoint 'a{32}'"),
+    (ME, {**ME, "run_id": 5}, r"run_id: the replay state holds 'a{32}', the checkpoint 5 \(an int, not a str\)"),
+    (ME, {**ME, "global_step": "5"}, r"global_step: the replay state holds 5, the checkpoint '5' \(a str, not an int\)"),
+    (ME, {**ME, "digest": "d" * 64}, r"digest: the replay state records none, the checkpoint 'd{64}'"),
+])
+def test_a_value_recorded_on_one_side_only_or_of_another_type_is_refused_by_name(tmp_path, saved, expect, named):
+    """Issue 44: not recorded is no wildcard, and 5 is not '5' (before: a None or a non-string on either side was not
+    compared, and another run's state loaded)."""
+    run_steps(ReplayController(CFG), range(4), k=4).save(tmp_path / "ck", identity=saved)
+    other = run_steps(ReplayController(CFG, diagnostics_dir=tmp_path / "diag"), range(6), k=4)
+    before, files = state_hash(other), _files(tmp_path / "diag")
+    with pytest.raises(CheckpointMismatchError, match=named):
+        other.load(tmp_path / "ck", expect=expect)
+    assert state_hash(other) == before and _files(tmp_path / "diag") == files
 
 
 @pytest.mark.parametrize("bad", [["run", 1], {"run_id": ["x"]}, {1: "x"}, {"run_id": "x" * 300},
@@ -64,3 +90,7 @@ def test_the_peers_stores_carry_and_compare_the_identity_too(tmp_path, name):
     assert snapshot(other) == before
     other.load(tmp_path / "ck", expect=ME)
     assert snapshot(other) == snapshot(saved)
+    saved.save(tmp_path / "old")  # without an identity (issue 44: refused when one is expected)
+    with pytest.raises(CheckpointMismatchError, match="records no identity"):
+        other.load(tmp_path / "old", expect=ME)
+    assert snapshot(other) == snapshot(saved)  # (unchanged since the load above)

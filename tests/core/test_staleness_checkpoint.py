@@ -276,7 +276,12 @@ def test_the_unedited_state_loads_and_rewinds_the_ledger_to_its_own_step(tmp_pat
     for u in range(3, 9):
         update(other, u, log)
     other.commit()
-    other.controller.load(ckpt)
+    before = (tmp_path / "diag" / "async.jsonl").read_text().splitlines()
+    with pytest.warns(ReplayResumeWarning, match="async.rewound-from-step-7"):
+        other.controller.load(ckpt)
     steps = [json.loads(line)["step"] for line in (tmp_path / "diag" / "async.jsonl").read_text().splitlines()]
     assert steps == [3, 4, 5, 6]  # rewound to the state's step, 6, and not below it
+    (side,) = (tmp_path / "diag").glob("async.rewound-from-step-7.*.jsonl")  # issue 44: set aside, not deleted
+    assert [json.loads(x)["step"] for x in side.read_text().splitlines()] == [7, 8, 9]
+    assert (tmp_path / "diag" / "async.jsonl").read_text().splitlines() + side.read_text().splitlines() == before
     shutil.rmtree(ckpt)

@@ -36,6 +36,17 @@ INTEGRATION_KNOBS = (
 )
 
 
+class CheckpointIdentity(dict):
+    """What a framework checkpoint says its replay state must belong to (named JSON scalars, None where the checkpoint
+    records nothing), plus ``resumes_at``: the first replay step a run resumed from it commits (None: not known), to
+    which the diagnostics logs are set back when the replay starts empty (:func:`restore`); ``notes``: what the
+    checkpoint lacks and how to restore it, added to a refusal."""
+
+    def __init__(self, values: dict, *, resumes_at: int | None, notes: tuple[str, ...] = ()):
+        super().__init__(values)
+        self.resumes_at, self.notes = resumes_at, tuple(notes)
+
+
 @dataclass(frozen=True)
 class ResumeDecision:
     """What to do with the replay state of a checkpoint being resumed."""
@@ -71,26 +82,41 @@ def restore(controller: ReplayController, checkpoint: str | os.PathLike, *, allo
             option: str, expect: dict | None = None) -> bool:
     """Apply :func:`resume_policy`: load the state into ``controller``; True if a state was loaded.
 
-    ``expect``: the identity (run id, global step) the framework's own checkpoint files give; a replay state that
-    belongs to another run or step is refused before anything is touched (CheckpointMismatchError naming both
-    values and the way out), or with ``allow_missing`` set, left unloaded (the replay starts empty, with a warning)."""
+    ``expect``: the identity the framework's own checkpoint files give (a :class:`CheckpointIdentity`); a replay state
+    that belongs to another run or step, or records no identity, is refused before anything is touched
+    (CheckpointMismatchError naming both values and the way out), or with ``allow_missing`` set, left unloaded.  When
+    the replay starts empty (no state, or one left unloaded) the diagnostics logs are set back to the checkpoint's
+    step (``expect.resumes_at``; the records after it move to side files), so the resumed run writes no step twice."""
     decision = resume_policy(checkpoint, allow_missing=allow_missing, option=option)
     if decision.warning:
         warnings.warn(decision.warning, stacklevel=3)
     if decision.path is None:
+        _rewind_to_checkpoint(controller, expect)
         return False
     try:
         controller.load(decision.path, expect=expect)
     except CheckpointMismatchError as e:
+        unrecorded, msg = getattr(e, "unrecorded", False), "; ".join([str(e), *getattr(expect, "notes", ())])
         if not allow_missing:
+            if unrecorded:
+                raise CheckpointMismatchError(f"{msg}. Set {option}=True to resume from this checkpoint with an empty "
+                                              "replay state (the replay history is lost), or start a new run") from None
             raise CheckpointMismatchError(
-                f"{e}. Resume from the checkpoint this replay state was saved with (or copy that checkpoint's "
+                f"{msg}. Resume from the checkpoint this replay state was saved with (or copy that checkpoint's "
                 f"{STATE_DIR}/ back), or set {option}=True to resume with an empty replay state (the replay history "
                 "is lost)") from None
-        warnings.warn(f"hdreplay: {e}; resuming with an empty replay state ({option}=True)", ReplayResumeWarning,
+        warnings.warn(f"hdreplay: {msg}; resuming with an empty replay state ({option}=True)", ReplayResumeWarning,
                       stacklevel=3)
+        _rewind_to_checkpoint(controller, expect)
         return False
     return True
+
+
+def _rewind_to_checkpoint(controller, expect) -> None:
+    """The logs back to the step before the resumed run's first (when the checkpoint says which)."""
+    at = getattr(expect, "resumes_at", None)
+    if at is not None and hasattr(controller, "rewind_logs"):
+        controller.rewind_logs(at - 1 if at > 0 else None)
 
 
 @dataclass(frozen=True)

@@ -17,9 +17,10 @@ from __future__ import annotations
 
 import math
 import warnings
+from pathlib import Path
 from typing import Any, Mapping
 
-from ..atomic import atomic_write_text
+from ..records import rewind_jsonl
 from ..errors import CheckpointError, ReplayProtocolError, ReplayResumeWarning
 from ..validate import is_int, is_real
 from .ledger import StalenessLedger
@@ -155,22 +156,14 @@ def install(ar: _AsyncReplay, parsed: dict[str, Any] | None) -> None:
     ar._committed = snapshot(ar)
 
 
-def rewind_ledger(ar: _AsyncReplay, step: int | None) -> None:
-    """Drop the ledger file's records written after ``step`` (a resumed run writes them again); called only with the
-    step of a state that passed :func:`cross_check` (None: nothing was committed, so no record is kept)."""
-    import json
-
-    if ar.path is None or not ar.path.exists():
-        return
-    kept = []
-    for line in ar.path.read_text().splitlines():
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError:
-            continue  # a torn last line from a crash
-        if step is not None and isinstance(rec, dict) and is_int(rec.get("step")) and rec["step"] <= step:
-            kept.append(line + "\n")
-    atomic_write_text(ar.path, "".join(kept))
+def rewind_ledger(ar: _AsyncReplay, step: int | None, stamp: str | None = None) -> Path | None:
+    """Set aside the ledger file's records written after ``step`` (a resumed run writes them again) in a side file
+    (:func:`hdreplay.records.rewind_jsonl`; None: nothing was committed, every record is set aside); returns the side
+    file, or None when nothing moved."""
+    if ar.path is None:
+        return None
+    return rewind_jsonl(ar.path, lambda rec: step is not None and is_int(rec.get("step")) and rec["step"] <= step,
+                        0 if step is None else step + 1, stamp)
 
 
 class StalenessState:
@@ -214,11 +207,11 @@ class StalenessState:
                 raise CheckpointError(f"staleness state: routing: {e}") from None
         return parsed, routing
 
-    def rewind_files(self, parsed: tuple[dict | None, Any]) -> None:
-        """After every check of the load passed (the controller calls it): the ledger file back to the checkpoint."""
-        state, _ = parsed
-        if state is not None:
-            rewind_ledger(self.ar, state["step"])
+    def rewind_files(self, step: int | None, stamp: str | None = None) -> list[Path]:
+        """After every check of the load passed, or on a resume without a state (the controller calls it): the ledger
+        file back to the checkpoint's last committed ``step``; returns the side file written, if any."""
+        side = rewind_ledger(self.ar, step, stamp)
+        return [] if side is None else [side]
 
     def restore(self, controller, parsed: tuple[dict | None, Any]) -> None:
         state, routing = parsed
