@@ -1,11 +1,14 @@
-"""A resume refuses a replay state that is not its checkpoint's (issue 39, item 1): HDRGRPOTrainer and
+"""A resume refuses a replay state that is not its checkpoint's (issue 39, item 1; issue 44): HDRGRPOTrainer and
 HDRAsyncGRPOTrainer.
 
 Every replay state carries the run id (made at the run's start, written into ``trainer_state.json`` by the Trainer
 through the ``HDReplayRun`` callback) and the global step; the asynchronous trainer's routing state carries its step
 too.  A resume compares them with ``trainer_state.json`` before it touches anything.  Before: ``checkpoint-3`` holding
 ``checkpoint-1``'s ``hdreplay/`` resumed silently and deleted steps 1-2 from the logs; a newer step's state failed with
-a raw ReplayProtocolError; another run's state of the same step resumed silently.
+a raw ReplayProtocolError; another run's state of the same step resumed silently.  Issue 44: the state also carries
+a digest of the checkpoint's ``trainer_state.json``; a checkpoint whose run id was removed or is not a string, and a
+state that records no identity, are refused by name; ``replay_resume_without_state`` sets the logs back to the
+checkpoint (the later records moved to side files) so that no step is written twice.
 """
 
 from __future__ import annotations
@@ -58,9 +61,12 @@ def test_each_checkpoint_records_its_run_and_step_in_both_places(runs):
     ids = {_run_id(root / "a" / f"checkpoint-{n}") for n in (1, 2, 3)}
     assert len(ids) == 1 and ids != {_run_id(root / "b" / "checkpoint-3")}
     (run_id,) = ids
+    from hdreplay.integrations.trl.checkpoints import trainer_state_digest
+
     for n in (1, 2, 3):
         meta = read_state(root / "a" / f"checkpoint-{n}" / "hdreplay")[0]["meta"]
-        assert meta["identity"] == {"run_id": run_id, "global_step": n}
+        assert meta["identity"] == {"run_id": run_id, "global_step": n,
+                                    "trainer_state": trainer_state_digest(root / "a" / f"checkpoint-{n}")}
 
 
 def _attack(root, case, tmp_path):
@@ -113,7 +119,8 @@ def test_an_intact_resume_goes_on_under_the_checkpoints_run_id(runs, tmp_path):
     tr.train(resume_from_checkpoint=str(out / "checkpoint-3"))
     assert _run_id(out / "checkpoint-4") == _run_id(out / "checkpoint-3")
     meta = read_state(out / "checkpoint-4" / "hdreplay")[0]["meta"]
-    assert meta["identity"] == {"run_id": _run_id(out / "checkpoint-3"), "global_step": 4}
+    assert {k: meta["identity"][k] for k in ("run_id", "global_step")} == {"run_id": _run_id(out / "checkpoint-3"),
+                                                                          "global_step": 4}
 
 
 def test_a_re_signed_edit_of_the_replay_states_step_is_refused(runs, tmp_path):
@@ -129,21 +136,111 @@ def test_a_re_signed_edit_of_the_replay_states_step_is_refused(runs, tmp_path):
     assert _files(out) == before
 
 
-def test_a_checkpoint_written_before_the_run_id_resumes(runs, tmp_path):
-    """Checkpoints of the previous release carry no identity: they are not compared (and still resume)."""
+def _edit_run_id(ckpt: Path, how: str) -> None:
+    """Remove the checkpoint's run id from its trainer_state.json, or replace it with the integer 5."""
+    ts = json.loads((ckpt / "trainer_state.json").read_text())
+    if how == "removed":
+        del ts["stateful_callbacks"]["HDReplayRun"]
+    else:
+        ts["stateful_callbacks"]["HDReplayRun"]["args"]["run_id"] = 5
+    (ckpt / "trainer_state.json").write_text(json.dumps(ts, indent=2, sort_keys=True) + "\n")
+
+
+RUN_ID = {"removed": r"run_id: the replay state holds '[0-9a-f]{32}', the checkpoint records none",
+          "the integer 5": r"run_id: the replay state holds '[0-9a-f]{32}', the checkpoint 5 \(an int, not a str\)"}
+
+
+@pytest.mark.parametrize("how", list(RUN_ID))
+def test_a_checkpoint_whose_run_id_is_removed_or_not_a_string_refuses_another_runs_state(runs, tmp_path, how):
+    """Issue 44, item 2: before, checkpoint-3 without its run id (or with 5) resumed run B's replay state silently."""
+    root, model_dir = runs
+    out, target = _attack(root, "another run's state", tmp_path)
+    _edit_run_id(target, how)
+    before = _files(out)
+    tr = _trainer(model_dir, out)
+    with pytest.raises(CheckpointMismatchError, match=RUN_ID[how]) as e:
+        tr.train(resume_from_checkpoint=str(target))
+    assert "trainer_state: the replay state holds '" in str(e.value)  # the file TRL wrote differs too
+    assert "replay_resume_without_state=True" in str(e.value)
+    assert _files(out) == before and len(tr.replay.buffer) == 0
+
+
+def test_the_replay_state_is_bound_to_the_trainer_state_json_the_trainer_wrote_for_its_checkpoint(runs, tmp_path):
+    """Issue 44, item 1: checkpoint-N/hdreplay carries the digest of checkpoint-N/trainer_state.json (written by the
+    Trainer just before it); a trainer_state.json of another step of the same run (its run id equal) is refused."""
     root, model_dir = runs
     out = tmp_path / "a"
     shutil.copytree(root / "a", out)
-    ck = out / "checkpoint-3"
-    st = read_state(ck / "hdreplay")[0]
+    from hdreplay.integrations.trl.checkpoints import trainer_state_digest
+
+    for n in (1, 2, 3):
+        ident = read_state(out / f"checkpoint-{n}" / "hdreplay")[0]["meta"]["identity"]
+        assert ident["trainer_state"] == trainer_state_digest(out / f"checkpoint-{n}")
+    ts = json.loads((out / "checkpoint-3" / "trainer_state.json").read_text())
+    ts["log_history"] = json.loads((out / "checkpoint-2" / "trainer_state.json").read_text())["log_history"]
+    (out / "checkpoint-3" / "trainer_state.json").write_text(json.dumps(ts, indent=2, sort_keys=True) + "\n")
+    before = _files(out)
+    with pytest.raises(CheckpointMismatchError, match=r"trainer_state: the replay state holds '[0-9a-f]{64}', the "
+                                                      r"checkpoint '[0-9a-f]{64}'"):
+        _trainer(model_dir, out).train(resume_from_checkpoint=str(out / "checkpoint-3"))
+    assert _files(out) == before
+
+
+def _pre_identity(hdreplay_dir: Path) -> None:
+    """Rewrite a replay state as hdreplay wrote it before issue 39 (no identity)."""
+    st = read_state(hdreplay_dir)[0]
     del st["meta"]["identity"]
-    resign(ck / "hdreplay", st["meta"])
-    ts = json.loads((ck / "trainer_state.json").read_text())
-    del ts["stateful_callbacks"]["HDReplayRun"]
-    (ck / "trainer_state.json").write_text(json.dumps(ts))
-    tr = _trainer(model_dir, out, cls=HDRGRPOTrainer, max_steps=4)
-    tr.train(resume_from_checkpoint=str(ck))
-    assert tr.state.global_step == 4 and (out / "checkpoint-4" / "hdreplay").is_dir()
+    resign(hdreplay_dir, st["meta"])
+
+
+def test_a_pre_identity_state_is_refused_by_name_and_no_record_is_deleted(runs, tmp_path):
+    """Issue 44, item 3 (the policy: the project is unreleased, so a state that records no identity is not resumed):
+    run A's checkpoint-1 state in pre-identity form put into checkpoint-3 is refused, every file byte-identical
+    (before: it resumed, and the rewind cut steps.jsonl from [0, 1, 2] to [0])."""
+    root, model_dir = runs
+    out, target = _attack(root, "an older step's state", tmp_path)
+    _pre_identity(target / "hdreplay")
+    before = _files(out)
+    with pytest.raises(CheckpointMismatchError, match=r"records no identity .*Set replay_resume_without_state=True "
+                                                      "to resume from this checkpoint with an empty replay state"):
+        _trainer(model_dir, out).train(resume_from_checkpoint=str(target))
+    assert _files(out) == before
+
+
+def _steps_once(out: Path) -> list[int]:
+    steps = [json.loads(x)["step"] for x in (out / "replay" / "steps.jsonl").read_text().splitlines()]
+    assert len(steps) == len(set(steps)), steps
+    return steps
+
+
+@pytest.mark.parametrize("case", ["an older step's state", "a pre-identity state", "no replay state"])
+def test_resume_without_state_sets_the_logs_back_to_the_checkpoint_and_writes_no_step_twice(runs, tmp_path, case):
+    """Issue 44, item 4: with replay_resume_without_state the replay starts empty and the logs are set back to the
+    checkpoint's step, the later records moved aside (before: steps.jsonl [0, 1, 2, 2, 3], groups.jsonl's lifetime
+    records of run A's buffer twice)."""
+    root, model_dir = runs
+    out = tmp_path / "a"
+    shutil.copytree(root / "a", out)
+    target = out / "checkpoint-2"
+    shutil.rmtree(target / "hdreplay")
+    if case != "no replay state":
+        shutil.copytree(out / "checkpoint-1" / "hdreplay", target / "hdreplay")
+        if case == "a pre-identity state":
+            _pre_identity(target / "hdreplay")
+    steps, groups = [(out / "replay" / f).read_text().splitlines() for f in ("steps.jsonl", "groups.jsonl")]
+    assert [json.loads(x)["step"] for x in steps] == [0, 1, 2]
+    tr = _trainer(model_dir, out, replay_resume_without_state=True, max_steps=4)
+    with pytest.warns(ReplayResumeWarning, match=r"resumed after step 1: the records of later steps were moved"):
+        tr.train(resume_from_checkpoint=str(target))
+    assert tr.state.global_step == 4 and tr.selections[0]["step"] == 2 and not tr.selections[0]["groups"]
+    assert _steps_once(out) == [0, 1, 2, 3]
+    (side,) = (out / "replay").glob("steps.rewound-from-step-2.*.jsonl")
+    assert side.read_text().splitlines() == steps[2:]  # run A's step 2: set aside, not deleted
+    (gside,) = (out / "replay").glob("groups.rewound-from-step-2.*.jsonl")
+    kept = (out / "replay" / "groups.jsonl").read_text().splitlines()
+    assert sorted(gside.read_text().splitlines() + [x for x in kept if x in groups]) == sorted(groups)
+    ids = [json.loads(x)["group_id"] for x in kept]
+    assert len(ids) == len(set(ids))  # no group's lifetime twice
 
 
 # ------------------------------------------------------------------ HDRAsyncGRPOTrainer
@@ -217,3 +314,45 @@ def test_async_an_intact_resume_goes_on_under_the_checkpoints_run_id(async_runs,
     _async_train(out, model_dir, resume=out / "checkpoint-3", max_steps=4)
     assert _run_id(out / "checkpoint-4") == _run_id(out / "checkpoint-3")
     assert read_state(out / "checkpoint-4" / "hdreplay")[0]["meta"]["identity"]["global_step"] == 4
+
+
+@pytest.mark.parametrize("how", list(RUN_ID))
+def test_async_a_checkpoint_whose_run_id_is_removed_or_not_a_string_refuses_another_runs_state(async_runs, tmp_path,
+                                                                                                how):
+    root, model_dir = async_runs
+    out, target = _async_attack(root, "another run's state", tmp_path)
+    _edit_run_id(target, how)
+    before = _files(out)
+    with pytest.raises(CheckpointMismatchError, match=RUN_ID[how]):
+        _async_train(out, model_dir, resume=target, max_steps=4)
+    assert _files(out) == before  # steps.jsonl and async.jsonl keep every line
+
+
+def test_async_a_pre_identity_state_is_refused_by_name_and_no_record_is_deleted(async_runs, tmp_path):
+    root, model_dir = async_runs
+    out, target = _async_attack(root, "an older step's state", tmp_path)
+    _pre_identity(target / "hdreplay")
+    before = _files(out)
+    with pytest.raises(CheckpointMismatchError, match="records no identity"):
+        _async_train(out, model_dir, resume=target, max_steps=4)
+    assert _files(out) == before
+
+
+def test_async_resume_without_state_after_a_mismatch_writes_no_step_twice(async_runs, tmp_path):
+    """Issue 44, item 4, asynchronous: checkpoint-2 holding checkpoint-1's state, resumed with
+    replay_resume_without_state: steps.jsonl and async.jsonl set back to the checkpoint (before: step 2 twice)."""
+    root, model_dir = async_runs
+    out = tmp_path / "a"
+    shutil.copytree(root / "a", out)
+    target = out / "checkpoint-2"
+    shutil.rmtree(target / "hdreplay")
+    shutil.copytree(out / "checkpoint-1" / "hdreplay", target / "hdreplay")
+    logs = {f: (out / "hdreplay" / f).read_text().splitlines() for f in ("steps.jsonl", "async.jsonl")}
+    assert [json.loads(x)["step"] for x in logs["steps.jsonl"]] == [0, 1, 2]
+    with pytest.warns(ReplayResumeWarning, match="resumed after step 1"):
+        _async_train(out, model_dir, resume=target, max_steps=4, replay_resume_without_state=True)
+    for f, lines in logs.items():
+        steps = [json.loads(x)["step"] for x in (out / "hdreplay" / f).read_text().splitlines()]
+        assert steps == [0, 1, 2, 3], (f, steps)
+        (side,) = (out / "hdreplay").glob(f"{f.split('.')[0]}.rewound-from-step-2.*.jsonl")
+        assert side.read_text().splitlines() == [x for x in lines if json.loads(x)["step"] >= 2]

@@ -14,13 +14,19 @@ recognisable: :func:`checkpoint_problem` says what is missing and why, and
 :func:`newest_complete_checkpoint` is what ``resume_from_checkpoint=True`` resumes.
 
 Identity: the run has an id (:class:`HDReplayRun`, made at its start and kept by every resume) that the Trainer writes
-into ``trainer_state.json`` (``stateful_callbacks``); the replay state of ``checkpoint-N`` carries the same id and
-the global step N.  A resume compares the two (:func:`checkpoint_identity`) before it touches anything, so another
-checkpoint's or another run's ``hdreplay/`` copied in is refused by name.
+into ``trainer_state.json`` (``stateful_callbacks``); the replay state of ``checkpoint-N`` carries the same id, the
+global step N and a digest of the ``trainer_state.json`` the Trainer wrote for this checkpoint (step 2 above, before
+the replay state: :func:`replay_identity`; the file holds the run's own log history, so it differs between runs and
+steps).  A resume compares them with the checkpoint's file (:func:`checkpoint_identity`) before it touches anything:
+another checkpoint's or another run's ``hdreplay/`` copied in, a checkpoint whose run id was removed or is not a
+string, or a replay state that records no identity (written before hdreplay recorded one: not resumed) is refused by
+name, with the way out (``replay_resume_without_state``).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import json
 import os
 import re
@@ -33,11 +39,14 @@ from transformers.trainer_callback import ExportableState, TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
 from ...errors import CheckpointError
-from ..common import STATE_DIR
+from ..common import STATE_DIR, CheckpointIdentity
 
 PENDING = "hdreplay.pending"
 TRAINER_STATE = "trainer_state.json"
 _CKPT = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")
+#: ``trainer_state.json`` fields that differ between the processes writing it (each node's first one with
+#: ``save_on_each_node``): left out of its digest
+PER_PROCESS_FIELDS = ("is_local_process_zero", "is_world_process_zero")
 
 
 class HDReplayRun(TrainerCallback, ExportableState):
@@ -52,19 +61,59 @@ class HDReplayRun(TrainerCallback, ExportableState):
         return {"args": {"run_id": self.run_id}, "attributes": {}}
 
 
-def checkpoint_identity(ckpt: str | os.PathLike) -> dict:
-    """What the replay state resumed with ``ckpt`` must belong to, from its ``trainer_state.json``: ``global_step``
-    and ``run_id`` (None where the file does not record it: a checkpoint written before hdreplay recorded its run)."""
+def _trainer_state(ckpt: str | os.PathLike) -> dict:
     path = Path(ckpt) / TRAINER_STATE
     try:
         st = json.loads(path.read_text())
     except (OSError, ValueError) as e:
         raise CheckpointError(f"{path}: unreadable ({e}); the checkpoint is incomplete or corrupted") from None
-    run = (st.get("stateful_callbacks") or {}).get(HDReplayRun.__name__) if isinstance(st, dict) else None
-    run_id = run.get("args", {}).get("run_id") if isinstance(run, dict) and isinstance(run.get("args"), dict) else None
-    step = st.get("global_step") if isinstance(st, dict) else None
-    return {"run_id": run_id if isinstance(run_id, str) else None,
-            "global_step": step if isinstance(step, int) and not isinstance(step, bool) else None}
+    if not isinstance(st, dict):
+        raise CheckpointError(f"{path}: not a JSON object; the checkpoint is corrupted")
+    return st
+
+
+def _digest(state: dict) -> str:
+    body = {k: v for k, v in state.items() if k not in PER_PROCESS_FIELDS}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def trainer_state_digest(ckpt: str | os.PathLike) -> str:
+    """sha256 of ``ckpt/trainer_state.json`` as the Trainer wrote it (its JSON with sorted keys, without
+    :data:`PER_PROCESS_FIELDS`: the same on every node's copy)."""
+    return _digest(_trainer_state(ckpt))
+
+
+def replay_identity(trainer, run_id: str) -> dict:
+    """What ``checkpoint-N/hdreplay`` carries: the run id, the global step and the :func:`trainer_state_digest` of the
+    ``trainer_state.json`` the Trainer has just written into ``checkpoint-N`` (:func:`save_with_replay` writes the
+    replay state after the Trainer's files), computed from the ``trainer.state`` it was written from (so that no
+    process reads a file another node's process may be writing into a shared directory)."""
+    written = json.loads(json.dumps(dataclasses.asdict(trainer.state)))  # (what TrainerState.save_to_json writes)
+    return {"run_id": run_id, "global_step": trainer.state.global_step, "trainer_state": _digest(written)}
+
+
+def _scalar(v):
+    """``v`` as the checkpoint holds it when a JSON scalar (a wrong type is then named, not taken as unrecorded)."""
+    if v is None or isinstance(v, (bool, int, float)):
+        return v
+    if isinstance(v, str):
+        return v if len(v) <= 200 else v[:200] + "..."
+    return f"<a {type(v).__name__}: {json.dumps(v)[:60]}>"
+
+
+def checkpoint_identity(ckpt: str | os.PathLike) -> CheckpointIdentity:
+    """What the replay state resumed with ``ckpt`` must belong to, from its ``trainer_state.json``: the run id
+    (:class:`HDReplayRun`'s entry; None where there is none), ``global_step`` (as the file holds them: a value of the
+    wrong type is compared, and refused, as it is) and the file's digest; ``resumes_at``: the global step (the resumed
+    run's first replay step)."""
+    st = _trainer_state(ckpt)
+    callbacks = st.get("stateful_callbacks")
+    run = callbacks.get(HDReplayRun.__name__) if isinstance(callbacks, dict) else None
+    run_id = run["args"].get("run_id") if isinstance(run, dict) and isinstance(run.get("args"), dict) else None
+    step = st.get("global_step")
+    at = step if isinstance(step, int) and not isinstance(step, bool) and step >= 0 else None
+    return CheckpointIdentity({"run_id": _scalar(run_id), "global_step": _scalar(step),
+                               "trainer_state": _digest(st)}, resumes_at=at)
 
 
 def run_of(trainer) -> HDReplayRun:
@@ -74,7 +123,7 @@ def run_of(trainer) -> HDReplayRun:
 
 def resumed_run(trainer, identity: dict) -> None:
     """After a resume: the run goes on under the checkpoint's run id (if it recorded one)."""
-    if identity.get("run_id"):  # (every rank reads the same trainer_state.json: the ranks agree)
+    if isinstance(identity.get("run_id"), str):  # (every rank reads the same trainer_state.json: the ranks agree)
         run = run_of(trainer)
         run.run_id, run.agreed = identity["run_id"], True
 
@@ -219,7 +268,7 @@ def save_with_replay(trainer, model, trial, *, save_trainer, write_state) -> Non
     with rotation_held(trainer.args) as limit:
         save_trainer(model, trial)
     if write:  # every rank holds the same replay state
-        write_state(os.path.join(ckpt, STATE_DIR), {"run_id": run.run_id, "global_step": trainer.state.global_step})
+        write_state(os.path.join(ckpt, STATE_DIR), replay_identity(trainer, run.run_id))
     trainer.accelerator.wait_for_everyone()  # every copy written before any marker goes
     if write:
         clear_pending(ckpt)
