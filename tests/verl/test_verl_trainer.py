@@ -11,7 +11,9 @@ engine are stubs.  Two runs are shared by the tests of this module:
 """
 
 import os
+import re
 import shutil
+from pathlib import Path
 
 import pytest
 
@@ -67,7 +69,9 @@ def frozen(worker_group, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def moving(worker_group, tmp_path_factory):
-    trainer, records = _run(worker_group, tmp_path_factory.mktemp("moving_ckpt"), "hdr.tau=1e-9", lr=0.5, kl=False)
+    """(Also run B of the identity tests: its step-3 checkpoint, another run's, with the same data order as frozen's.)"""
+    trainer, records = _run(worker_group, tmp_path_factory.mktemp("moving_ckpt"), "hdr.tau=1e-9", "trainer.save_freq=3",
+                            lr=0.5, kl=False)
     return trainer, records
 
 
@@ -232,57 +236,91 @@ def _files(root):
     return {p: p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
 
 
-@pytest.mark.parametrize("case", ["another step's folder", "another run's state"])
-def test_resume_refuses_a_replay_state_of_another_step_or_run_before_touching_anything(frozen, worker_group, tmp_path,
-                                                                                      case):
-    """Issue 39: global_step_N/hdreplay carries the run id and step N; hdreplay_run.json beside it records the run.
-    Before: a folder holding another step's or another run's replay state resumed silently."""
+IDENTITY_CASES = {
+    "another step's folder": r"global_step: the replay state holds 3, the checkpoint 5",
+    "another run's state with its run record": r"run_id: the replay state holds '(?P<b>[0-9a-f]{32})', the checkpoint "
+                                               r"'(?P<a>[0-9a-f]{32})'",
+    "another run's state, the run record deleted": r"run_id: the replay state holds '[0-9a-f]{32}', the checkpoint "
+                                                   r"records none.*hdreplay_run.json \(the run record of this checkpoint "
+                                                   r"directory\) is missing",
+    "another step's data.pt": r"dataloader: the replay state holds '[0-9a-f]{64}', the checkpoint '[0-9a-f]{64}'",
+    "a pre-identity state": r"records no identity",
+}
+
+
+@pytest.mark.parametrize("case", list(IDENTITY_CASES))
+def test_resume_refuses_a_replay_state_of_another_step_or_run_before_touching_anything(frozen, moving, worker_group,
+                                                                                      tmp_path, case):
+    """Issue 39, 44: global_step_N/hdreplay carries the run id, step N and a digest of the dataloader state verl saves
+    as global_step_N/data.pt; the run id is read from <default_local_dir>/hdreplay_run.json, which does not travel
+    with a step folder.  Before: run B's hdreplay/ copied in with its hdreplay_run.json (then in the step folder)
+    resumed silently, and so did any state once that file was deleted."""
     import json
 
     from hdreplay import CheckpointMismatchError
     from hdreplay.integrations.verl.checkpoints import RUN_FILE
+    from strategy_states import read_state, resign
 
     _, _, ckpt = frozen
+    other = Path(moving[0].config.trainer.default_local_dir)  # run B
     copy = tmp_path / "ckpt"
     shutil.copytree(ckpt, copy)
-    run = json.loads((copy / "global_step_3" / RUN_FILE).read_text())
-    assert run["global_step"] == 3 and len(run["run_id"]) == 32
+    step3 = copy / "global_step_3"
     if case == "another step's folder":  # this run's global_step_5 holding step 3's replay state
-        shutil.copytree(copy / "global_step_3", copy / "global_step_5")
-        (copy / "global_step_5" / RUN_FILE).write_text(json.dumps({**run, "global_step": 5}))
+        shutil.copytree(step3, copy / "global_step_5")
         (copy / "latest_checkpointed_iteration.txt").write_text("5")
-        want = "global_step: the replay state holds 3, the checkpoint 5"
-    else:  # the folder's run is another than the one whose replay state it holds
-        (copy / "global_step_3" / RUN_FILE).write_text(json.dumps({**run, "run_id": "f" * 32}))
-        want = f"run_id: the replay state holds '{run['run_id']}', the checkpoint '{'f' * 32}'"
+    elif case.startswith("another run's state"):  # the pair as it traveled: hdreplay/ and its run record
+        shutil.rmtree(step3 / STATE_DIR)
+        shutil.copytree(other / "global_step_3" / STATE_DIR, step3 / STATE_DIR)
+        shutil.copy(other / RUN_FILE, step3 / RUN_FILE)
+        if "deleted" in case:
+            (copy / RUN_FILE).unlink()
+    elif case == "another step's data.pt":
+        shutil.copy(copy / "global_step_2" / "data.pt", step3 / "data.pt")
+    else:  # written before hdreplay recorded what a state belongs to
+        st = read_state(step3 / STATE_DIR)[0]
+        del st["meta"]["identity"]
+        resign(step3 / STATE_DIR, st["meta"])
+    diag = copy / "diagnostics"  # the run's log, with records of steps after the checkpoint (4, 5)
+    diag.mkdir()
+    (diag / "steps.jsonl").write_text("".join(json.dumps({"step": s}) + "\n" for s in range(1, 6)))
+    logs = f"hdr.diagnostics_dir={diag}"
     before = _files(copy)
-    trainer = make_trainer(HDRRayPPOTrainer, compose_config(ckpt_dir=str(copy)), worker_group)
-    with pytest.raises(CheckpointMismatchError, match=want) as e:
+    trainer = make_trainer(HDRRayPPOTrainer, compose_config(logs, ckpt_dir=str(copy)), worker_group)
+    with pytest.raises(CheckpointMismatchError, match=IDENTITY_CASES[case]) as e:
         trainer._load_checkpoint()
     assert "hdr.resume_without_state=True" in str(e.value)
     assert _files(copy) == before and len(trainer.replay.buffer) == 0
-    trainer = make_trainer(HDRRayPPOTrainer, compose_config("hdr.resume_without_state=true", ckpt_dir=str(copy)),
-                           worker_group)
+    if case == "another run's state with its run record":
+        m = re.search(IDENTITY_CASES[case], str(e.value))
+        assert m["b"] == json.loads((other / RUN_FILE).read_text())["run_id"] != m["a"]
+    trainer = make_trainer(HDRRayPPOTrainer, compose_config("hdr.resume_without_state=true", logs,
+                                                            ckpt_dir=str(copy)), worker_group)
     with pytest.warns(UserWarning, match="empty replay state"):
         trainer._load_checkpoint()
     assert len(trainer.replay.buffer) == 0
+    if case != "another step's folder":  # item 4: the logs set back to the checkpoint's step, 3; nothing deleted
+        steps = [json.loads(x)["step"] for x in (diag / "steps.jsonl").read_text().splitlines()]
+        (side,) = diag.glob("steps.rewound-from-step-4.*.jsonl")
+        assert steps == [1, 2, 3] and [json.loads(x)["step"] for x in side.read_text().splitlines()] == [4, 5]
 
 
-def test_a_run_record_of_another_folder_is_refused(frozen, worker_group, tmp_path):
-    """hdreplay_run.json must name its own folder's step (a copied or edited record is refused by name)."""
+def test_the_run_record_lives_beside_verls_marker_and_the_state_binds_verls_data_pt(frozen):
+    """Issue 44: what global_step_3/hdreplay belongs to, as saved: the directory's run record (nothing of hdreplay's
+    in the step folder but hdreplay/), the step, and the digest of the data.pt verl saved after it."""
     import json
 
-    from hdreplay.integrations.verl.checkpoints import RUN_FILE
+    from hdreplay.integrations.verl.checkpoints import RUN_FILE, dataloader_digest, folder_identity
+    from strategy_states import read_state
 
-    _, _, ckpt = frozen
-    copy = tmp_path / "ckpt"
-    shutil.copytree(ckpt, copy)
-    run = json.loads((copy / "global_step_3" / RUN_FILE).read_text())
-    (copy / "global_step_3" / RUN_FILE).write_text(json.dumps({**run, "global_step": 2}))
-    trainer = make_trainer(HDRRayPPOTrainer, compose_config(ckpt_dir=str(copy)), worker_group)
-    with pytest.raises(CheckpointError, match=r"hdreplay_run.json: expected .*'global_step': 3.*another folder"):
-        trainer._load_checkpoint()
-    assert len(trainer.replay.buffer) == 0
+    trainer, _, ckpt = frozen
+    run_id = json.loads((ckpt / RUN_FILE).read_text())["run_id"]
+    assert run_id == trainer.replay_run_id and not (ckpt / "global_step_3" / RUN_FILE).exists()
+    ident = read_state(ckpt / "global_step_3" / STATE_DIR)[0]["meta"]["identity"]
+    data = torch.load(ckpt / "global_step_3" / "data.pt", weights_only=False)
+    assert ident == {"run_id": run_id, "global_step": 3, "dataloader": dataloader_digest(data)}
+    assert ident["dataloader"] is not None and folder_identity(str(ckpt / "global_step_3")) == ident
+    assert folder_identity(str(ckpt / "global_step_3")).resumes_at == 4
 
 
 # ---------------------------------------------------------------------------------------------------------- moving

@@ -263,11 +263,15 @@ def _refused_then_resumed(error, refusal: str, warning: str, worker_group, token
 
 
 def _checkpoint_copy(ckpt: Path, tmp_path: Path) -> tuple[Path, tuple[str, ...]]:
-    """A copy of ``ckpt``'s global_step_2 as the latest checkpoint under tmp_path, and the overrides resuming it."""
+    """A copy of ``ckpt``'s global_step_2 (and its directory's run record) as the latest checkpoint under tmp_path, and
+    the overrides resuming it."""
     import shutil
+
+    from hdreplay.integrations.verl.checkpoints import RUN_FILE
 
     copy = tmp_path / "ckpt"
     shutil.copytree(ckpt / "global_step_2", copy / "global_step_2")
+    shutil.copy(ckpt / RUN_FILE, copy / RUN_FILE)  # the run record of the checkpoint directory (issue 44)
     (copy / "latest_checkpointed_iteration.txt").write_text("2")
     return copy, ("trainer.resume_mode=resume_path", f"trainer.resume_from_path={copy}/global_step_2",
                   f"hdr.diagnostics_dir={tmp_path}/diagnostics")
@@ -308,9 +312,10 @@ def test_resume_without_the_staleness_state_is_refused_naming_verls_option(resum
 def test_resume_refuses_a_replay_state_that_is_not_this_checkpoints_and_changes_no_file(resumed, worker_group,
                                                                                        tokenizer, tiny_model_dir,
                                                                                        tmp_path, case):
-    """Issue 39: the replay state carries the run id and step of its folder (hdreplay_run.json beside it), and the
-    staleness state is checked against the controller it is saved with; a mismatch is refused before any file changes
-    (the diagnostics logs of the run included); with hdr.resume_without_state the replay starts empty."""
+    """Issue 39, 44: the replay state carries the run id (the checkpoint directory's hdreplay_run.json records it) and
+    step of its folder, and the staleness state is checked against the controller it is saved with; a mismatch is
+    refused before any file changes (the diagnostics logs of the run included); with hdr.resume_without_state the
+    replay starts empty and the logs are set back to the checkpoint (the later records moved aside)."""
     from hdreplay import CheckpointError, CheckpointMismatchError
     from hdreplay.integrations.verl.checkpoints import RUN_FILE
     from strategy_states import read_state, resign
@@ -318,9 +323,9 @@ def test_resume_refuses_a_replay_state_that_is_not_this_checkpoints_and_changes_
     *_, ckpt = resumed
     copy, resume = _checkpoint_copy(ckpt, tmp_path)
     folder = copy / "global_step_2"
-    run = json.loads((folder / RUN_FILE).read_text())
-    if case == "another run's state":
-        (folder / RUN_FILE).write_text(json.dumps({**run, "run_id": "0" * 32}))
+    run = json.loads((copy / RUN_FILE).read_text())
+    if case == "another run's state":  # the directory's record names another run than the state's
+        (copy / RUN_FILE).write_text(json.dumps({**run, "run_id": "0" * 32}))
         error, refusal = CheckpointMismatchError, rf"run_id: the replay state holds '{run['run_id']}', the checkpoint '0+'"
         warning = r"empty replay state \(hdr\.resume_without_state=True\)"
     else:
@@ -341,5 +346,8 @@ def test_resume_refuses_a_replay_state_that_is_not_this_checkpoints_and_changes_
         again, _ = _run(worker_group, tokenizer, tiny_model_dir, copy, *resume, "hdr.resume_without_state=true",
                         steps=3)
     assert again.trainer.resumed_at == 2 and [s["step"] for s in again.trainer.steps] == [3]
-    rec = json.loads((diag / "async.jsonl").read_text().splitlines()[-1])
-    assert rec["step"] == 3 and all(rec["totals"][k] == rec[k] for k in rec["totals"])  # the ledger started empty
+    recs = [json.loads(x) for x in (diag / "async.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in recs] == [0, 1, 2, 3]  # set back to the checkpoint's step, 2: no step twice
+    assert all(recs[-1]["totals"][k] == recs[-1][k] for k in recs[-1]["totals"])  # the ledger started empty
+    (side,) = diag.glob("async.rewound-from-step-3.*.jsonl")
+    assert side.read_text() == '{"step": 3}\n'  # set aside, not deleted

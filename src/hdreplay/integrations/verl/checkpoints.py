@@ -5,14 +5,29 @@ marker ``<default_local_dir>/latest_checkpointed_iteration.txt`` = N, which ``re
 The recipes write the controller to ``global_step_N/hdreplay/`` *before* calling verl's save, so a crash
 mid-save leaves the previous checkpoint as the latest one, and restore it from the folder verl resumes from.
 
-Identity: ``global_step_N/hdreplay_run.json`` (``{"run_id", "global_step"}``, written first) records the run the
-checkpoint belongs to: an id made at the run's start and kept by every resume.  The replay state carries the same id
-and step N, and a resume compares them with the folder verl resumes from (its step is the folder's N, as verl reads
-it) before anything is touched: another checkpoint's or another run's ``hdreplay/`` copied in is refused by name.
+Identity: what ``global_step_N/hdreplay`` belongs to is read from files that do not travel with it:
+
+* the run: ``<default_local_dir>/hdreplay_run.json`` (:data:`RUN_FILE`, ``{"run_id"}``), one record per checkpoint
+  directory beside verl's marker (an id made at the run's start, kept by every resume, written before any replay
+  state); a resume reads the record of the directory the folder is in;
+* the step: the folder's N, as verl reads it;
+* verl's own file of that step: a digest of the dataloader state verl saves as ``global_step_N/data.pt``
+  (:func:`dataloader_digest`).  It is known before verl's save -- the recipe computes ``train_dataloader.state_dict()``
+  itself, the dict verl's ``_save_checkpoint`` then saves, nothing iterating in between -- so the replay state is
+  still written before verl's files and marker; a resume digests the ``data.pt`` verl is about to load.
+
+A resume compares all three with the replay state's before anything is touched: another step's or another run's
+``hdreplay/`` (with or without the step-folder run record an earlier hdreplay wrote) is refused by name, and so is a
+checkpoint directory whose run record was deleted, a ``data.pt`` of another run or step, and a replay state that
+records no identity (written before hdreplay recorded one); ``hdr.resume_without_state=true`` starts the replay empty
+instead.  What verl offers to bind to per step is its data position: two runs with the same data seed have equal
+``data.pt`` at the same step (the run record tells them apart); the actor's files (weights, optimizer) would tell any
+two saves apart but are gigabytes, and are written after the replay state.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -21,14 +36,19 @@ import socket
 import uuid
 from typing import Any
 
+import numpy as np
+import torch
+
 from verl.utils.checkpoint.checkpoint_manager import find_latest_ckpt_path
 
 from ...atomic import atomic_write_text
 from ...errors import CheckpointError
-from ..common import STATE_DIR, restore
+from ..common import STATE_DIR, CheckpointIdentity, restore
 
-#: the run a verl checkpoint folder belongs to (beside ``hdreplay/``)
+#: the run a verl checkpoint directory belongs to (``<default_local_dir>/hdreplay_run.json``, beside verl's marker)
 RUN_FILE = "hdreplay_run.json"
+#: verl's dataloader state in a step folder
+DATA_FILE = "data.pt"
 
 
 def step_dir(trainer_config: Any, step: int) -> str:
@@ -84,22 +104,88 @@ def prune_states(trainer_config: Any) -> None:
         shutil.rmtree(os.path.join(step_dir(tr, s), STATE_DIR), ignore_errors=True)
 
 
-def folder_identity(folder: str) -> dict:
-    """What the replay state resumed from ``folder`` must belong to: the step verl reads from the folder's name and
-    the run id of its :data:`RUN_FILE` (None where the folder has none: written before hdreplay recorded its run)."""
-    m = re.search(r"global_step_(\d+)$", os.path.normpath(folder))
-    step, run_id, path = int(m.group(1)) if m else None, None, os.path.join(folder, RUN_FILE)
-    if os.path.exists(path):
+def _feed(h, x) -> None:
+    """Hash ``x`` (nested dicts / lists / tuples of scalars, tensors and arrays) canonically into ``h``."""
+    if x is None or isinstance(x, (bool, int, float, str, bytes)):
+        h.update(repr((type(x).__name__, x)).encode())
+    elif isinstance(x, torch.Tensor):
+        t = x.detach().cpu().contiguous()
+        h.update(f"tensor {t.dtype} {tuple(t.shape)}".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    elif isinstance(x, (np.ndarray, np.generic)):
+        a = np.ascontiguousarray(x)
+        h.update(f"array {a.dtype} {a.shape}".encode())
+        h.update(a.tobytes())
+    elif isinstance(x, dict):
+        h.update(f"dict {len(x)}".encode())
+        for k in sorted(x, key=repr):
+            _feed(h, k)
+            _feed(h, x[k])
+    elif isinstance(x, (list, tuple)):
+        h.update(f"{type(x).__name__} {len(x)}".encode())
+        for v in x:
+            _feed(h, v)
+    else:
+        raise TypeError(type(x).__name__)
+
+
+def dataloader_digest(state: Any) -> str | None:
+    """sha256 of a dataloader state (``StatefulDataLoader.state_dict()``, or the ``data.pt`` verl saved it to), the
+    same before ``torch.save`` and after ``torch.load``; None if it holds something other than dicts, lists, scalars,
+    tensors and arrays (nothing stable to bind to: not compared)."""
+    h = hashlib.sha256()
+    try:
+        _feed(h, state)
+    except TypeError:
+        return None
+    return h.hexdigest()
+
+
+def _scalar(v: Any) -> Any:
+    """A value read from a checkpoint, as it is when a JSON scalar (a wrong type is then named, not unrecorded)."""
+    if v is None or isinstance(v, (bool, int, float)) or (isinstance(v, str) and len(v) <= 200):
+        return v
+    return f"<a {type(v).__name__}: {str(v)[:60]}>"
+
+
+def run_record(root: str) -> Any:
+    """The run id ``<root>/hdreplay_run.json`` records (None: no record; a malformed record is described, so that it
+    differs from every run id and is named by the comparison)."""
+    path = os.path.join(root, RUN_FILE)
+    if not os.path.lexists(path):
+        return None
+    try:
+        with open(path) as f:
+            run = json.load(f)
+    except (OSError, ValueError) as e:
+        return f"<unreadable {RUN_FILE}: {str(e)[:60]}>"
+    return _scalar(run.get("run_id")) if isinstance(run, dict) else _scalar(run)
+
+
+def folder_identity(folder: str, *, updates_per_step: int = 1) -> CheckpointIdentity:
+    """What the replay state resumed from ``folder`` must belong to: the run id of the checkpoint directory's
+    :data:`RUN_FILE` (None where there is none), the step verl reads from the folder's name and the digest of its
+    ``data.pt`` (None if missing).  ``resumes_at``: the first replay step a run resumed from it commits (the replay
+    step counts ``updates_per_step`` actor updates per global step)."""
+    folder = os.path.normpath(folder)
+    m = re.search(r"global_step_(\d+)$", folder)
+    step = int(m.group(1)) if m else None
+    data, digest, notes = os.path.join(folder, DATA_FILE), None, []
+    if os.path.exists(data):
         try:
-            with open(path) as f:
-                run = json.load(f)
-        except (OSError, ValueError) as e:
-            raise CheckpointError(f"{path}: unreadable ({e}); the checkpoint is corrupted") from None
-        if not (isinstance(run, dict) and isinstance(run.get("run_id"), str) and run.get("global_step") == step):
-            raise CheckpointError(f"{path}: expected {{'run_id': str, 'global_step': {step}}} (the folder's step), "
-                                  f"got {run!r:.120}; it belongs to another folder or was edited")
-        run_id = run["run_id"]
-    return {"run_id": run_id, "global_step": step}
+            digest = dataloader_digest(torch.load(data, weights_only=False))
+        except Exception as e:  # noqa: BLE001 - verl's own load would fail on it too: said, not compared
+            digest = f"<unreadable {DATA_FILE}: {type(e).__name__}>"
+    else:
+        notes.append(f"{data} (verl's dataloader state of this step) is missing")
+    root = os.path.dirname(folder)
+    run_id = run_record(root)
+    if run_id is None:
+        notes.append(f"{os.path.join(root, RUN_FILE)} (the run record of this checkpoint directory) is missing: if "
+                     f"{os.path.basename(folder)} was copied out of its run's directory, copy that directory's "
+                     f"{RUN_FILE} beside it")
+    return CheckpointIdentity({"run_id": run_id, "global_step": step, "dataloader": digest},
+                              resumes_at=None if step is None else (step + 1) * updates_per_step, notes=notes)
 
 
 class ReplayCheckpoints:
@@ -123,10 +209,14 @@ class ReplayCheckpoints:
             seam = getattr(self, "async_seam", None)
             if seam is not None:  # the staleness rule's state rides in the controller's checkpoint
                 seam.before_save()
-            folder = step_dir(self.config.trainer, self.global_steps)
-            identity = {"run_id": self.replay_run_id, "global_step": int(self.global_steps)}
+            tr = self.config.trainer
+            folder = step_dir(tr, self.global_steps)
+            identity = {"run_id": self.replay_run_id, "global_step": int(self.global_steps),
+                        "dataloader": dataloader_digest(self.train_dataloader.state_dict())}  # what verl saves next
             os.makedirs(folder, exist_ok=True)
-            atomic_write_text(os.path.join(folder, RUN_FILE), json.dumps(identity))
+            if run_record(tr.default_local_dir) != self.replay_run_id:  # (the directory's record: once per run)
+                atomic_write_text(os.path.join(tr.default_local_dir, RUN_FILE),
+                                  json.dumps({"run_id": self.replay_run_id}))
             # the state as of the last commit (no step is open when verl saves, after the update)
             self.replay.save(os.path.join(folder, STATE_DIR), allow_open_step=True, identity=identity)
         super()._save_checkpoint()
@@ -138,12 +228,16 @@ class ReplayCheckpoints:
             else None
         if folder is not None and not self.hdr.resume_without_state:
             require_replay_state(folder)  # before verl loads weights and dataloader (a driver on another node)
+        identity = None  # read before verl loads anything
+        if folder is not None and os.path.isdir(folder):
+            identity = folder_identity(folder, updates_per_step=int(getattr(self, "parameter_sync_step", 1)))
         result = super()._load_checkpoint()
         if folder is not None:
-            identity = folder_identity(folder)
             restore(self.replay, folder, allow_missing=self.hdr.resume_without_state,
                     option="hdr.resume_without_state", expect=identity)
-            self._replay_run_id = identity["run_id"] or self.replay_run_id
+            run_id = None if identity is None else identity["run_id"]
+            self._replay_run_id = run_id if isinstance(run_id, str) and not run_id.startswith("<") \
+                else self.replay_run_id
             if getattr(self, "async_seam", None) is not None:
                 self.async_seam.after_load()
         return result
