@@ -399,8 +399,11 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     sub = argv[:1] == ["calibrate"] and argv[1:2] in (["run"], ["summarize"])
     name = " ".join(["hdreplay", *argv[:2 if sub else 1]])
-    if argv in ([], ["calibrate"]):  # no command: the help, as a usage error
+    if argv in ([], ["calibrate"]):  # no command: the help, as a usage error, and what to type on stderr
         parse([*argv, "--help"])
+        choices = ("run", "summarize") if argv else COMMANDS
+        print(f"{name}: error: no {'subcommand' if argv else 'command'} given; choose one of {', '.join(choices)} "
+              f"(e.g. `{name} {choices[0]} --help`)", file=sys.stderr)
         return 2
     try:
         cmd = parse(argv)

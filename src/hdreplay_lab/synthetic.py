@@ -141,6 +141,15 @@ def walkthrough(steps: int = 6, *, k_rep: int = 3, tau: float = 5e-3, capacity: 
             f"{cfg.unit_capacity} rollouts, {n} per group)")
     if not SELECTORS[selector].gate and SELECTORS[selector].order is not None:
         out(f"  {selector} has no Drift gate: tau is not used")
+    draw = SELECTORS[selector].order
+    if draw == "uniform":
+        out(f"  {selector} draws its replay at random: uniformly, without replacement (seed {cfg.seed})")
+    elif draw == "proportional":
+        adv = SELECTORS[selector].priority == "advantage"
+        out(f"  {selector} draws its replay at random, without replacement, each unit with probability proportional "
+            f"to {'|A|' if adv else '(mean |r| + eps)'}^{cfg.priority_alpha:g} (priority_alpha"
+            f"{': |A| is the rollout advantage' if adv else ''}): a higher priority is drawn more often, not always "
+            f"first; the replayed list below is the draw, in order" + (", with each rollout's |A|" if adv else ""))
 
     def units(k: int, what: str = "") -> str:
         return f"{k} groups" if rows == 1 else f"{k} {what}rollouts ({k / rows:g} groups' worth)"
@@ -164,7 +173,10 @@ def walkthrough(steps: int = 6, *, k_rep: int = 3, tau: float = 5e-3, capacity: 
             out(f"  no scan (selector {selector} needs no scoring)")
         replay = [g.group_id for g in sel.groups]
         batch = f"{len(replay)} replay" if rows == 1 else units(len(replay), "replayed ")
-        out(f"  replayed {replay or 'nothing'}; actor batch = {batch} + {len(st.fresh)} fresh groups")
+        shown = replay
+        if draw == "proportional" and SELECTORS[selector].priority == "advantage":
+            shown = [f"{g.group_id} |A|={float(g.advantages.abs().mean()):.2f}" for g in sel.groups]
+        out(f"  replayed {shown or 'nothing'}; actor batch = {batch} + {len(st.fresh)} fresh groups")
         out(f"  ingress: {sum(st.admitted)}/{len(st.fresh)} fresh groups admitted "
             f"(rejected {[g.group_id for g, a in zip(st.fresh, st.admitted) if not a]}: rewards all equal); "
             f"evicted {int(st.metrics['replay/evicted'])}" + (" rollouts" if rows > 1 else ""))

@@ -12,7 +12,9 @@
     fresh_groups.jsonl        per step, the rewards of every fresh group (hdreplay_lab.sandbox.rewardlog)
     async.jsonl               the asynchronous pipeline's ledger (here, in the replay directory, or in hdreplay/)
 
-What a crash leaves is read around: a JSONL line cut short (a record that opens with ``{`` and does not parse) is
+A resume's rewind sets the records of the steps after its checkpoint aside beside each log
+(``steps.rewound-from-step-<k>.<time>.jsonl``, :mod:`hdreplay.records`): they are not read, and a note lists them
+(``RunData.rewound``).  What a crash leaves is read around: a JSONL line cut short (a record that opens with ``{`` and does not parse) is
 skipped with a warning naming file:line (``on_bad_line="skip"``), and an empty groups.jsonl (a rewind on resume) is
 no records.  Everything else that cannot be read is refused with :class:`AnalysisInputError`, one line per problem
 naming the file (and line or field) and the fix: a file that is not a regular file (directory, FIFO, dangling link),
@@ -36,7 +38,7 @@ from typing import Callable, Iterable
 
 import pandas as pd
 
-from hdreplay.records import EXTRA_STEP_TYPES, STEP_FIELDS, StepRecord
+from hdreplay.records import EXTRA_STEP_TYPES, STEP_FIELDS, StepRecord, rewound_files
 from hdreplay.errors import ReplayError
 
 from .records import (STEP_LISTS, check_fresh_record, check_group_record, check_ledger_record, check_log_record,
@@ -135,7 +137,8 @@ class RunData:
     (run.json, {} if absent), ``metrics`` (metrics.json or None), ``replay_dir`` (where steps.jsonl was found) and
     ``problems`` (skipped lines, each naming file:line), ``fresh`` (fresh_groups.jsonl rows), ``ledger`` /
     ``ledger_source`` (async.jsonl's records and path), ``notes`` (what the run lacks or what was left out of it:
-    the report still runs, the command says them on stderr)."""
+    the report still runs, the command says them on stderr), ``rewound`` (the side files a resume's rewind set beside
+    the logs read: records of steps the resumed run wrote again, not read)."""
 
     path: Path
     label: str
@@ -151,6 +154,7 @@ class RunData:
     ledger: pd.DataFrame = field(default_factory=pd.DataFrame)
     ledger_source: str | None = None
     notes: list[str] = field(default_factory=list)
+    rewound: list[str] = field(default_factory=list)
 
     @property
     def has_replay(self) -> bool:
@@ -311,6 +315,12 @@ def load_run(path: str | Path, *, label: str | None = None, on_bad_line: str = "
                                  "names:\n" + "\n".join(errors + malformed))
     if errors:
         raise AnalysisInputError(errors[0])
+    logs = [steps, run.replay_dir / "groups.jsonl" if run.replay_dir else None, ledger]
+    run.rewound = [str(f) for q in logs if q is not None for f in rewound_files(q)]
+    if run.rewound:
+        run.notes.append(f"{p}: a resume set {len(run.rewound)} file(s) of records aside beside the logs (the steps "
+                         "after the checkpoint it resumed from, which the resumed run wrote again): "
+                         f"{', '.join(run.rewound)}; the report reads the logs themselves, the run as resumed")
     if not (run.has_replay or len(run.ledger)) and run.meta.get("replay", "unset") is not None:  # not on-policy
         run.notes.append(f"{p}: no replay diagnostics (no {', '.join(STEPS_FILES)}) and no async ledger: the report "
                          f"covers its trainer log ({run.log_source}) only, every replay section is n/a; if the run "

@@ -78,6 +78,11 @@ def _header(report: dict) -> str:
     probs = [f"- {lab}: `{p}`" for lab, a in report["runs"].items() for p in a["problems"]]
     if probs:
         s += "\n## Data problems\n\n" + "\n".join(probs) + "\n"
+    aside = [f"- {lab}: `{p}`" for lab, a in report["runs"].items() for p in a["info"].get("rewound") or ()]
+    if aside:
+        s += ("\n## Records set aside by a resume\n\nA run resumed from a checkpoint: the records of the steps after it "
+              "were moved beside the logs (and written again by the resumed run); this report reads the logs "
+              "themselves.\n\n" + "\n".join(aside) + "\n")
     return s + ("\nIntervals (early / middle / final) are equal-count thirds of the *updates* (steps whose pre-step "
                 "buffer was non-empty). Shares are percentages.\n")
 

@@ -105,7 +105,7 @@ def tau_from_label(label: str) -> float | None:
 def run_info(run: RunData) -> dict[str, Any]:
     """What a run is: label, path, method, seed, task (run.json), has_replay, selector, k_rep, tau, capacity,
     adaptive, counterfactual (first step record, else run.json's replay, else the label for tau), replay_steps
-    and log_steps ([first, last] or None), log_source."""
+    and log_steps ([first, last] or None), log_source, rewound (side files of records a resume set aside)."""
     rc, steps = run.replay_config, run.steps
     first = sanitize(steps.iloc[0].to_dict()) if run.has_replay else {}
     tau = next((t for t in (num(first.get("tau")), num(rc.get("tau")), tau_from_label(run.label)) if t is not None),
@@ -121,7 +121,7 @@ def run_info(run: RunData) -> dict[str, Any]:
         "counterfactual": bool(col(steps, "cf_size").notna().any()) or bool(rc.get("counterfactual")),
         "replay_steps": [steps["step"].iloc[0], steps["step"].iloc[-1]] if run.has_replay else None,
         "log_steps": [int(log_steps.min()), int(log_steps.max())] if len(log_steps) else None,
-        "log_source": run.log_source,
+        "log_source": run.log_source, "rewound": list(run.rewound),
     })
 
 
