@@ -236,93 +236,6 @@ def _files(root):
     return {p: p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
 
 
-IDENTITY_CASES = {
-    "another step's folder": r"global_step: the replay state holds 3, the checkpoint 5",
-    "another run's state with its run record": r"run_id: the replay state holds '(?P<b>[0-9a-f]{32})', the checkpoint "
-                                               r"'(?P<a>[0-9a-f]{32})'",
-    "another run's state, the run record deleted": r"run_id: the replay state holds '[0-9a-f]{32}', the checkpoint "
-                                                   r"records none.*hdreplay_run.json \(the run record of this checkpoint "
-                                                   r"directory\) is missing",
-    "another step's data.pt": r"dataloader: the replay state holds '[0-9a-f]{64}', the checkpoint '[0-9a-f]{64}'",
-    "a pre-identity state": r"records no identity",
-}
-
-
-@pytest.mark.parametrize("case", list(IDENTITY_CASES))
-def test_resume_refuses_a_replay_state_of_another_step_or_run_before_touching_anything(frozen, moving, worker_group,
-                                                                                      tmp_path, case):
-    """Issue 39, 44: global_step_N/hdreplay carries the run id, step N and a digest of the dataloader state verl saves
-    as global_step_N/data.pt; the run id is read from <default_local_dir>/hdreplay_run.json, which does not travel
-    with a step folder.  Before: run B's hdreplay/ copied in with its hdreplay_run.json (then in the step folder)
-    resumed silently, and so did any state once that file was deleted."""
-    import json
-
-    from hdreplay import CheckpointMismatchError
-    from hdreplay.integrations.verl.checkpoints import RUN_FILE
-    from strategy_states import read_state, resign
-
-    _, _, ckpt = frozen
-    other = Path(moving[0].config.trainer.default_local_dir)  # run B
-    copy = tmp_path / "ckpt"
-    shutil.copytree(ckpt, copy)
-    step3 = copy / "global_step_3"
-    if case == "another step's folder":  # this run's global_step_5 holding step 3's replay state
-        shutil.copytree(step3, copy / "global_step_5")
-        (copy / "latest_checkpointed_iteration.txt").write_text("5")
-    elif case.startswith("another run's state"):  # the pair as it traveled: hdreplay/ and its run record
-        shutil.rmtree(step3 / STATE_DIR)
-        shutil.copytree(other / "global_step_3" / STATE_DIR, step3 / STATE_DIR)
-        shutil.copy(other / RUN_FILE, step3 / RUN_FILE)
-        if "deleted" in case:
-            (copy / RUN_FILE).unlink()
-    elif case == "another step's data.pt":
-        shutil.copy(copy / "global_step_2" / "data.pt", step3 / "data.pt")
-    else:  # written before hdreplay recorded what a state belongs to
-        st = read_state(step3 / STATE_DIR)[0]
-        del st["meta"]["identity"]
-        resign(step3 / STATE_DIR, st["meta"])
-    diag = copy / "diagnostics"  # the run's log, with records of steps after the checkpoint (4, 5)
-    diag.mkdir()
-    (diag / "steps.jsonl").write_text("".join(json.dumps({"step": s}) + "\n" for s in range(1, 6)))
-    logs = f"hdr.diagnostics_dir={diag}"
-    before = _files(copy)
-    trainer = make_trainer(HDRRayPPOTrainer, compose_config(logs, ckpt_dir=str(copy)), worker_group)
-    with pytest.raises(CheckpointMismatchError, match=IDENTITY_CASES[case]) as e:
-        trainer._load_checkpoint()
-    assert "hdr.resume_without_state=True" in str(e.value)
-    assert _files(copy) == before and len(trainer.replay.buffer) == 0
-    if case == "another run's state with its run record":
-        m = re.search(IDENTITY_CASES[case], str(e.value))
-        assert m["b"] == json.loads((other / RUN_FILE).read_text())["run_id"] != m["a"]
-    trainer = make_trainer(HDRRayPPOTrainer, compose_config("hdr.resume_without_state=true", logs,
-                                                            ckpt_dir=str(copy)), worker_group)
-    with pytest.warns(UserWarning, match="empty replay state"):
-        trainer._load_checkpoint()
-    assert len(trainer.replay.buffer) == 0
-    if case != "another step's folder":  # item 4: the logs set back to the checkpoint's step, 3; nothing deleted
-        steps = [json.loads(x)["step"] for x in (diag / "steps.jsonl").read_text().splitlines()]
-        (side,) = diag.glob("steps.rewound-from-step-4.*.jsonl")
-        assert steps == [1, 2, 3] and [json.loads(x)["step"] for x in side.read_text().splitlines()] == [4, 5]
-
-
-def test_the_run_record_lives_beside_verls_marker_and_the_state_binds_verls_data_pt(frozen):
-    """Issue 44: what global_step_3/hdreplay belongs to, as saved: the directory's run record (nothing of hdreplay's
-    in the step folder but hdreplay/), the step, and the digest of the data.pt verl saved after it."""
-    import json
-
-    from hdreplay.integrations.verl.checkpoints import RUN_FILE, dataloader_digest, folder_identity
-    from strategy_states import read_state
-
-    trainer, _, ckpt = frozen
-    run_id = json.loads((ckpt / RUN_FILE).read_text())["run_id"]
-    assert run_id == trainer.replay_run_id and not (ckpt / "global_step_3" / RUN_FILE).exists()
-    ident = read_state(ckpt / "global_step_3" / STATE_DIR)[0]["meta"]["identity"]
-    data = torch.load(ckpt / "global_step_3" / "data.pt", weights_only=False)
-    assert ident == {"run_id": run_id, "global_step": 3, "dataloader": dataloader_digest(data)}
-    assert ident["dataloader"] is not None and folder_identity(str(ckpt / "global_step_3")) == ident
-    assert folder_identity(str(ckpt / "global_step_3")).resumes_at == 4
-
-
 # ---------------------------------------------------------------------------------------------------------- moving
 def test_drifted_groups_are_rejected_and_not_trained(moving):
     trainer, records = moving
@@ -368,3 +281,96 @@ def test_sliced_scan_through_the_workers_makes_the_full_scans_decisions(moving):
     assert sliced.scanned_pass.tolist() == whole.scanned_pass.tolist()
     assert sliced.accepted.tolist() == whole.accepted.tolist()
     assert sliced.rescored_rows < whole.rescored_rows
+
+
+# ---------------------------------------------------------------------------------------------------------- identity
+# (last: a resume loads the checkpoint's weights into the shared worker group, which the moving tests read)
+IDENTITY_CASES = {
+    "another step's folder": r"global_step: the replay state holds 3, the checkpoint 5",
+    "another run's state with its run record": r"run_id: the replay state holds '(?P<b>[0-9a-f]{32})', the checkpoint "
+                                               r"'(?P<a>[0-9a-f]{32})'",
+    "another run's state, the run record deleted": r"run_id: the replay state holds '[0-9a-f]{32}', the checkpoint "
+                                                   r"records none.*hdreplay_run.json \(the run record of this checkpoint "
+                                                   r"directory\) is missing",
+    "another step's data.pt": r"dataloader: the replay state holds '[0-9a-f]{64}', the checkpoint '[0-9a-f]{64}'",
+    "a pre-identity state": r"records no identity",
+}
+
+
+@pytest.mark.parametrize("case", list(IDENTITY_CASES))
+def test_resume_refuses_a_replay_state_of_another_step_or_run_before_touching_anything(frozen, moving, worker_group,
+                                                                                      tmp_path, case):
+    """Issue 39, 44: global_step_N/hdreplay carries the run id, step N and a digest of the dataloader state verl saves
+    as global_step_N/data.pt; the run id is read from <default_local_dir>/hdreplay_run.json, which does not travel
+    with a step folder.  Before: run B's hdreplay/ copied in with its hdreplay_run.json (then in the step folder)
+    resumed silently, and so did any state once that file was deleted."""
+    import json
+
+    from hdreplay import CheckpointMismatchError
+    from hdreplay.integrations.verl.checkpoints import RUN_FILE
+    from strategy_states import read_state, resign
+
+    _, _, ckpt = frozen
+    other = Path(moving[0].config.trainer.default_local_dir)  # run B
+    # B's run record: its checkpoint directory's (or, as hdreplay wrote it before issue 44, its step folder's)
+    b_record = next(r for r in (other / "global_step_3" / RUN_FILE, other / RUN_FILE) if r.exists())
+    copy = tmp_path / "ckpt"
+    shutil.copytree(ckpt, copy)
+    step3 = copy / "global_step_3"
+    if case == "another step's folder":  # this run's global_step_5 holding step 3's replay state
+        shutil.copytree(step3, copy / "global_step_5")
+        (copy / "latest_checkpointed_iteration.txt").write_text("5")
+    elif case.startswith("another run's state"):  # the pair as it traveled: hdreplay/ and its run record
+        shutil.rmtree(step3 / STATE_DIR)
+        shutil.copytree(other / "global_step_3" / STATE_DIR, step3 / STATE_DIR)
+        shutil.copy(b_record, step3 / RUN_FILE)
+        if "deleted" in case:  # no run record left, wherever hdreplay keeps it
+            for record in (step3 / RUN_FILE, copy / RUN_FILE):
+                record.unlink(missing_ok=True)
+    elif case == "another step's data.pt":
+        shutil.copy(copy / "global_step_2" / "data.pt", step3 / "data.pt")
+    else:  # written before hdreplay recorded what a state belongs to
+        st = read_state(step3 / STATE_DIR)[0]
+        del st["meta"]["identity"]
+        resign(step3 / STATE_DIR, st["meta"])
+    diag = copy / "diagnostics"  # the run's log, with records of steps after the checkpoint (4, 5)
+    diag.mkdir()
+    (diag / "steps.jsonl").write_text("".join(json.dumps({"step": s}) + "\n" for s in range(1, 6)))
+    logs = f"hdr.diagnostics_dir={diag}"
+    before, weights = _files(copy), worker_group.state_dict()
+    trainer = make_trainer(HDRRayPPOTrainer, compose_config(logs, ckpt_dir=str(copy)), worker_group)
+    with pytest.raises(CheckpointMismatchError, match=IDENTITY_CASES[case]) as e:
+        trainer._load_checkpoint()
+    assert "hdr.resume_without_state=True" in str(e.value)
+    assert _files(copy) == before and len(trainer.replay.buffer) == 0 and not hasattr(trainer, "global_steps")
+    assert all(torch.equal(a[k], b[k]) for a, b in zip(worker_group.state_dict(), weights) for k in a)  # not loaded
+    if case == "another run's state with its run record":
+        m = re.search(IDENTITY_CASES[case], str(e.value))
+        assert m["b"] == json.loads(b_record.read_text())["run_id"] != m["a"]
+    trainer = make_trainer(HDRRayPPOTrainer, compose_config("hdr.resume_without_state=true", logs,
+                                                            ckpt_dir=str(copy)), worker_group)
+    with pytest.warns(UserWarning, match="empty replay state"):
+        trainer._load_checkpoint()
+    assert len(trainer.replay.buffer) == 0
+    if case != "another step's folder":  # item 4: the logs set back to the checkpoint's step, 3; nothing deleted
+        steps = [json.loads(x)["step"] for x in (diag / "steps.jsonl").read_text().splitlines()]
+        (side,) = diag.glob("steps.rewound-from-step-4.*.jsonl")
+        assert steps == [1, 2, 3] and [json.loads(x)["step"] for x in side.read_text().splitlines()] == [4, 5]
+
+
+def test_the_run_record_lives_beside_verls_marker_and_the_state_binds_verls_data_pt(frozen):
+    """Issue 44: what global_step_3/hdreplay belongs to, as saved: the directory's run record (nothing of hdreplay's
+    in the step folder but hdreplay/), the step, and the digest of the data.pt verl saved after it."""
+    import json
+
+    from hdreplay.integrations.verl.checkpoints import RUN_FILE, dataloader_digest, folder_identity
+    from strategy_states import read_state
+
+    trainer, _, ckpt = frozen
+    run_id = json.loads((ckpt / RUN_FILE).read_text())["run_id"]
+    assert run_id == trainer.replay_run_id and not (ckpt / "global_step_3" / RUN_FILE).exists()
+    ident = read_state(ckpt / "global_step_3" / STATE_DIR)[0]["meta"]["identity"]
+    data = torch.load(ckpt / "global_step_3" / "data.pt", weights_only=False)
+    assert ident == {"run_id": run_id, "global_step": 3, "dataloader": dataloader_digest(data)}
+    assert ident["dataloader"] is not None and folder_identity(str(ckpt / "global_step_3")) == ident
+    assert folder_identity(str(ckpt / "global_step_3")).resumes_at == 4

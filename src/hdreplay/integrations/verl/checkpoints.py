@@ -228,16 +228,15 @@ class ReplayCheckpoints:
             else None
         if folder is not None and not self.hdr.resume_without_state:
             require_replay_state(folder)  # before verl loads weights and dataloader (a driver on another node)
-        identity = None  # read before verl loads anything
-        if folder is not None and os.path.isdir(folder):
+        if folder is not None and os.path.isdir(folder):  # (a missing folder: verl's own error)
+            # the replay state first: a refusal leaves verl's weights, dataloader and the files as they were
             identity = folder_identity(folder, updates_per_step=int(getattr(self, "parameter_sync_step", 1)))
-        result = super()._load_checkpoint()
-        if folder is not None:
             restore(self.replay, folder, allow_missing=self.hdr.resume_without_state,
                     option="hdr.resume_without_state", expect=identity)
-            run_id = None if identity is None else identity["run_id"]
+            run_id = identity["run_id"]
             self._replay_run_id = run_id if isinstance(run_id, str) and not run_id.startswith("<") \
                 else self.replay_run_id
-            if getattr(self, "async_seam", None) is not None:
-                self.async_seam.after_load()
+        result = super()._load_checkpoint()
+        if folder is not None and getattr(self, "async_seam", None) is not None:
+            self.async_seam.after_load()
         return result
