@@ -186,6 +186,25 @@ def test_the_replay_state_is_bound_to_the_trainer_state_json_the_trainer_wrote_f
     assert _files(out) == before
 
 
+def test_the_trainer_state_digest_is_the_same_on_every_nodes_copy(runs, tmp_path):
+    """Each node's first process writes its own trainer_state.json with save_on_each_node: they differ in the two
+    per-process flags and in each rank's own step_time, which the digest leaves out; any other entry counts."""
+    from hdreplay.integrations.trl.checkpoints import trainer_state_digest
+
+    root, _ = runs
+    ts = json.loads((root / "a" / "checkpoint-3" / "trainer_state.json").read_text())
+    assert all("step_time" in e for e in ts["log_history"])
+    other = {**ts, "is_local_process_zero": False, "is_world_process_zero": False,
+             "log_history": [{**e, "step_time": e["step_time"] + 1.0} for e in ts["log_history"]]}
+    edited = {**ts, "log_history": [{**e, "loss": 0.5} for e in ts["log_history"]]}
+    digests = []
+    for i, body in enumerate((ts, other, edited)):
+        (tmp_path / str(i)).mkdir()
+        (tmp_path / str(i) / "trainer_state.json").write_text(json.dumps(body))
+        digests.append(trainer_state_digest(tmp_path / str(i)))
+    assert digests[0] == digests[1] != digests[2]
+
+
 def _pre_identity(hdreplay_dir: Path) -> None:
     """Rewrite a replay state as hdreplay wrote it before issue 39 (no identity)."""
     st = read_state(hdreplay_dir)[0]

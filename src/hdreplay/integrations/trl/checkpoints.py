@@ -45,8 +45,10 @@ PENDING = "hdreplay.pending"
 TRAINER_STATE = "trainer_state.json"
 _CKPT = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")
 #: ``trainer_state.json`` fields that differ between the processes writing it (each node's first one with
-#: ``save_on_each_node``): left out of its digest
+#: ``save_on_each_node``): left out of its digest, with the log's wall-clock entries (TRL's ``step_time`` is each
+#: rank's own; ``train_runtime``, ``*_per_second``)
 PER_PROCESS_FIELDS = ("is_local_process_zero", "is_world_process_zero")
+_WALL_CLOCK = re.compile(r".*(time|runtime|_per_second|seconds)$")
 
 
 class HDReplayRun(TrainerCallback, ExportableState):
@@ -74,12 +76,15 @@ def _trainer_state(ckpt: str | os.PathLike) -> dict:
 
 def _digest(state: dict) -> str:
     body = {k: v for k, v in state.items() if k not in PER_PROCESS_FIELDS}
+    if isinstance(body.get("log_history"), list):
+        body["log_history"] = [{k: v for k, v in e.items() if not _WALL_CLOCK.fullmatch(str(k))}
+                               if isinstance(e, dict) else e for e in body["log_history"]]
     return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
 def trainer_state_digest(ckpt: str | os.PathLike) -> str:
     """sha256 of ``ckpt/trainer_state.json`` as the Trainer wrote it (its JSON with sorted keys, without
-    :data:`PER_PROCESS_FIELDS`: the same on every node's copy)."""
+    :data:`PER_PROCESS_FIELDS` and the log's wall-clock entries: the same on every node's copy)."""
     return _digest(_trainer_state(ckpt))
 
 
