@@ -183,6 +183,7 @@ def main() -> None:
     ap.add_argument("--rows", nargs="*", default=DEFAULT_ROWS, help="trainer:layout:launcher")
     ap.add_argument("--timeout", type=float, default=500, help="seconds per launch (both nodes killed after it)")
     ap.add_argument("--out", default=str(ROOT / "docs" / "results" / "multinode"))
+    ap.add_argument("--append", action="store_true", help="keep the other rows of an existing two_nodes.json")
     a = ap.parse_args()
     for row in a.rows:
         parts = row.split(":")
@@ -199,13 +200,22 @@ def main() -> None:
         print(f"[{i}/{len(a.rows)}] {row}: {verdict(rows[-1])} ({time.monotonic() - t0:.0f} s)", flush=True)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "two_nodes.json").write_text(json.dumps({"command": "python benchmarks/two_nodes.py " + " ".join(
-        sys.argv[1:]), "rows": rows}, indent=1))
+    commands = ["python benchmarks/two_nodes.py " + " ".join(sys.argv[1:])]
+    if a.append and (out / "two_nodes.json").exists():
+        old = json.loads((out / "two_nodes.json").read_text())
+        mine = {r["row"] for r in rows}
+        rows += [r for r in old["rows"] if r["row"] not in mine]
+        commands = old["commands"] + commands
+        order = {r: i for i, r in enumerate(DEFAULT_ROWS)}
+        rows.sort(key=lambda r: order.get(r["row"], len(order)))
+    (out / "two_nodes.json").write_text(json.dumps({"commands": commands, "rows": rows}, indent=1))
     (out / "two_nodes.md").write_text("# Two nodes on one machine: train, checkpoint, resume\n\n"
                                       "`python benchmarks/two_nodes.py` (torchrun / accelerate, gloo, 127.0.0.1, "
                                       "tiny models; see its docstring). Resumed rows are compared with the "
-                                      "uninterrupted run on both ranks: selections, losses, buffer digest, weights."
-                                      "\n\n" + markdown(rows))
+                                      "uninterrupted run on both ranks: selections, losses, buffer digest, weights. "
+                                      "Seconds are wall-clock on a 2-core machine shared with other work (not a "
+                                      "benchmark of speed).\n\nMade by: " + "; ".join(f"`{c}`" for c in commands)
+                                      + "\n\n" + markdown(rows))
     shutil.rmtree(work, ignore_errors=True)
     print(f"wrote {out / 'two_nodes.json'} and {out / 'two_nodes.md'}")
 
