@@ -41,7 +41,7 @@ LAYOUTS = ("shared", "local_each", "local_main")
 LAUNCHERS = ("torchrun", "accelerate")
 DEFAULT_ROWS = [f"{t}:{lay}:torchrun" for t in TRAINERS for lay in LAYOUTS] + \
     [f"sync:{lay}:accelerate" for lay in LAYOUTS]
-WEIGHTS = ("config.json", "generation_config.json", "model.safetensors")
+WEIGHTS = ("config.json", "model.safetensors")
 
 
 def accelerate_launch(script, args, *, env, timeout, root: Path):
@@ -90,7 +90,7 @@ def run_row(row: str, work: Path, models: dict, timeout: float) -> dict:
     env = [{"HDR_TEST_ARGS": json.dumps(over)}] * 2
     if trainer == "async":
         script, model, tag = SUPPORT / "async_grpo_run.py", models["async"], ".resumed"
-        common, cut, later = [7, "--lockstep", "--save-steps", 5], 5, None
+        common, cut, later = [7, "--lockstep", "--save-steps", 5], 5, 7  # (the Trainer also saves at the end)
         node_args = lambda ds, resume: [[d, model, *common, *(["--resume", "--tag", tag] if resume else [])]  # noqa
                                         for d in ds]
     else:
@@ -117,8 +117,7 @@ def run_row(row: str, work: Path, models: dict, timeout: float) -> dict:
         return out
     resumed = dirs("resumed")
     for src, dst in dict(zip(whole, resumed)).items():  # the disks as an interruption after the checkpoint leaves
-        shutil.copytree(src, dst, ignore=shutil.ignore_patterns("rank*.json", *([f"checkpoint-{later}"] if later
-                                                                                 else [])))
+        shutil.copytree(src, dst, ignore=shutil.ignore_patterns("rank*.json", f"checkpoint-{later}"))
     out["resume"] = go(resumed, True)
     if any(out["resume"]["rc"]) and not shared and any(e and "copy them from rank 0's checkpoint" in e
                                                        for e in out["resume"]["errors"]):

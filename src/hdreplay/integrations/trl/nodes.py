@@ -39,7 +39,12 @@ from .agreement import RankMismatchError
 from .checkpoints import checkpoint_identity, checkpoint_problem, checkpoints, refuse_incomplete, \
     resume_target
 
-_RNG = re.compile(r"rng_state(_\d+)?\.pth")
+#: what the Trainer loads from its own copy of a checkpoint on every rank at a resume: the model's config and weights
+#: (whole, sharded, PEFT adapters), optimizer, scheduler, scaler, the Trainer's state, DeepSpeed / FSDP folders (the
+#: per-process RNG states, the tokenizer and files of the user's own callbacks are not compared)
+_LOADED = re.compile(r"config\.json|(model|pytorch_model|adapter_model)[\w.-]*\.(safetensors|bin|json)|"
+                     r"adapter_config\.json|(optimizer|scheduler|scaler)\.pt|trainer_state\.json|global_step\d+|"
+                     r"pytorch_model_fsdp_\d+|optimizer_\d+")
 #: replay settings that may differ between nodes (paths of the node's own disk)
 NODE_LOCAL_SETTINGS = ("replay_diagnostics_dir",)
 
@@ -115,8 +120,8 @@ def _view(trainer, resume, *, allow_missing: bool) -> dict:
 
 
 def _trainer_files(ckpt) -> list[str]:
-    """The names in ``ckpt`` every rank loads from its own copy (all but the per-process RNG states)."""
-    return sorted(p.name for p in Path(ckpt).iterdir() if not _RNG.fullmatch(p.name))
+    """The names in ``ckpt`` that every rank loads from its own copy (:data:`_LOADED`)."""
+    return sorted(p.name for p in Path(ckpt).iterdir() if _LOADED.fullmatch(p.name))
 
 
 def _missing(views: list[dict]) -> list[str]:
