@@ -16,7 +16,8 @@ Models (built locally, saved with ``save_pretrained`` and loaded back with ``fro
 Completions are sampled once per model in fp32 and re-scored in every precision (paired across precisions):
 ``fp32`` (control; sandbox model only by default), ``bf16_autocast`` (fp32 weights, ``torch.autocast(bfloat16)``:
 TRL with ``bf16=True``), ``bf16_autocast_fp32_head`` (the same with the LM head in fp32: TRL's
-``cast_lm_head_to_fp32=True``; sandbox model only by default) and ``bf16_weights`` (weights loaded in bf16: TRL with ``dtype="auto"`` on a bf16 checkpoint, verl's FSDP mixed
+``cast_lm_head_to_fp32=True``; sandbox model only by default) and ``bf16_weights`` (weights loaded in bf16: TRL with
+``dtype="auto"`` on a bf16 checkpoint, verl's FSDP mixed
 precision).  Layouts (:mod:`hdreplay_lab.drift_floor`): ``batch`` (rows shuffled among other groups' rows, 8 rows
 per forward), ``padding`` (extra left padding), ``chunking`` (one row per forward), ``shared_prompt`` (hdreplay's
 prompt-shared re-score against a birth through TRL's fused LM head).  Drift l2 (and l1) per group; percentiles
@@ -70,7 +71,8 @@ def sandbox_model(directory: Path, *, tiny: bool, warm_start: bool) -> tuple[Pat
 
     from hdreplay_lab.sandbox.model import build_tiny_model
     from hdreplay_lab.sandbox.tasks import get_task
-    from hdreplay_lab.sandbox.warmstart import WarmStartConfig, default_cache_dir, warm_start as build_warm
+    from hdreplay_lab.sandbox.warmstart import WarmStartConfig, default_cache_dir
+    from hdreplay_lab.sandbox.warmstart import warm_start as build_warm
 
     task = get_task("mix")
     cfg = replace(WarmStartConfig(), **dict(task.warmstart_overrides))
@@ -179,7 +181,8 @@ def write_markdown(path: Path, res: dict) -> None:
                   + (f", prompts {m['prompt'] // 2}-{m['prompt']} tokens" if "prompt" in m else ", mix-task prompts")
                   + f", {m['batch_rows']} rows per forward in `batch`, {m['extra_pad']} extra pad tokens in `padding`; "
                   f"{m['wall_s'] / 60:.0f} min wall (`{m['command']}`).", "",
-                  "| precision | layout | p50 | p90 | p99 | max | p99 / tau (1e-3) | l1 p99 |", "|---|---|---|---|---|---|---|---|"]
+                  "| precision | layout | p50 | p90 | p99 | max | p99 / tau (1e-3) | l1 p99 |",
+                  "|---|---|---|---|---|---|---|---|"]
         for mode, r in res["results"][name].items():
             l1 = r["l1"]
             for row in df.markdown_rows(mode, r["l2"]):
@@ -189,7 +192,8 @@ def write_markdown(path: Path, res: dict) -> None:
     h = res.get("h200")
     if h:
         lines += [f"## Beside it: {h['device']} (docs/results/gpu_check.md)", "",
-                  f"{h['params_m']:.0f}M-parameter random-init Qwen2-shaped model, {h['settings']['floor_groups']} groups "
+                  f"{h['params_m']:.0f}M-parameter random-init Qwen2-shaped model, "
+                  f"{h['settings']['floor_groups']} groups "
                   f"x n = {h['settings']['n']}, prompts <= {h['settings']['prompt']}, completions "
                   f"{h['settings']['completion']} tokens (no shared_prompt layout, no l1).", "",
                   "| precision | layout | p50 | p90 | p99 | max | p99 / tau (1e-3) |", "|---|---|---|---|---|---|---|"]
@@ -200,13 +204,15 @@ def write_markdown(path: Path, res: dict) -> None:
     for name, by_mode in res["results"].items():
         for mode, r in by_mode.items():
             p = r["l2"]["settings"]["all"]["p99"]
-            lines.append(f"* {name} {mode}: p99 {p:.2e} = {p / TAU_DEFAULT:.3f} x tau 1e-3 ({p / TAU_RANGE[1]:.1e} x the "
-                         "range's top 1e-1) -> " + ("**reaches tau/10**" if p >= TAU_DEFAULT / 10 else "below tau/10"))
+            lines.append(f"* {name} {mode}: p99 {p:.2e} = {p / TAU_DEFAULT:.3f} x tau 1e-3 "
+                         f"({p / TAU_RANGE[1]:.1e} x the range's top 1e-1) -> "
+                         + ("**reaches tau/10**" if p >= TAU_DEFAULT / 10 else "below tau/10"))
     if h:
         for mode, summary in h["floor"].items():
             p = summary["settings"]["all"]["p99"]
-            lines.append(f"* {h['device']} {mode}: p99 {p:.2e} = {p / TAU_DEFAULT:.3f} x tau 1e-3 ({p / TAU_RANGE[1]:.1e} x "
-                         "the range's top 1e-1) -> " + ("**reaches tau/10**" if p >= TAU_DEFAULT / 10 else "below tau/10"))
+            lines.append(f"* {h['device']} {mode}: p99 {p:.2e} = {p / TAU_DEFAULT:.3f} x tau 1e-3 "
+                         f"({p / TAU_RANGE[1]:.1e} x the range's top 1e-1) -> "
+                         + ("**reaches tau/10**" if p >= TAU_DEFAULT / 10 else "below tau/10"))
     lines += ["", f"![p99 Drift floor per layout]({path.with_suffix('.png').name})", ""]
     path.write_text("\n".join(lines))
 

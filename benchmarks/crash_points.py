@@ -1,11 +1,11 @@
 """Count the outcomes of a simulated crash at every file-system call of a controller save (and a torn write at every
-write), for the three starting points of tests/core/test_checkpoint_faults.py: an empty directory ("fresh"), a
-complete previous checkpoint ("overwrite") and one with a dead writer's leftovers ("leftovers").
+write), for the three starting points of tests/core/checkpoint/test_checkpoint_faults.py: an empty directory
+("fresh"), a complete previous checkpoint ("overwrite") and one with a dead writer's leftovers ("leftovers").
 
     python benchmarks/crash_points.py      # a few seconds; writes benchmarks/results/crash_points.json
 
 The test asserts the same outcomes (0 unloadable, 0 mixed, 0 orphans after the next save); this prints the counts,
-the figures quoted in the README and the issue notes.  "old" counts a crash that left the previous state (for
+the figures quoted in docs/core_api.md and the issue notes.  "old" counts a crash that left the previous state (for
 "fresh": no checkpoint, as expected), "new" one that left the new state.
 """
 
@@ -20,8 +20,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "src"), str(ROOT / "tests" / "support"), str(ROOT / "tests" / "core")]
 
-from hdreplay import checkpoint  # noqa: E402
 import test_checkpoint_faults as faults  # noqa: E402
+
+from hdreplay.checkpoint import files as checkpoint  # noqa: E402
 
 
 def sweep(scenario: str, tmp: Path) -> dict:

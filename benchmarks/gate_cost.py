@@ -31,7 +31,6 @@ per-step ratio to the full scan, and per step the full scan's and the sliced sca
 from __future__ import annotations
 
 import argparse
-import copy
 import dataclasses
 import json
 import os
@@ -162,7 +161,8 @@ def main() -> None:
         full = done["full"]
         for k in PAIRED:
             s = done[k]
-            same = (s.scanned.tolist() == full.scanned.tolist() and s.scanned_pass.tolist() == full.scanned_pass.tolist()
+            same = (s.scanned.tolist() == full.scanned.tolist()
+                    and s.scanned_pass.tolist() == full.scanned_pass.tolist()
                     and s.accepted.tolist() == full.accepted.tolist())
             mismatches[k] += not same
         for k in shadow:

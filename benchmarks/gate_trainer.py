@@ -34,9 +34,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-import torch  # noqa: E402
-
 import gpu_check  # noqa: E402  (the model, data, reward and timed trainer of the GPU check)
+import torch  # noqa: E402
 
 FULL = dict(gpu_check.FULL, steps=6)
 TINY = dict(gpu_check.TINY, steps=5, k_rep=1)
@@ -176,7 +175,8 @@ def pool(paths: list[str]) -> str:
                 g["seconds"] / g["needed_tokens"] for g in r["gate_steps"] if g["scanned"] >= r["k_rep"])
     f = statistics.median(fresh)
     lines = [f"Pooled over {n} runs ({len(fresh)} old-log-prob forwards, median {f * 1e6:.2f} us per token):", "",
-             "| configuration | K_rep | gate steps | gate s / needed token over old-log-prob s / token: median [q25, q75] |",
+             "| configuration | K_rep | gate steps "
+             "| gate s / needed token over old-log-prob s / token: median [q25, q75] |",
              "|---|---|---|---|"]
     for (name, k), v in sorted(gate.items(), key=lambda kv: (kv[0][1], kv[0][0])):
         q = statistics.quantiles(v, n=4) if len(v) > 1 else [v[0]] * 3

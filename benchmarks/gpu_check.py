@@ -280,10 +280,12 @@ def write_markdown(path: Path, res: dict) -> None:
     s, ph, mem = res["settings"], res["step_phases_s"], res["peak_mem_gib"]
     lines = [
         "# GPU check" + (" (--tiny, CPU)" if res["tiny"] else ""), "",
-        f"Device: **{res['device']}**; torch {res['versions']['torch']}, transformers {res['versions']['transformers']}, "
+        f"Device: **{res['device']}**; torch {res['versions']['torch']}, "
+        f"transformers {res['versions']['transformers']}, "
         f"trl {res['versions']['trl']}; {res['params_m']:.1f}M-parameter random-init Qwen2-shaped model, bf16 weights; "
         f"prompt <= {s['prompt']}, completion {s['completion']}, n = {s['n']}, {s['batch'] * s['ga'] // s['n']} fresh "
-        f"groups per update, K_rep = {s['k_rep']}, tau = {res['tau']:g} in the trainer runs. Wall: {res['wall_s']:.0f} s. "
+        f"groups per update, K_rep = {s['k_rep']}, tau = {res['tau']:g} in the trainer runs. "
+        f"Wall: {res['wall_s']:.0f} s. "
         f"Activation checkpointing {'on' if res['gradient_checkpointing'] else 'off'}; configurations ran in the order "
         f"{', '.join(res['order'])}. Command: `{res['command']}`.", "",
         "## Drift floor (unchanged weights, another layout than at birth)", "",
@@ -304,16 +306,22 @@ def write_markdown(path: Path, res: dict) -> None:
               "| configuration | step | generation | old-log-prob | re-score | update | bookkeeping |",
               "|---|---|---|---|---|---|---|"]
     for k, p in res["step_phases_s_by_config"].items():
-        lines.append(f"| {k} | {p['total']:.3f} | {p['generation']:.3f} | {p['old_logprob']:.3f} | {p['rescore']:.3f} | "
-                     f"{p['update']:.3f} | {p['bookkeeping']:.3f} |")
+        lines.append(f"| {k} | {p['total']:.3f} | {p['generation']:.3f} | {p['old_logprob']:.3f} "
+                     f"| {p['rescore']:.3f} | {p['update']:.3f} | {p['bookkeeping']:.3f} |")
     lines += ["", f"Prompt-shared re-scoring enabled: {res['prompt_shared_rescore_enabled']}.", "",
               f"Gate re-score / old-log-prob forward: **{res['rescore_over_old_logprob']:.2f}** "
-              f"(re-scored rows per step {res['rescored_rows_per_step']:.0f} vs {res['fresh_rows_per_step']} fresh rows).", "",
-              "## Peak GPU memory (GiB, max over the replay steps)", "", "| no replay | chunk | grow | chunk / no replay | grow / no replay |",
+              f"(re-scored rows per step {res['rescored_rows_per_step']:.0f} "
+              f"vs {res['fresh_rows_per_step']} fresh rows).", "",
+              "## Peak GPU memory (GiB, max over the replay steps)", "",
+              "| no replay | chunk | grow | chunk / no replay | grow / no replay |",
               "|---|---|---|---|---|"]
-    fmt = (lambda v: "n/a" if v is None else f"{v:.2f}")
+
+    def fmt(v):
+        return "n/a" if v is None else f"{v:.2f}"
+
     r = res["peak_mem_ratio"]
-    lines.append(f"| {fmt(mem['no_replay'])} | {fmt(mem['chunk'])} | {fmt(mem['grow'])} | {fmt(r['chunk'])} | {fmt(r['grow'])} |")
+    lines.append(f"| {fmt(mem['no_replay'])} | {fmt(mem['chunk'])} | {fmt(mem['grow'])} "
+                 f"| {fmt(r['chunk'])} | {fmt(r['grow'])} |")
     path.write_text("\n".join(lines) + "\n")
 
 
@@ -328,7 +336,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--skip-floor", action="store_true")
     ap.add_argument("--no-gradient-checkpointing", action="store_true",
                     help="train without activation checkpointing (activation memory dominates the peak)")
-    ap.add_argument("--steps", type=int, default=None, help="optimizer steps per configuration (the first fills the buffer)")
+    ap.add_argument("--steps", type=int, default=None,
+                    help="optimizer steps per configuration (the first fills the buffer)")
     ap.add_argument("--order", default="no_replay,chunk,grow", help="configurations, in the order they run")
     ap.add_argument("--tag", default="", help="suffix of the output files (gpu_check<tag>.json)")
     a = ap.parse_args(argv)
@@ -373,7 +382,8 @@ def main(argv=None) -> dict:
     mem = {k: runs[k]["peak_mem_gib"] for k in runs}
     sd = runs["chunk"]["scan_drift"]
     res = {
-        "device": torch.cuda.get_device_name(0) if device.type == "cuda" else f"CPU ({platform.processor() or platform.machine()})",
+        "device": (torch.cuda.get_device_name(0) if device.type == "cuda"
+                   else f"CPU ({platform.processor() or platform.machine()})"),
         "tiny": a.tiny, "settings": s, "tau": a.tau, "params_m": params, "order": order,
         "gradient_checkpointing": not a.no_gradient_checkpointing,
         "prompt_shared_rescore_enabled": runs["chunk"]["prompt_shared_rescore_enabled"],

@@ -89,7 +89,8 @@ def make_buffer(groups, a, accept: float) -> ReplayController:
     passing = set(torch.randperm(len(groups), generator=g)[:round(accept * len(groups))].tolist())
     records = []
     for i, (prompt, comps, birth) in enumerate(groups):
-        drift = 0.3 if i in passing else math.exp(torch.empty(1).uniform_(math.log(2), math.log(50), generator=g).item())
+        drift = 0.3 if i in passing else math.exp(
+            torch.empty(1).uniform_(math.log(2), math.log(50), generator=g).item())
         stored = (birth + math.sqrt(drift * a.tau) * torch.randn(birth.shape, generator=g)).clamp(max=0.0)
         adv = [1.0 if j % 2 == 0 else -1.0 for j in range(a.n)]
         records.append(GroupRecord.from_responses(group_id=f"g{i}", prompt_ids=prompt, completion_ids=list(comps),
@@ -105,8 +106,8 @@ def oracle_tokens(sel, current: dict, tau: float) -> int:
     """The fewest tokens any exact early rejection forwards for this scan: each passing group whole, each rejected one
     up to the shortest prefix of its responses whose Drift terms already prove Drift > tau (an oracle that knows the
     current log-probs in advance; prompts counted per row, as the scorer forwards them)."""
-    from hdreplay.scores import drift_rejects, drift_term_sums
     from hdreplay.rescore import sub_group
+    from hdreplay.scores import drift_rejects, drift_term_sums
 
     total = 0
     for g, ok in zip(sel.scan, sel.scanned_pass.tolist()):

@@ -7,7 +7,7 @@ A forked child saves two controller states A and B alternately into one director
 parent kills it with SIGKILL after a random delay, then loads the directory.  The load must give
 exactly A or exactly B (or, if the child died during its very first save, report that no checkpoint
 exists); a clean save afterwards must leave no leftovers.  This complements the deterministic
-crash-point sweep of tests/core/test_checkpoint_faults.py with real process deaths (Python
+crash-point sweep of tests/core/checkpoint/test_checkpoint_faults.py with real process deaths (Python
 buffers, the kernel's view of half-written files).  Writes benchmarks/results/kill_saves.json.
 """
 

@@ -7,9 +7,9 @@ Until 0.2 ``ReplayConfig.max_scan`` unset meant min(C, 8 K_rep) groups re-scored
 paper's scan (to K_rep admitted or the end of the buffer).  The cap can only change a step where the gate admitted
 fewer than K_rep within the first 8 K_rep groups of the order, so it binds only when C > 8 K_rep.  This runs the
 synthetic driver (``hdreplay_lab.synthetic``: a moving table policy, random groups, no model) on paired seeds -- the
-same fresh groups and policy trajectory for both configurations -- at the shape of the paper's settings (C <= 8 K_rep) and at
-the README's TRL example (C 512, K_rep 8), for a loose and a tight tau, and counts per run the steps whose replayed
-groups differ, the budget fill and the groups re-scored per step.
+same fresh groups and policy trajectory for both configurations -- at the shape of the paper's settings (C <= 8 K_rep)
+and at the README's TRL example (C 512, K_rep 8), for a loose and a tight tau, and counts per run the steps whose
+replayed groups differ, the budget fill and the groups re-scored per step.
 
 Writes benchmarks/results/scan_cap.json (one row per setting: means over seeds and the paired differences).
 """

@@ -1,8 +1,8 @@
 """The scale check's model (issue 38): the ``search_mix`` warm start at 4x the sandbox's parameters.
 
 The sandbox's default model (WarmStartConfig: Qwen2 shape, hidden 128, 4 layers, 4 heads, 2 KV heads) has about
-0.6 M parameters; ``--hidden 264`` (intermediate 528, the same depth and heads) has about 2.5 M, 4.2x.  The warm start is
-the task's own (its ``warmstart_overrides``: stop once at most half of the fresh groups are zero-variance), cached
+0.6 M parameters; ``--hidden 264`` (intermediate 528, the same depth and heads) has about 2.5 M, 4.2x.  The warm start
+is the task's own (its ``warmstart_overrides``: stop once at most half of the fresh groups are zero-variance), cached
 in the shared warm-start directory like every other; the script prints the directory, its parameter count and the
 zero-variance share it starts from, and the comparison takes it with ``--model``:
 

@@ -84,24 +84,29 @@ def check(main: Path, out: Path, *, latency_ms: float, seeds: int, methods: tupl
 
 
 def render(res: dict) -> str:
-    lines = [f"# Modelled vs slept step time ({res['latency_ms']:g} ms per call, {res['concurrency'].replace('_', ' ')})",
+    lines = [f"# Modelled vs slept step time ({res['latency_ms']:g} ms per call, "
+             f"{res['concurrency'].replace('_', ' ')})",
              "",
-             f"{len(res['rows'])} runs ({', '.join(res['methods'])}; seeds 0-{res['seeds'] - 1}; {res['steps']} steps), "
+             f"{len(res['rows'])} runs ({', '.join(res['methods'])}; seeds 0-{res['seeds'] - 1}; "
+             f"{res['steps']} steps), "
              f"rerun from `{res['main']}` with the latency slept. Predicted: the unslept run's CPU s per step + "
              "latency x its " + ("turns" if res["concurrency"] == "per_turn" else "calls")
-             + " per step; slept: the slept run's wall-clock per step (steps 2..T). Own model: the same formula from the "
+             + " per step; slept: the slept run's wall-clock per step (steps 2..T). "
+             "Own model: the same formula from the "
              "slept run's own CPU seconds and counts.", "",
              "| Method | Seed | Same trajectory | CPU s unslept / slept | Wait s | Predicted s | Slept s | Error | "
              "Own-model error |", "|---|---|---|---|---|---|---|---|---|"]
     for r in res["rows"]:
         lines.append(f"| {r['method']} | {r['seed']} | {'yes' if r['same_trajectory'] else 'no'} | "
-                     f"{r['cpu_s_unslept']:.3f} / {r['cpu_s_slept']:.3f} | {r['wait_s']:.3f} | {r['predicted_s']:.3f} | "
+                     f"{r['cpu_s_unslept']:.3f} / {r['cpu_s_slept']:.3f} | {r['wait_s']:.3f} | "
+                     f"{r['predicted_s']:.3f} | "
                      f"{r['slept_s']:.3f} | {100 * r['error']:+.1f}% | {100 * r['own_error']:+.1f}% |")
     la0, la1 = res["loadavg_start"], res["loadavg_end"]
     lines += ["", f"Largest |error| {100 * res['max_abs_error']:.1f}% (mean {100 * res['mean_error']:+.1f}%): "
                   + ("every run within 10 %." if res["within_10pct"] else "NOT every run within 10 %.")
               + f" {res['workers']} worker(s) on {res['cpus']} CPUs, {res['wall_s'] / 60:.1f} min; load average "
-              f"(1/5/15 min) {', '.join(f'{x:.2f}' for x in la0)} at start, {', '.join(f'{x:.2f}' for x in la1)} at end."]
+              f"(1/5/15 min) {', '.join(f'{x:.2f}' for x in la0)} at start, "
+              f"{', '.join(f'{x:.2f}' for x in la1)} at end."]
     return "\n".join(lines) + "\n"
 
 

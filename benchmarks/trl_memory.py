@@ -128,7 +128,8 @@ def backend_args(setup: str) -> dict:
     if setup in ("zero2", "zero3"):
         return {"deepspeed": {**DS, "zero_optimization": {"stage": int(setup[-1])}}}
     if setup == "fsdp2":
-        return {"fsdp": "full_shard", "fsdp_config": {"version": 2, "transformer_layer_cls_to_wrap": ["Qwen2DecoderLayer"]}}
+        return {"fsdp": "full_shard",
+                "fsdp_config": {"version": 2, "transformer_layer_cls_to_wrap": ["Qwen2DecoderLayer"]}}
     return {}
 
 
@@ -238,7 +239,8 @@ def main() -> None:
         results[setup] = (measure(setup, model_dir, steps=steps, length=length, world=1) if setup == "single"
                           else launch(setup, model_dir, steps=steps, length=length))
         results[setup]["wall_s"] = time.perf_counter() - t
-        print(f"{setup}: chunk {results[setup]['ratio_chunk']:.3f}  grow {results[setup]['ratio_grow']:.3f}", flush=True)
+        print(f"{setup}: chunk {results[setup]['ratio_chunk']:.3f}  grow {results[setup]['ratio_grow']:.3f}",
+              flush=True)
     out = {
         "setups": results,
         "target": {"ratio_chunk": "<= 1.05"},

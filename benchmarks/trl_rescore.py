@@ -4,9 +4,9 @@
     python benchmarks/trl_rescore.py --quick
 
 Workload: G groups of n responses, prompts of ~P tokens (>= 4x the completion length C), a Qwen2-shaped random
-model through HDRGRPOTrainer's own scoring paths (``_row_logps`` / ``_shared_logps``: the same fused LM head, temperature and
-position ids as training).  ``full`` re-scores every row as prompt + completion (what the trainer did before);
-``shared`` encodes each prompt once and expands its KV cache to the group's n rows.
+model through HDRGRPOTrainer's own scoring paths (``_row_logps`` / ``_shared_logps``: the same fused LM head,
+temperature and position ids as training).  ``full`` re-scores every row as prompt + completion (what the trainer did
+before); ``shared`` encodes each prompt once and expands its KV cache to the group's n rows.
 
 Writes benchmarks/results/trl_rescore.json:
     rescore_tokens_ratio   token positions shared / full  (G (P - 1) + R (1 + C)) / (R (P + C))

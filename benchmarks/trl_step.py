@@ -66,8 +66,8 @@ import torch  # noqa: E402
 from datasets import Dataset  # noqa: E402
 from transformers import TrainerCallback  # noqa: E402
 
-from hdreplay.padding import pad_groups  # noqa: E402
 from hdreplay.integrations.trl import HDRGRPOConfig, HDRGRPOTrainer  # noqa: E402
+from hdreplay.store.padding import pad_groups  # noqa: E402
 from hdreplay_lab.sandbox.model import build_tiny_model, load_model  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"

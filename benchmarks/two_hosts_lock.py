@@ -5,8 +5,8 @@
 
 Each host is an agent in its own UTS + pid namespace with its own hostname (tests/support/two_hosts.py; needs root or
 user namespaces for ``unshare``), all over one directory; the lock's age limit is ``--stale`` seconds (set on
-``hdreplay.dirlock`` in the agents, 600 s in a real run) and the heartbeat ``--heartbeat``.  Every scenario runs in
-both orders (host-1 writes and host-2 comes second, and the reverse):
+``hdreplay.checkpoint.dirlock`` in the agents, 600 s in a real run) and the heartbeat ``--heartbeat``.  Every scenario
+runs in both orders (host-1 writes and host-2 comes second, and the reverse):
 
 * live: A's save lasts ~1.5x the age limit (slowed writes, heartbeating between chunks); B tries to save every 50 ms.
   Broken = A's save failed, or B judged A's lock stale.  Also with B's clock an hour ahead (host-3);
@@ -35,9 +35,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "src"), str(ROOT / "tests" / "support")]
 
+from hdreplay.checkpoint import dirlock  # noqa: E402
 from two_hosts import Host, can_run  # noqa: E402
-
-from hdreplay import dirlock  # noqa: E402
 
 CHUNKS = 38  # 64-byte chunks of the saved state's tensor file (two_hosts.py slows each)
 

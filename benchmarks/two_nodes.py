@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SUPPORT = ROOT / "tests" / "support"
 sys.path[:0] = [str(ROOT / "src"), str(SUPPORT)]
 
-from two_nodes import free_port, launch  # noqa: E402
+from two_nodes import launch  # noqa: E402
 
 TRAINERS = ("sync", "async", "plain")
 LAYOUTS = ("shared", "local_each", "local_main")
@@ -44,39 +44,16 @@ DEFAULT_ROWS = [f"{t}:{lay}:torchrun" for t in TRAINERS for lay in LAYOUTS] + \
 WEIGHTS = ("config.json", "model.safetensors")
 
 
-def accelerate_launch(script, args, *, env, timeout, root: Path):
-    """The same two nodes through ``accelerate launch --config_file node<k>.yaml`` (one config per machine)."""
-    import os
-    import signal
-    import subprocess
-
-    from two_nodes import Node
-
-    port, procs = free_port(), []
-    for k, node_args in enumerate(args):
-        cfg = root / f"accelerate_node{k}.yaml"
-        cfg.write_text(f"compute_environment: LOCAL_MACHINE\ndistributed_type: MULTI_GPU\nnum_machines: 2\n"
-                       f"machine_rank: {k}\nmain_process_ip: 127.0.0.1\nmain_process_port: {port}\n"
-                       "num_processes: 2\nmixed_precision: 'no'\nrdzv_backend: static\nsame_network: true\n")
-        cmd = [str(Path(sys.executable).with_name("accelerate")), "launch", "--config_file", str(cfg), str(script),
-               *map(str, node_args)]
-        procs.append(subprocess.Popen(cmd, env={**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1",
-                                                "TRL_EXPERIMENTAL_SILENCE": "1", **env[k]},
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                      start_new_session=True))
-    deadline, out = time.monotonic() + timeout, []
-    for k, p in enumerate(procs):
-        try:
-            text, _ = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
-            out.append(Node(k, p.returncode, text))
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                try:
-                    os.killpg(q.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-            out.append(Node(k, None, p.communicate()[0]))
-    return out
+def accelerate(root: Path):
+    """The command line of a node through ``accelerate launch --config_file node<k>.yaml`` (one config per machine)."""
+    def command(script, node_args, *, rank, nodes, port):
+        cfg = root / f"accelerate_node{rank}.yaml"
+        cfg.write_text(f"compute_environment: LOCAL_MACHINE\ndistributed_type: MULTI_GPU\nnum_machines: {nodes}\n"
+                       f"machine_rank: {rank}\nmain_process_ip: 127.0.0.1\nmain_process_port: {port}\n"
+                       f"num_processes: {nodes}\nmixed_precision: 'no'\nrdzv_backend: static\nsame_network: true\n")
+        return [str(Path(sys.executable).with_name("accelerate")), "launch", "--config_file", str(cfg), str(script),
+                *map(str, node_args)]
+    return command
 
 
 def run_row(row: str, work: Path, models: dict, timeout: float) -> dict:
@@ -100,9 +77,8 @@ def run_row(row: str, work: Path, models: dict, timeout: float) -> dict:
 
     def go(ds, resume):
         t0 = time.monotonic()
-        how = launch if launcher == "torchrun" else (lambda s, a, env, timeout: accelerate_launch(
-            s, a, env=env, timeout=timeout, root=rdir))
-        nodes = how(script, node_args(ds, resume), env=env, timeout=timeout)
+        nodes = launch(script, node_args(ds, resume), env=env, timeout=timeout,
+                       **({} if launcher == "torchrun" else {"command": accelerate(rdir)}))
         errors = []
         for k, (n, d) in enumerate(zip(nodes, ds)):
             f = Path(d) / f"rank{k}{tag if resume else ''}_error.txt"

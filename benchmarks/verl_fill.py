@@ -50,7 +50,8 @@ def parse():
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--n", type=int, default=4, help="responses per prompt (rollout.n; the paper: 16)")
     ap.add_argument("--lr", type=float, default=0.05, help="SGD learning rate of the tiny model")
-    ap.add_argument("--tau", type=float, default=2.5e-5, help="Drift threshold (this model at --lr: median Drift ~1.8e-5 at age 1, ~3.3e-5 at age 2)")
+    ap.add_argument("--tau", type=float, default=2.5e-5,
+                    help="Drift threshold (this model at --lr: median Drift ~1.8e-5 at age 1, ~3.3e-5 at age 2)")
     ap.add_argument("--recipes", default="v1,v0")
     ap.add_argument("--capacity", type=int, default=None, help="buffer capacity (default: the paper's 512)")
     ap.add_argument("--out", default=str(HERE / "results" / "verl_fill.json"))
@@ -66,7 +67,8 @@ def overrides(a, *, diag: str) -> list[str]:
     return [f"data.train_batch_size={a.b}", f"actor_rollout_ref.rollout.n={a.n}",
             f"actor_rollout_ref.actor.ppo_mini_batch_size={a.mbs}",
             "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16",
-            "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=16", "actor_rollout_ref.actor.use_kl_loss=false",
+            "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=16",
+            "actor_rollout_ref.actor.use_kl_loss=false",
             f"hdr.k_rep={a.k_rep}", f"hdr.capacity={a.capacity}", f"hdr.tau={a.tau}", f"hdr.diagnostics_dir={diag}"]
 
 

@@ -6,8 +6,9 @@
 A fresh interpreter imports ``hdreplay`` and nothing else of the project; each module it loaded is counted as physical
 lines and split into code, docstrings, comments and blank lines (docstrings: the first string statement of the
 module, a class or a function, found with ``ast``).  Modules are grouped by concern (:data:`CONCERNS`); a module the
-table does not name is counted under "unassigned" (the test refuses that, so a new core module gets a concern).  Also
-measured: the length of Algorithm 1 (``hdreplay.selection.select_replay``, docstring included).
+table does not name (by its folder, or by name at the top of the package) is counted under "unassigned" (the test
+refuses that, so a new core module gets a concern).  Also measured: the length of Algorithm 1
+(``hdreplay.selection.select_replay``, docstring included).
 """
 
 from __future__ import annotations
@@ -19,15 +20,15 @@ import subprocess
 import sys
 from pathlib import Path
 
-#: concern -> the core modules (hdreplay.<name>) that serve it
+#: concern -> what serves it: a folder of the core ("store/": every module in it, its __init__ too) or a module at the
+#: top of the package (hdreplay.<name>)
 CONCERNS = {
     "the method (Algorithm 1, scores, selectors, config, the step protocol)": (
         "selection", "rescore", "selectors", "scores", "controller", "config", "ingress", "sampling", "__init__"),
-    "the group and its storage (records, ingest, padded rows, images, FIFO buffer)": (
-        "record", "ingest", "padding", "multimodal", "buffer", "storage"),
+    "the group and its storage (store/: records, ingest, padded rows, images, FIFO buffer, its schema)": ("store/",),
     "the step record (replay/* metrics, steps.jsonl)": ("records",),
-    "checkpoints (crash-safe directories, schema, writer lock, streaming)": (
-        "checkpoint", "checkpoint_schema", "controller_state", "dirlock", "tensorfile", "atomic"),
+    "checkpoints (checkpoint/: crash-safe directories, writer lock, streaming; the controller's state)": (
+        "checkpoint/", "controller_state"),
     "argument checks and errors": ("validate", "errors"),
 }
 ROOT = Path(__file__).resolve().parents[1]
@@ -69,7 +70,10 @@ def measure() -> dict:
     modules = []
     for name, path in loaded_modules().items():
         short = "__init__" if name == "hdreplay" else name.removeprefix("hdreplay.")
-        modules.append({"module": short, "concern": concern_of.get(short, "unassigned"), **count(path)})
+        folder = short.split(".")[0] + "/"
+        concern = concern_of.get(folder if folder in concern_of else short, "unassigned")
+        face = "/__init__" if name != "hdreplay" and path.endswith("__init__.py") else ""
+        modules.append({"module": short.replace(".", "/") + face, "concern": concern, **count(path)})
     total = {k: sum(m[k] for m in modules) for k in ("lines", "code", "docstring", "comment", "blank")}
     by_concern = {c: {k: sum(m[k] for m in modules if m["concern"] == c) for k in total} for c in
                   [*CONCERNS, "unassigned"] if any(m["concern"] == c for m in modules)}

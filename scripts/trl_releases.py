@@ -124,7 +124,8 @@ def run_release(version: str, target: Path | None, tests: list[str], work: Path,
     env = dict(os.environ, HDREPLAY_UNTESTED_TRL="1", PYTHONPATH=os.pathsep.join(
         [str(d) for d in (target, transformers_dir) if d] + [str(ROOT / "src")]))
     row: dict = {"version": version, "unmet_requirements": unmet_requirements(target) + [
-        f"transformers: {r}" for r in (unmet_requirements(transformers_dir, "transformers") if transformers_dir else [])]}
+        f"transformers: {r}"
+        for r in (unmet_requirements(transformers_dir, "transformers") if transformers_dir else [])]}
     t0 = time.perf_counter()
     got = subprocess.run([sys.executable, "-c", "import trl, transformers; print(trl.__version__, "
                           "transformers.__version__)"], env=env, cwd=ROOT, capture_output=True, text=True)
@@ -299,8 +300,8 @@ def main(argv: list[str] | None = None) -> dict:
     result["runs"].append(run)
     notes = md_out.read_text().partition("\n## Reading it")[1:] if md_out.is_file() else ("", "")
     notes = "".join(notes).strip()
-    tf_dir = install(a.transformers, a.work, "transformers") if a.transformers not in (None,
-                                                                                       transformers.__version__) else None
+    tf_dir = (install(a.transformers, a.work, "transformers")
+              if a.transformers not in (None, transformers.__version__) else None)
     for v in versions:
         print(f"[trl_releases] trl {v}, transformers {tf_version}: installing and running {len(a.tests)} test file(s)",
               flush=True)

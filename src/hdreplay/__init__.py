@@ -3,7 +3,7 @@
 ``import hdreplay`` loads the method and what every trainer needs to run it (torch and numpy only):
 
     GroupRecord              one prompt + n responses with immutable generation-time state
-    Rows, groups_from_rows   a trainer's fresh rows -> GroupRecords, every check in one place (hdreplay.ingest)
+    Rows, groups_from_rows   a trainer's fresh rows -> GroupRecords, every check in one place (hdreplay.store.ingest)
     ReplayConfig             the method's settings (ReplayConfig.paper(): the paper exactly), validated once
     ReplayBuffer             FIFO store with compact ragged storage and cached Headroom
     select_replay            Algorithm 1: rank by cached Headroom, re-score, gate on Drift <= tau, stop at K_rep
@@ -20,10 +20,9 @@ bf16 noise-floor table), the experimental asynchronous staleness rule (``hdrepla
 Reliability contract: every public call checks all of its arguments before it changes anything (errors:
 ReplayInputError / ReplayConfigError / ReplayProtocolError / CheckpointError, all ReplayError;
 CheckpointLockedError when another writer holds a checkpoint directory); what the buffer hands out are copies;
-``ReplayController.save`` is crash-safe and ``load`` all-or-nothing (:mod:`hdreplay.checkpoint`).
+``ReplayController.save`` is crash-safe and ``load`` all-or-nothing (:mod:`hdreplay.checkpoint.files`).
 """
 
-from .buffer import ReplayBuffer
 from .config import ReplayConfig
 from .controller import ReplayController
 from .errors import (
@@ -32,29 +31,29 @@ from .errors import (
     CheckpointMismatchError,
     IngestError,
     ReplayConfigError,
+    ReplayCostWarning,
     ReplayError,
     ReplayInputError,
     ReplayProtocolError,
-    ReplayCostWarning,
     ReplayResumeWarning,
     ReplayStarvedWarning,
 )
-from .ingest import Ingest, Rows, groups_from_rows
 from .ingress import AnswerBased, MixedOutcome, make_ingress_rule
-from .padding import PaddedGroups, pad_groups
-from .record import GroupRecord
 from .records import METRIC_KEYS, STEP_FIELDS, DiagnosticsWriter, StepRecord, metrics_from_record
 from .scores import drift, group_scores, headroom, reference_headroom, replay_kl, replay_kl_per_group
 from .selection import Scorer, select_replay
 from .selectors import SELECTORS, Selection
+from .store.buffer import ReplayBuffer
+from .store.ingest import Ingest, Rows, groups_from_rows
+from .store.padding import PaddedGroups, pad_groups
+from .store.record import GroupRecord
 
 __version__ = "0.2.0.dev0"
 
-__all__ = [
-    "AnswerBased", "CheckpointError", "CheckpointLockedError", "CheckpointMismatchError", "DiagnosticsWriter", "drift", "group_scores",
-    "GroupRecord", "groups_from_rows", "headroom", "Ingest", "IngestError", "make_ingress_rule", "METRIC_KEYS",
-    "metrics_from_record", "MixedOutcome", "pad_groups", "PaddedGroups", "reference_headroom", "replay_kl",
-    "replay_kl_per_group", "ReplayBuffer", "ReplayConfig", "ReplayConfigError", "ReplayController", "ReplayCostWarning",
-    "ReplayError", "ReplayInputError", "ReplayProtocolError", "ReplayResumeWarning", "ReplayStarvedWarning", "Rows",
-    "Scorer", "select_replay", "Selection", "SELECTORS", "STEP_FIELDS", "StepRecord", "__version__",
-]
+__all__ = ["AnswerBased", "CheckpointError", "CheckpointLockedError", "CheckpointMismatchError", "DiagnosticsWriter",
+           "drift", "group_scores", "GroupRecord", "groups_from_rows", "headroom", "Ingest", "IngestError",
+           "make_ingress_rule", "METRIC_KEYS", "metrics_from_record", "MixedOutcome", "pad_groups", "PaddedGroups",
+           "reference_headroom", "replay_kl", "replay_kl_per_group", "ReplayBuffer", "ReplayConfig",
+           "ReplayConfigError", "ReplayController", "ReplayCostWarning", "ReplayError", "ReplayInputError",
+           "ReplayProtocolError", "ReplayResumeWarning", "ReplayStarvedWarning", "Rows", "Scorer", "select_replay",
+           "Selection", "SELECTORS", "STEP_FIELDS", "StepRecord", "__version__"]

@@ -16,7 +16,6 @@ verl: ``HDRSettings.replay_config``); nothing downstream re-validates it.
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import Any, Callable, Mapping, Union
@@ -25,7 +24,6 @@ from .errors import ReplayConfigError
 from .ingress import INGRESS_RULES
 from .scores import DRIFT_NORMS, HEADROOM_WEIGHTINGS
 from .selectors import SCAN_REFRESH, SELECTORS
-
 from .validate import MAX_CAPACITY, MAX_COUNT, MAX_TOKENS  # noqa: F401  (re-exported: the bounds every front end shows)
 
 
@@ -94,9 +92,9 @@ class ReplayConfig:
         "headroom_drift",
         "replay rule: headroom_drift (the paper: cached-Headroom order + Drift gate), headroom_only (no gate), "
         "drift_only (recency order + gate), recency (latest K groups, the paper's 'GRPO + replay'), none (on-policy); "
-        "the peers (registered by importing hdreplay.baselines; the trainers do): uniform (K groups uniformly at random), freshper (K groups in "
-        "proportion to ((mean|r| + eps) exp(-age/age_decay))^alpha), adv_priority (k_rep x n single rollouts in "
-        "proportion to |A|^alpha)",
+        "the peers (registered by importing hdreplay.baselines; the trainers do): uniform (K groups uniformly at "
+        "random), freshper (K groups in proportion to ((mean|r| + eps) exp(-age/age_decay))^alpha), adv_priority "
+        "(k_rep x n single rollouts in proportion to |A|^alpha)",
         choices=SELECTORS)  # the live registry: the peers register when hdreplay.baselines is imported
     k_rep: int = knob(64, "replay budget K_rep: groups replayed per step (>= 0)")
     tau: float = knob(1e-3, "Drift threshold: a scanned group is replayed iff Drift <= tau (>= 0; paper: 1e-3 "
@@ -132,7 +130,7 @@ class ReplayConfig:
         None, "token budget of one scorer forward (prompt + completion tokens of the rows it runs; the trainers set it "
               "from their own old-log-prob forward's batch). Set: each scan window is filled to whole forwards of this "
               "size, further groups scored in the room left (speculatively: beyond the stop their results are "
-              "discarded, their cache untouched), and groups are sliced (scan_passes) only where the running acceptance "
+              "discarded, their cache untouched), and groups are sliced (scan_passes) only where the running acceptance "  # noqa: E501
               "rate says slicing saves at least one forward. Unset: windows sized by the groups still needed, every "
               "group sliced. It must fit the largest group (refused before any forward otherwise)", flat=int)
     scan_chunk: int | None = knob(
@@ -164,8 +162,8 @@ class ReplayConfig:
 
     def __post_init__(self) -> None:
         if not isinstance(self.selector, str) or self.selector not in SELECTORS:
-            peers = "" if "uniform" in SELECTORS else " (the peers' random orders register when hdreplay.baselines is " \
-                                                        "imported)"
+            peers = "" if "uniform" in SELECTORS else (" (the peers' random orders register when hdreplay.baselines "
+                                                       "is imported)")
             raise _err("selector", f"unknown selector {self.selector!r}; valid: {sorted(SELECTORS)}{peers}")
         if not _is_int(self.k_rep) or not 0 <= self.k_rep <= MAX_COUNT:
             raise _err("k_rep", f"the replay budget (groups per step) must be an int in [0, {MAX_COUNT}], "
@@ -195,13 +193,14 @@ class ReplayConfig:
             raise _err("scan_chunk", f"must be unset (auto) or an int in [1, {MAX_COUNT}], got {self.scan_chunk!r}")
         if self.scan_tokens is not None and (not _is_int(self.scan_tokens) or not 1 <= self.scan_tokens <= MAX_TOKENS):
             raise _err("scan_tokens", f"must be unset (windows sized by the groups still needed) or an int in "
-                                      f"[1, {MAX_TOKENS}] (prompt + completion tokens per forward), got {self.scan_tokens!r}")
+                       f"[1, {MAX_TOKENS}] (prompt + completion tokens per forward), got {self.scan_tokens!r}")
         if not _is_int(self.max_scan_chunk) or not 1 <= self.max_scan_chunk <= MAX_COUNT:
             raise _err("max_scan_chunk", f"must be an int in [1, {MAX_COUNT}], got {self.max_scan_chunk!r}")
         if self.max_scan is not None and (not _is_int(self.max_scan) or not 1 <= self.max_scan <= MAX_CAPACITY):
             raise _err("max_scan", f"must be unset (auto) or an int in [1, {MAX_CAPACITY}], got {self.max_scan!r}")
         if not _is_int(self.scan_passes) or not 1 <= self.scan_passes <= MAX_COUNT:
-            raise _err("scan_passes", f"must be an int in [1, {MAX_COUNT}] (1 = whole groups), got {self.scan_passes!r}")
+            raise _err("scan_passes",
+                       f"must be an int in [1, {MAX_COUNT}] (1 = whole groups), got {self.scan_passes!r}")
         if not isinstance(self.scan_refresh, str) or self.scan_refresh not in SCAN_REFRESH:
             raise _err("scan_refresh", f"unknown refresh {self.scan_refresh!r}; valid: {list(SCAN_REFRESH)}")
         if not _is_int(self.skip_rejected) or not 0 <= self.skip_rejected <= MAX_CAPACITY:

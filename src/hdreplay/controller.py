@@ -33,17 +33,16 @@ import numpy as np
 import torch
 
 from . import sampling
-from .buffer import ReplayBuffer
 from .config import ReplayConfig
-from .controller_state import (CONTROLLER_FORMAT, CONTROLLER_VERSION, CONTROLLER_VERSIONS,  # noqa: F401  (re-exported)
-                               ControllerCheckpoint)
-from .records import DiagnosticsWriter, StepRecord, check_counters, metrics_from_record, step_record
+from .controller_state import CONTROLLER_FORMAT, CONTROLLER_VERSION, CONTROLLER_VERSIONS, ControllerCheckpoint  # noqa: F401  (re-exported)
 from .errors import ReplayConfigError, ReplayCostWarning, ReplayInputError, ReplayProtocolError, ReplayStarvedWarning
 from .ingress import make_ingress_rule
-from .record import GroupRecord
+from .records import DiagnosticsWriter, StepRecord, check_counters, metrics_from_record, step_record
 from .scores import reference_headroom
 from .selection import Scorer, Tau, select_replay
 from .selectors import SELECTORS, Selection, empty_selection
+from .store.buffer import ReplayBuffer
+from .store.record import GroupRecord
 from .validate import MAX_COUNT, check_bool, check_int, check_real, check_sequence, check_step
 
 #: consecutive starved steps (budget unfilled, gate pass rate < STARVED_RATE) before a ReplayStarvedWarning
@@ -315,9 +314,9 @@ class ReplayController(ControllerCheckpoint):
             f"{rec.fresh_forward_tokens} at step {rec.step}: {rec.scanned} groups scanned for {rec.accepted} of "
             f"k_rep={rec.k_rep}, acceptance {rec.accept_rate if rec.accept_rate is not None else float('nan'):.1%}). "
             "Knobs that bound it: max_scan (a cap on groups re-scored per step: the scan stops there, so fewer groups "
-            "may be admitted than the paper's scan would), skip_rejected (a widely rejected group sits out a few steps: "
-            "the walk changes, not the gate), a larger k_rep (the walk stops sooner per admitted group), or a looser "
-            "tau (more groups pass; `hdreplay calibrate` sweeps it).", ReplayCostWarning, stacklevel=3)
+            "may be admitted than the paper's scan would), skip_rejected (a widely rejected group sits out a few "
+            "steps: the walk changes, not the gate), a larger k_rep (the walk stops sooner per admitted group), or a "
+            "looser tau (more groups pass; `hdreplay calibrate` sweeps it).", ReplayCostWarning, stacklevel=3)
 
     def close(self) -> None:
         """Write lifetime records of the groups still buffered (end of training)."""
@@ -336,7 +335,7 @@ def skip_until(sel: Selection, max_skip: int) -> np.ndarray:
         return np.zeros(len(sel.scanned), dtype=np.int64)
     tau = sel.scanned_tau
     with np.errstate(divide="ignore", invalid="ignore"):
-        ratio = np.where(sel.scanned_pass, 1.0, np.where(tau > 0, sel.scanned_drift / np.where(tau > 0, tau, 1), np.inf))
+        ratio = np.where(sel.scanned_pass, 1.0, np.where(tau > 0, sel.scanned_drift / np.where(tau > 0, tau, 1), np.inf))  # noqa: E501
     steps = np.where(sel.scanned_pass, 0.0, 1.0 + np.floor(np.log2(np.maximum(ratio, 1.0))))
     return nxt + np.minimum(steps, max_skip).astype(np.int64)
 

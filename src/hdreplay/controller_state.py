@@ -2,33 +2,110 @@
 
 The controller's state is its buffer, the running acceptance rate, the last committed step, tau, the observers'
 states, the starved-step count, the random orders' generator state and the configuration it ran under;
-:mod:`hdreplay.checkpoint` writes it crash-safely and :mod:`hdreplay.checkpoint_schema` validates all of it before a
-load changes anything.  A mixin of the controller (the checkpoints concern of the core, apart from the step
-protocol); it reads and writes the controller's own attributes.
+:mod:`hdreplay.checkpoint.files` writes it crash-safely and :func:`parse_controller_state` (with the buffer's
+:func:`~hdreplay.store.state.parse_buffer_state`) validates all of it before a load changes anything.  A mixin of
+the controller (the checkpoints concern of the core, apart from the step protocol); it reads and writes the
+controller's own attributes.
+
+Resuming under a different configuration (the decision this module encodes):
+
+* refused (:class:`~hdreplay.errors.CheckpointError`): ``capacity``; ``group_size`` when a stored
+  group does not have that many responses (otherwise warned); ``headroom_weighting`` (the stored cached and
+  reference Headroom are in the saved weighting's units, and mixing units would silently reorder
+  the buffer);
+* allowed with a :class:`~hdreplay.errors.ReplayResumeWarning` that names every change:
+  ``selector``, ``k_rep``, ``tau``, ``drift_norm``, ``ingress``, ``answer_threshold``,
+  ``truncate_multiple``, ``max_scan``, ``acceptance_ema`` and the rest of the scan's and the peers' settings
+  (the stored groups and their priorities stay valid under these, but the resumed run no longer reproduces the
+  uninterrupted one).  The observers' states (:mod:`hdreplay.diagnostics`) are handed to the observers, which
+  check them (an adaptive-tau state outside the new bounds is clamped into them).
 """
 
 from __future__ import annotations
 
 import os
 import warnings
+from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 
 from . import sampling
-from .checkpoint import check_identity, identity_of, open_checkpoint_dir, write_checkpoint_dir
-from .checkpoint_schema import ControllerState, parse_buffer_state, parse_controller_state
+from .checkpoint.files import check_identity, identity_of, open_checkpoint_dir, write_checkpoint_dir
 from .errors import CheckpointError, ReplayConfigError, ReplayInputError, ReplayProtocolError, ReplayResumeWarning
 from .records import rewind_stamp
-from .storage import SLOT_FIELDS, materialize
-from .validate import MAX_CAPACITY, check_bool, check_int, check_path, check_step
+from .store.blocks import SLOT_FIELDS, materialize
+from .store.state import BufferState, parse_buffer_state
+from .validate import MAX_CAPACITY, MAX_STEP, check_bool, check_int, check_path, check_step, is_int, is_real
 
 CONTROLLER_FORMAT = "hdreplay.controller"
-#: 2: the manifest layout (see :mod:`hdreplay.checkpoint`); 1, the unreleased 0.1's layout, is not read
+#: 2: the manifest layout (see :mod:`hdreplay.checkpoint.files`); 1, the unreleased 0.1's layout, is not read
 CONTROLLER_VERSION = 2
 CONTROLLER_VERSIONS = (2,)
 
+#: configuration fields whose change at resume is refused / reported with a warning
+CONFIG_REFUSED = ("capacity", "headroom_weighting")
+CONFIG_WARNED = ("selector", "k_rep", "tau", "drift_norm", "ingress", "answer_threshold", "truncate_multiple",
+                 "max_scan", "acceptance_ema", "group_size", "seed", "priority_alpha", "age_decay",
+                 "is_beta", "max_age", "scan_refresh", "skip_rejected")
+
+
+@dataclass
+class ControllerState:
+    buffer: BufferState
+    acceptance_rate: float
+    last_step: int | None
+    observers: dict[str, Any]  # name -> saved state of an observer (hdreplay.diagnostics)
+    starved_steps: int
+    changes: list[str]  # "name: saved -> configured" for every warned configuration change
+    rng_state: dict | None = None  # the random orders' generator (None: saved before it existed)
+
+
+def parse_controller_state(tensors: Any, meta: Any, *, config: Any, where: str = "controller state"
+                           ) -> ControllerState:
+    """Validate a controller's ``(tensors, meta)`` for a controller configured with ``config``."""
+    def bad(msg: str) -> CheckpointError:
+        return CheckpointError(f"{where}: {msg}")
+
+    if not isinstance(meta, Mapping):
+        raise bad(f"meta must be a mapping, got {type(meta).__name__}")
+    missing = [k for k in ("buffer", "acceptance_rate", "last_step", "config") if k not in meta]
+    if missing:
+        raise bad(f"missing entries {missing}; the checkpoint is incomplete or foreign")
+    saved, now = meta["config"], config.to_dict()
+    if not isinstance(saved, Mapping):
+        raise bad("config must be a mapping")
+    for name in CONFIG_REFUSED:
+        if saved.get(name) != now[name]:
+            raise bad(f"saved with {name} {saved.get(name)!r}, configured {now[name]!r}; resume with the same "
+                      f"{name} (the stored buffer depends on it) or start a new run")
+    rate, last = meta["acceptance_rate"], meta["last_step"]
+    if not is_real(rate) or not 0.0 <= rate <= 1.0:
+        raise bad(f"acceptance_rate {rate!r} is not a number in [0, 1]")
+    if last is not None and not (is_int(last) and 0 <= last < MAX_STEP):
+        raise bad(f"last_step {last!r} is not None or a step in [0, 2**53)")
+    starved = meta.get("starved_steps", 0)
+    if not (is_int(starved) and 0 <= starved < MAX_STEP):
+        raise bad(f"starved_steps {starved!r} is not an int >= 0")
+    buf = parse_buffer_state(tensors, meta["buffer"], capacity=config.unit_capacity,
+                             group_size=1 if config.unit == "rollout" else config.group_size,
+                             slot_fields=SLOT_FIELDS, where=f"{where} (buffer)")
+    if buf.size and (last is None or buf.slots["birth_step"].max() > last or buf.slots["refresh_step"].max() > last):
+        raise bad(f"stored groups were born or refreshed after last_step {last!r}")
+    observers = meta.get("observers", {})
+    if not isinstance(observers, Mapping) or not all(isinstance(k, str) for k in observers):
+        raise bad("observers must map observer names to their states")
+    observers = dict(observers)
+    if meta.get("tau_state") is not None and "adaptive_tau" not in observers:  # written before observers existed
+        observers["adaptive_tau"] = meta["tau_state"]
+    rng = meta.get("sampler_state")
+    if rng is not None:
+        sampling.rng_from_state(rng, where=f"{where}: sampler_state")  # raises CheckpointError if malformed
+    defaults = {f.name: f.default for f in fields(type(config))}  # settings added after a checkpoint was written
+    changes = [f"{k}: {saved.get(k, defaults[k])!r} -> {now[k]!r}" for k in CONFIG_WARNED
+               if saved.get(k, defaults[k]) != now[k]]
+    return ControllerState(buf, float(rate), last, observers, starved, changes, rng)
 
 class ControllerCheckpoint:
     """``state_dict`` / ``load_state_dict`` / ``save`` / ``load`` / ``verify`` of a ReplayController."""
@@ -71,7 +148,7 @@ class ControllerCheckpoint:
         Raises:
             CheckpointError if the state is malformed or was saved under a capacity / headroom
             weighting / group size this controller cannot hold; a ReplayResumeWarning lists other
-            changed settings (see :mod:`hdreplay.checkpoint_schema`).
+            changed settings (see this module's docstring).
         """
         if self._open_step is not None:
             raise ReplayProtocolError(f"load_state_dict() while step {self._open_step} is open; commit() first")
@@ -122,7 +199,7 @@ class ControllerCheckpoint:
 
     def save(self, directory: str | os.PathLike, *, allow_open_step: bool = False,
              identity: dict[str, Any] | None = None) -> None:
-        """Write the controller (buffer included) to ``directory`` crash-safely (see :mod:`hdreplay.checkpoint`).
+        """Write the controller (buffer included) to ``directory`` crash-safely (see :mod:`hdreplay.checkpoint.files`).
 
         ``identity``: what the state belongs to, as named JSON scalars (a trainer's run id and global step), written
         with it and compared by :meth:`load`'s ``expect``."""

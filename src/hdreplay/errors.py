@@ -16,7 +16,7 @@ class ReplayInputError(ReplayError, ValueError):
 class IngestError(ReplayInputError, RuntimeError):
     """A trainer's batch cannot be turned into groups at all (rows that do not form whole groups, rows of one
     group with different prompts, advantages that vary inside a response): the training step stops.  Also a
-    ``RuntimeError``, what the integrations raised for these before :mod:`hdreplay.ingest` existed."""
+    ``RuntimeError``, what the integrations raised for these before :mod:`hdreplay.store.ingest` existed."""
 
 
 class ReplayConfigError(ReplayError, ValueError):

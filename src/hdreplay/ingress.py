@@ -2,7 +2,7 @@
 
 A rule is any callable ``(group: GroupRecord) -> bool``; :meth:`ReplayController.stage
 <hdreplay.controller.ReplayController.stage>` applies the configured one (``ReplayConfig.ingress``) to the
-groups :func:`hdreplay.ingest.groups_from_rows` built.  Three are built in, by name:
+groups :func:`hdreplay.store.ingest.groups_from_rows` built.  Three are built in, by name:
 
 * ``"mixed"``, :class:`MixedOutcome` (paper default, binary rewards): admit iff the rewards are
   not all equal, so the group carries a non-zero GRPO advantage.
@@ -21,7 +21,7 @@ from typing import Callable, Union
 import torch
 
 from .errors import ReplayConfigError, ReplayInputError
-from .record import GroupRecord
+from .store.record import GroupRecord
 
 IngressRule = Callable[[GroupRecord], bool]
 

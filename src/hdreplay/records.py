@@ -18,15 +18,14 @@ from __future__ import annotations
 import json
 import math
 import os
+from dataclasses import asdict, dataclass, field, fields
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
-from dataclasses import asdict, dataclass, field, fields
-
 import numpy as np
 
-from .atomic import atomic_write_text
+from .checkpoint.atomic import atomic_write_text
 from .errors import ReplayInputError
 from .selectors import Selection
 from .validate import check_step, is_int, is_real
@@ -328,8 +327,8 @@ def rewind_stamp() -> str:
 def rewind_jsonl(path: Path, keep, first_step: int, stamp: str | None = None) -> Path | None:
     """Move the lines of the JSONL log ``path`` that ``keep(record)`` rejects (and any line that does not parse: a
     torn last line of a crash) to a new side file beside it, named with ``first_step`` (the first step moved) and the
-    time (``stamp``, default now); returns it (None when nothing moves).  Never deletes a record: the side file is complete on disk before
-    ``path`` is rewritten (a crash in between leaves the records in both)."""
+    time (``stamp``, default now); returns it (None when nothing moves).  Never deletes a record: the side file is
+    complete on disk before ``path`` is rewritten (a crash in between leaves the records in both)."""
     if not path.exists():
         return None
     kept, moved = [], []

@@ -35,8 +35,8 @@ from typing import Callable, Iterator, Sequence
 import numpy as np
 import torch
 
-from .record import GroupRecord
 from .scores import check_scorer_output, drift_rejects, drift_term_sums, score_group
+from .store.record import GroupRecord
 
 #: a group that looks rejectable forwards next what its running mean Drift term says the bound needs, times this
 PREDICT_MARGIN = 1.25

@@ -28,7 +28,7 @@ from typing import Literal, Sequence
 import torch
 
 from .errors import ReplayInputError
-from .record import LOGPROB_POSITIVE_TOLERANCE, GroupRecord, check_logprobs
+from .store.record import LOGPROB_POSITIVE_TOLERANCE, GroupRecord, check_logprobs
 
 HeadroomWeighting = Literal["sign", "advantage"]
 DriftNorm = Literal["l2", "l1"]
@@ -233,7 +233,7 @@ def check_scorer_output(groups: Sequence[GroupRecord], logprobs: Sequence[torch.
     for g, lp in zip(groups, logprobs):
         if not isinstance(lp, torch.Tensor) or not lp.is_floating_point():
             raise ReplayInputError(f"scorer output for group {g.group_id!r} must be a floating torch.Tensor, got "
-                                   f"{type(lp).__name__}{'' if not isinstance(lp, torch.Tensor) else ' ' + str(lp.dtype)}")
+                                   f"{type(lp).__name__}{'' if not isinstance(lp, torch.Tensor) else ' ' + str(lp.dtype)}")  # noqa: E501
         t = lp.detach().to("cpu", torch.float32)
         if t.dim() != 1 or t.numel() != g.num_tokens:
             raise ReplayInputError(

@@ -23,9 +23,9 @@ import torch
 from . import sampling
 from .config import ReplayConfig
 from .errors import ReplayInputError
-from .record import GroupRecord
 from .rescore import Walk
 from .selectors import SELECTORS, BufferView, Selection, SelectorSpec, empty_selection
+from .store.record import GroupRecord
 from .validate import MAX_TOKENS, check_bool, check_int, check_real, check_step
 
 __all__ = ["MIN_ACCEPTANCE_RATE", "Scorer", "Tau", "select_replay"]

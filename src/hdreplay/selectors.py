@@ -93,7 +93,7 @@ SCAN_REFRESH = ("slice", "finish")
 
 @runtime_checkable
 class BufferView(Protocol):
-    """What a selection reads from a buffer (:class:`~hdreplay.buffer.ReplayBuffer` provides it; the selection
+    """What a selection reads from a buffer (:class:`~hdreplay.store.buffer.ReplayBuffer` provides it; the selection
     never mutates it).  Ids are insertion ids; arrays are oldest first unless an order is asked for."""
 
     def __len__(self) -> int: ...

@@ -140,9 +140,7 @@ class ReportArgs(RunsArgs):
     settings: Annotated[ReportSettings, arg(name="")] = field(default_factory=ReportSettings)
 
     def run(self) -> int:
-        from .analysis import build_report, load_run, write_report
-
-        from .analysis import AnalysisInputError
+        from .analysis import AnalysisInputError, build_report, load_run, write_report
 
         runs, refused = [], []
         for p, lab in zip(self.runs, self.labels):  # every run is read, so every problem of every run is listed
@@ -240,7 +238,8 @@ class CalibrateArgs:
     model_dir: Suppress[Path | None] = field(default=None, init=False, repr=False)  # set by check()
 
     def __post_init__(self) -> None:
-        if not self.taus or not all(math.isfinite(t) and t > 0 for t in self.taus) or len(set(self.taus)) != len(self.taus):
+        if (not self.taus or not all(math.isfinite(t) and t > 0 for t in self.taus)
+                or len(set(self.taus)) != len(self.taus)):
             raise ValueError(f"--taus {','.join(map(str, self.taus))}: each tau must be a distinct positive finite "
                              "number (Drift is a mean squared log-prob change)")
         self.config = replace(self.config, methods=(self.selector,), seeds=1)

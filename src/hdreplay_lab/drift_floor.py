@@ -39,7 +39,8 @@ PERCENTILES = (50, 90, 99, 100)
 
 
 def precision_context(mode: str, device: torch.device):
-    """``fp32`` / ``bf16_weights`` (no autocast: the weights are bf16) -> nullcontext; ``bf16_autocast*`` -> autocast."""
+    """``fp32`` / ``bf16_weights`` (no autocast: the weights are bf16) -> nullcontext; ``bf16_autocast*`` ->
+    autocast."""
     if mode not in MODES:
         raise ValueError(f"precision mode {mode!r}; valid: {list(MODES)}")
     if mode.startswith("bf16_autocast"):
@@ -128,7 +129,8 @@ def shared_logps(model, prompts: list[torch.Tensor], completions: torch.Tensor, 
 
     R, C = completions.shape
     cmask = torch.ones_like(completions) if completion_mask is None else completion_mask
-    groups = [GroupRecord.from_padded(group_id=g, prompt_ids=prompts[g * n], completion_ids=completions[g * n:(g + 1) * n],
+    groups = [GroupRecord.from_padded(group_id=g, prompt_ids=prompts[g * n],
+                                      completion_ids=completions[g * n:(g + 1) * n],
                                       completion_mask=cmask[g * n:(g + 1) * n], logprobs=torch.zeros((n, C)),
                                       advantages=torch.zeros(n), rewards=torch.zeros(n), birth_step=0)
               for g in range(R // n)]
@@ -211,7 +213,8 @@ def layout_logps(model, prompts: list[torch.Tensor], completions: torch.Tensor, 
         "chunking": (birth, completion_logps(model, prompts, completions, batch_rows=1, completion_mask=cm, **kw)),
     }
     if shared:
-        out[SHARED] = (completion_logps(model, prompts, completions, batch_rows=n, fused=True, completion_mask=cm, **kw),
+        out[SHARED] = (completion_logps(model, prompts, completions, batch_rows=n, fused=True,
+                                        completion_mask=cm, **kw),
                        shared_logps(model, prompts, completions, n=n, batch_rows=batch_rows, completion_mask=cm, **kw))
     return out
 
@@ -237,7 +240,8 @@ def floor(model, prompts: list[torch.Tensor], completions: torch.Tensor, *, n: i
     log p_birth)^2) for each of :data:`SETTINGS` (and :data:`SHARED` when ``shared``), see :func:`layout_logps`."""
     lps = layout_logps(model, prompts, completions, n=n, pad_token_id=pad_token_id, mode=mode, batch_rows=batch_rows,
                        extra_pad=extra_pad, seed=seed, shared=shared, completion_mask=completion_mask)
-    return {k: group_drift(lp, birth, n=n, norm=norm, completion_mask=completion_mask) for k, (birth, lp) in lps.items()}
+    return {k: group_drift(lp, birth, n=n, norm=norm, completion_mask=completion_mask)
+            for k, (birth, lp) in lps.items()}
 
 
 def percentiles(values: list[float]) -> dict[str, float]:
@@ -340,7 +344,8 @@ def calibration_floor(model_dir: str | Path, *, task, taus: tuple[float, ...], o
     prompts = None
     if not getattr(task, "is_multiturn", False):
         _, tok = load_model(model_dir)
-        prompts = [tok(p.prompt, add_special_tokens=False)["input_ids"] for p in task.train_problems(num_groups, seed=0)]
+        prompts = [tok(p.prompt, add_special_tokens=False)["input_ids"]
+                   for p in task.train_problems(num_groups, seed=0)]
     measured = measure(model_dir, num_groups=num_groups, n=n, prompts=prompts)
     lines = floor_report(measured, taus=taus)
     if out_dir is not None:

@@ -10,11 +10,10 @@
 
 from __future__ import annotations
 
+from dataclasses import fields
 from typing import Annotated, Literal, TypedDict
 
 import tyro
-
-from dataclasses import fields
 
 import hdreplay.baselines  # noqa: F401  (registers the peers' selectors: the commands accept them)
 from hdreplay.config import knobs

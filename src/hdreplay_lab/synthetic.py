@@ -12,8 +12,8 @@ from typing import Callable, Iterable, Iterator
 
 import torch
 
-from hdreplay.record import GroupRecord
 from hdreplay.selection import SELECTORS, Selection
+from hdreplay.store.record import GroupRecord
 
 
 class TablePolicy:

@@ -20,7 +20,6 @@ of tau, which random continuous log-probs never hit).
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import numpy as np
 import pytest

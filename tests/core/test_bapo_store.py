@@ -9,11 +9,19 @@ import pytest
 
 from hdreplay import CheckpointError, ReplayConfigError, ReplayResumeWarning
 from hdreplay.baselines.bapo import (
-    BapoController, BapoOptions, Entry, Fresh, evict, is_difficult, is_target, promoted, should_ingress,
+    BapoController,
+    BapoOptions,
+    Entry,
+    Fresh,
+    evict,
+    is_difficult,
+    is_target,
+    promoted,
+    should_ingress,
 )
 from hdreplay_lab.synthetic import TablePolicy, make_group
 
-O = BapoOptions()
+OPTS = BapoOptions()
 
 
 def _entry(alpha, current=(), last=0):
@@ -21,13 +29,13 @@ def _entry(alpha, current=(), last=0):
 
 
 def test_eligibility_ranges_are_inclusive_and_use_the_right_scores():
-    assert is_difficult(_entry([1, 0, 0, 0, 0, 0, 0, 0]), O)  # 1/8: inclusive
-    assert not is_difficult(_entry([1, 1, 0, 0, 0, 0, 0, 0]), O)
-    assert is_difficult(_entry([0] * 8, current=[1] * 8), O)  # mean(alpha): re-evaluation never changes it
-    assert is_target(_entry([0] * 8, current=[1, 1, 0, 0, 0, 0, 0, 0]), O)  # latest = mean(current) = 2/8
-    assert not is_target(_entry([1, 1, 0, 0, 0, 0, 0, 0], current=[0] * 8), O)
-    assert is_target(_entry([1, 1, 0, 0, 0, 0, 0, 0]), O) and not is_target(_entry([1, 1, 1, 0, 0, 0, 0, 0]), O)
-    assert [should_ingress(k / 8, O) for k in range(9)] == [True, True, True] + [False] * 6
+    assert is_difficult(_entry([1, 0, 0, 0, 0, 0, 0, 0]), OPTS)  # 1/8: inclusive
+    assert not is_difficult(_entry([1, 1, 0, 0, 0, 0, 0, 0]), OPTS)
+    assert is_difficult(_entry([0] * 8, current=[1] * 8), OPTS)  # mean(alpha): re-evaluation never changes it
+    assert is_target(_entry([0] * 8, current=[1, 1, 0, 0, 0, 0, 0, 0]), OPTS)  # latest = mean(current) = 2/8
+    assert not is_target(_entry([1, 1, 0, 0, 0, 0, 0, 0], current=[0] * 8), OPTS)
+    assert is_target(_entry([1, 1, 0, 0, 0, 0, 0, 0]), OPTS) and not is_target(_entry([1, 1, 1, 0, 0, 0, 0, 0]), OPTS)
+    assert [should_ingress(k / 8, OPTS) for k in range(9)] == [True, True, True] + [False] * 6
     assert promoted([1, 0, 0, 0], _entry([0, 0, 0, 0])) and not promoted([0] * 4, _entry([0] * 4))  # strict
 
 
@@ -108,13 +116,13 @@ def test_bad_options_and_a_malformed_checkpoint_are_refused(tmp_path):
         with pytest.raises(ReplayConfigError) as e:
             BapoOptions(**kw)
         assert e.value.field == field
-    ctl = BapoController(O)
+    ctl = BapoController(OPTS)
     _step(ctl, 0, [[1, 0, 0, 0]], kept=[0])
     ctl.save(tmp_path / "s")
     from hdreplay.baselines.store import load_state, save_state
     tensors, meta = load_state(tmp_path / "s", "hdreplay.bapo")
     save_state(tmp_path / "bad", "hdreplay.bapo", tensors, {**meta, "entries": [{"uid": "x"}]})
-    other = BapoController(O)
+    other = BapoController(OPTS)
     with pytest.raises(CheckpointError):
         other.load(tmp_path / "bad")
     assert other.store == {}  # nothing changed

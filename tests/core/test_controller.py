@@ -7,8 +7,14 @@ import pytest
 import torch
 
 from hdreplay import (
-    AnswerBased, CheckpointError, MixedOutcome, ReplayConfig, ReplayConfigError, ReplayController,
-    ReplayInputError, ReplayProtocolError,
+    AnswerBased,
+    CheckpointError,
+    MixedOutcome,
+    ReplayConfig,
+    ReplayConfigError,
+    ReplayController,
+    ReplayInputError,
+    ReplayProtocolError,
 )
 from hdreplay_lab.synthetic import make_group
 from protocol import fresh, policy_at, run_steps, untimed
@@ -246,7 +252,7 @@ def test_stored_groups_never_change_through_replay_or_what_the_caller_does_with_
     assert _unchanged(before, _stored(ctrl))
     assert np.all(ctrl.buffer.slot_values("ref_headroom", ctrl.buffer.insertion_ids()) >= 0)
     # the check is able to fail: a buffer that scales the stored log-probs of replayed groups is caught
-    from hdreplay.buffer import ReplayBuffer
+    from hdreplay.store.buffer import ReplayBuffer
 
     real = ReplayBuffer.record_use
 

@@ -16,11 +16,17 @@ ROOT = Path(__file__).resolve().parents[2]
 #: lock fence and the identity a checkpoint carries made it 5,741, all in the checkpoints concern; issue 43's clock-skew
 #: rule of the writer lock, 21 lines of dirlock.py, 5,762; issue 44's identity policy (a state without an identity, a
 #: value recorded on one side only or of another type: refused, checkpoint.py) and the rewind that moves records to
-#: side files instead of deleting them (records.py, controller_state.rewind_logs), 5,841)
-CEILING_LINES = 5_841
-CEILING_MODULES = 24
+#: side files instead of deleting them (records.py, controller_state.rewind_logs), 5,841; issue 45's folders by
+#: concern: the two folders' faces (store/__init__, checkpoint/__init__: 2 lines each) and the checkpoint schema split
+#: between its owners (store/state.py, controller_state.py: +2 lines of imports), then the linter's import order
+#: and 120-column wrapping (+5, all in store/: imports sorted and split per module), 5,852 in 26 modules)
+CEILING_LINES = 5_852
+CEILING_MODULES = 26
 #: the method concern (Algorithm 1, the walk, scores, selectors, config, the step protocol): the project's bound
 CEILING_METHOD = 2_000
+#: each concern (a folder, or named modules at the top of the package: scripts/core_size.py) may only shrink
+CEILING_BY_CONCERN = {"the method": 1_997, "the group and its storage": 1_934, "the step record": 383,
+                      "checkpoints": 1_332, "argument checks": 206}
 #: Algorithm 1 reads at once (issue 30: under 60 lines)
 CEILING_ALGORITHM1 = 60
 
@@ -34,13 +40,16 @@ def test_the_core_is_measured_by_concern_and_does_not_grow():
     total = r["total"]
     assert total["lines"] == sum(m["lines"] for m in r["modules"]) == sum(
         m["code"] + m["docstring"] + m["comment"] + m["blank"] for m in r["modules"])
-    assert {m["module"] for m in r["modules"]} >= {"__init__", "selection", "scores", "buffer", "controller"}
+    assert {m["module"] for m in r["modules"]} >= {"__init__", "selection", "scores", "store/buffer", "controller"}
     assert total["lines"] <= CEILING_LINES, (
         f"the core grew to {total['lines']} lines (ceiling {CEILING_LINES}): put what is not the method around it, "
         "or raise the ceiling with the reason")
     assert total["modules"] <= CEILING_MODULES, f"{total['modules']} core modules (ceiling {CEILING_MODULES})"
     method = next(v for k, v in r["by_concern"].items() if k.startswith("the method"))
     assert method["lines"] <= CEILING_METHOD, f"the method concern grew to {method['lines']} lines"
+    for prefix, ceiling in CEILING_BY_CONCERN.items():
+        (lines,) = [v["lines"] for k, v in r["by_concern"].items() if k.startswith(prefix)]
+        assert lines <= ceiling, f"the concern '{prefix}' grew to {lines} lines (ceiling {ceiling})"
     assert r["select_replay_lines"] <= CEILING_ALGORITHM1, r["select_replay_lines"]
     committed = json.loads((ROOT / "docs" / "results" / "core_size.json").read_text())
     assert (committed["total"], committed["select_replay_lines"]) == (total, r["select_replay_lines"]), (

@@ -1,15 +1,21 @@
 """The observers of hdreplay.diagnostics: adaptive tau, the same-buffer counterfactual, the ungated diagnosis --
 around the controller, never changing what it replays."""
 
+from functools import partial
+
 import numpy as np
 import pytest
 
-from functools import partial
-
 from hdreplay import ReplayConfig, ReplayConfigError, ReplayController, group_scores
-from hdreplay.diagnostics import (AdaptiveTau, AdaptiveTauObserver, Counterfactual, DiagnosticsConfig, TauState,
-                                  UngatedDiagnosis, observers, update_tau)
-
+from hdreplay.diagnostics import (
+    AdaptiveTau,
+    Counterfactual,
+    DiagnosticsConfig,
+    TauState,
+    UngatedDiagnosis,
+    observers,
+    update_tau,
+)
 from hdreplay_lab.synthetic import TablePolicy, fresh_groups
 from hdreplay_lab.synthetic import drive as drive_steps
 from protocol import fresh, policy_at, run_steps

@@ -7,18 +7,20 @@ import pkgutil
 import pytest
 
 import hdreplay
-
 import hdreplay.baselines
+import hdreplay.checkpoint
 import hdreplay.diagnostics
 import hdreplay.staleness
+import hdreplay.store
 
-CORE = sorted(m.name for m in pkgutil.iter_modules(hdreplay.__path__, "hdreplay.") if not m.ispkg)
+CORE = sorted(m.name for p in (hdreplay, hdreplay.store, hdreplay.checkpoint)
+              for m in pkgutil.iter_modules(p.__path__, p.__name__ + ".") if not m.ispkg)
 BASELINES = sorted(m.name for p in (hdreplay.baselines, hdreplay.diagnostics, hdreplay.staleness)
                    for m in pkgutil.iter_modules(p.__path__, p.__name__ + ".")) + [
     "hdreplay.diagnostics", "hdreplay.staleness"]
 #: the public API's modules that must carry a runnable example (config, ingest, buffer, selection, scores)
-REQUIRED = ("hdreplay.config", "hdreplay.ingest", "hdreplay.buffer", "hdreplay.controller", "hdreplay.scores",
-            "hdreplay.selectors", "hdreplay.diagnostics.adaptive_tau", "hdreplay.diagnostics")
+REQUIRED = ("hdreplay.config", "hdreplay.store.ingest", "hdreplay.store.buffer", "hdreplay.controller",
+            "hdreplay.scores", "hdreplay.selectors", "hdreplay.diagnostics.adaptive_tau", "hdreplay.diagnostics")
 
 
 @pytest.mark.parametrize("name", CORE + BASELINES)

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from hdreplay import ReplayConfigError
-from hdreplay.record import GroupRecord
 from hdreplay.baselines.exgrpo import ExgrpoController, ExgrpoOptions, mean_entropies, shaped_token_loss
 from hdreplay.baselines.repo import key_of
+from hdreplay.store.record import GroupRecord
 
 N = 8
 

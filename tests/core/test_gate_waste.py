@@ -3,7 +3,6 @@ futile-rescoring skip (``skip_rejected``) against an oracle written from the ste
 
 import math
 
-import numpy as np
 import pytest
 
 from hdreplay import ReplayConfig, ReplayController

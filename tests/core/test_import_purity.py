@@ -13,7 +13,8 @@ def test_import_hdreplay_pulls_in_no_framework_or_lab_module():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     loaded = set(eval(out))
     assert not loaded & set(FORBIDDEN), loaded & set(FORBIDDEN)
-    assert "torch" in loaded  # (safetensors files are written and read by hdreplay.tensorfile, without the package)
+    # (safetensors files are written and read by hdreplay.checkpoint.tensorfile, without the package)
+    assert "torch" in loaded
 
 
 def test_importing_the_core_changes_no_environment_variable():
@@ -25,8 +26,8 @@ def test_importing_the_core_changes_no_environment_variable():
 def test_the_core_is_what_import_hdreplay_loads_and_it_needs_only_torch_numpy_safetensors():
     """``import hdreplay`` loads the method alone: no peer, diagnostic, asynchronous or integration module, and no
     third-party package beyond torch, numpy and safetensors (and what they load themselves)."""
-    code = ("import sys; import torch, numpy, safetensors, safetensors.torch; base = set(sys.modules); import hdreplay; "
-            "new = set(sys.modules) - base; print(sorted(new))")
+    code = ("import sys; import torch, numpy, safetensors, safetensors.torch; base = set(sys.modules); "
+            "import hdreplay; new = set(sys.modules) - base; print(sorted(new))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     new = set(eval(out))
     ours = {m for m in new if m.split(".")[0] == "hdreplay"}

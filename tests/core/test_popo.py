@@ -4,18 +4,32 @@ strategies' validating store path (a refused load changes nothing)."""
 
 import importlib
 import math
-import zlib
 import warnings
+import zlib
 
 import numpy as np
 import pytest
 import torch
 
-from hdreplay import CheckpointError, ReplayConfig, ReplayConfigError, ReplayController, ReplayInputError
-from hdreplay import ReplayProtocolError, ReplayResumeWarning
+from hdreplay import (
+    CheckpointError,
+    ReplayConfig,
+    ReplayConfigError,
+    ReplayController,
+    ReplayInputError,
+    ReplayProtocolError,
+    ReplayResumeWarning,
+)
 from hdreplay.baselines import (
-    BapoController, BapoOptions, ExgrpoController, ExgrpoOptions, PopoController, PopoOptions, RepoController,
-    RepoOptions, Strategy,
+    BapoController,
+    BapoOptions,
+    ExgrpoController,
+    ExgrpoOptions,
+    PopoController,
+    PopoOptions,
+    RepoController,
+    RepoOptions,
+    Strategy,
 )
 from hdreplay.baselines.popo import TOKEN_WEIGHT, decoupled_weights, is_effective
 from hdreplay.baselines.store import load_state

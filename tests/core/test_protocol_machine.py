@@ -119,7 +119,8 @@ class ProtocolMachine(RuleBasedStateMachine):
             "second_select": lambda: self.ctrl.select(step=self.step + (0 if self.selected else 10**6), scorer=None)
             if self.selected else self.ctrl.select(step=-1),
             "float_step": lambda: self.ctrl.select(step=float(self.step), scorer=None),
-            "bad_scorer": lambda: self.ctrl.select(step=self.step, scorer=lambda gs: [g.logprobs.abs() + 0.5 for g in gs])
+            "bad_scorer": lambda: self.ctrl.select(step=self.step,
+                                                   scorer=lambda gs: [g.logprobs.abs() + 0.5 for g in gs])
             if self.oracle.live and not self.selected else self.ctrl.select(step=self.step, scorer=3),
         }
         with pytest.raises(ReplayError):

@@ -11,7 +11,11 @@ import pytest
 from hdreplay import CheckpointError, ReplayConfig, ReplayController, ReplayInputError
 from hdreplay.baselines.orders import priorities
 from hdreplay.baselines.sampling import (
-    bucket_counts, importance_weights, normal_bucket_weights, proportional_order, uniform_order,
+    bucket_counts,
+    importance_weights,
+    normal_bucket_weights,
+    proportional_order,
+    uniform_order,
 )
 from hdreplay.sampling import new_rng, rng_from_state, rng_state
 from hdreplay.selection import select_replay

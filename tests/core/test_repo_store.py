@@ -9,10 +9,15 @@ import torch
 
 from hdreplay import CheckpointError, ReplayConfigError
 from hdreplay.baselines.repo import (
-    RepoOptions, RepoStore, brute_force_max_variance, max_variance_subset, retrieve, split_advantages,
+    RepoOptions,
+    RepoStore,
+    brute_force_max_variance,
+    max_variance_subset,
+    retrieve,
+    split_advantages,
 )
 from hdreplay.baselines.store import load_state, prompt_key, save_state
-from hdreplay.record import GroupRecord
+from hdreplay.store.record import GroupRecord
 from hdreplay_lab.synthetic import TablePolicy, make_group
 
 

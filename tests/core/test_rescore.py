@@ -12,11 +12,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hdreplay import ReplayConfig, ReplayController, select_replay
-from hdreplay.record import GroupRecord
 from hdreplay.rescore import response_slices, sub_group
 from hdreplay.scores import drift_rejects, drift_term_sums
+from hdreplay.store.record import GroupRecord
 from hdreplay_lab.synthetic import drive, make_group, policy_walk
-from protocol import reference_scan, run_steps, state_hash
+from protocol import reference_scan, run_steps
 
 pytestmark = pytest.mark.filterwarnings("ignore::hdreplay.ReplayStarvedWarning")
 GATED = ("headroom_drift", "drift_only")
@@ -27,7 +27,8 @@ def _controller(cfg, *, steps, seed, walk, n_max, per_step=4):
     rng = np.random.default_rng(seed)
 
     def fresh(t, pol):
-        return [make_group(f"{t}-{i}", policy=pol, step=t, n=int(rng.integers(1, n_max + 1)), seed=seed * 7919 + 31 * t + i,
+        return [make_group(f"{t}-{i}", policy=pol, step=t, n=int(rng.integers(1, n_max + 1)),
+                           seed=seed * 7919 + 31 * t + i,
                            max_len=int(rng.integers(1, 12)), tool_every=int(rng.integers(0, 4)))
                 for i in range(per_step)]
 

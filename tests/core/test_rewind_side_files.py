@@ -8,8 +8,7 @@ import re
 
 import pytest
 
-from hdreplay import ReplayConfig, ReplayController, ReplayResumeWarning
-from hdreplay import records
+from hdreplay import ReplayConfig, ReplayController, ReplayResumeWarning, records
 from hdreplay.records import rewound_files
 from protocol import run_steps, untimed
 

@@ -1,7 +1,7 @@
 """The scan's token budget (issue 37): windows filled to whole forwards, speculative scoring beyond the stop, the
-walk's mode (canonical slices / whole groups) from the acceptance rate and the device, the cost in the step record, the ReplayCostWarning,
-and the bad input it refuses.  That a budgeted scan is Algorithm 1 for every setting is tests/core/test_algorithm1.py
-(its ``budget`` and ``rate`` draws); here, what the budget itself promises."""
+walk's mode (canonical slices / whole groups) from the acceptance rate and the device, the cost in the step record, the
+ReplayCostWarning, and the bad input it refuses.  That a budgeted scan is Algorithm 1 for every setting is
+tests/core/test_algorithm1.py (its ``budget`` and ``rate`` draws); here, what the budget itself promises."""
 
 import dataclasses
 import warnings
@@ -9,7 +9,14 @@ import warnings
 import numpy as np
 import pytest
 
-from hdreplay import ReplayConfig, ReplayConfigError, ReplayController, ReplayCostWarning, ReplayInputError, select_replay
+from hdreplay import (
+    ReplayConfig,
+    ReplayConfigError,
+    ReplayController,
+    ReplayCostWarning,
+    ReplayInputError,
+    select_replay,
+)
 from hdreplay.controller import COST_FACTOR, COST_STEPS
 from protocol import fresh, policy_at, run_steps
 
@@ -177,7 +184,8 @@ def test_the_cost_warning_names_the_knobs_after_several_costly_steps():
     for knob in ("max_scan", "skip_rejected", "k_rep", "tau"):
         assert knob in msg
     assert f"{COST_STEPS} steps" in msg and f"{COST_FACTOR:g}x" in msg
-    quiet = ReplayController(ReplayConfig.paper(k_rep=2, tau=1.0, capacity=60))  # everything passes: the scan stops early
+    # everything passes: the scan stops early
+    quiet = ReplayController(ReplayConfig.paper(k_rep=2, tau=1.0, capacity=60))
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         run_steps(quiet, range(12), k=5)

@@ -3,14 +3,18 @@
 import dataclasses
 from collections import Counter
 
-import numpy as np
 import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
 from hdreplay import (
-    SELECTORS, ReplayConfig, ReplayConfigError, ReplayController, ReplayInputError, drift, group_scores,
+    SELECTORS,
+    ReplayConfig,
+    ReplayConfigError,
+    ReplayController,
+    ReplayInputError,
+    drift,
     select_replay,
 )
 from protocol import build, reference_scan

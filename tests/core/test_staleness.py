@@ -5,7 +5,6 @@ import warnings
 
 import numpy as np
 import pytest
-import torch
 
 from hdreplay import GroupRecord, ReplayConfig, ReplayController, ReplayInputError, ReplayProtocolError
 from hdreplay.errors import CheckpointError, ReplayConfigError

@@ -9,8 +9,14 @@ import numpy as np
 import pytest
 import torch
 
-from hdreplay import (CheckpointError, GroupRecord, ReplayConfig, ReplayController, ReplayProtocolError,
-                      ReplayResumeWarning)
+from hdreplay import (
+    CheckpointError,
+    GroupRecord,
+    ReplayConfig,
+    ReplayController,
+    ReplayProtocolError,
+    ReplayResumeWarning,
+)
 from hdreplay.staleness import AsyncReplay, StalenessConfig
 from protocol import log_lines
 from strategy_states import read_state, resign
@@ -176,7 +182,8 @@ def test_load_while_the_rule_has_an_open_update_is_refused(tmp_path):
     assert other.controller.last_step is None and other._pending
 
 
-# ------------------------------------------------------------------ issue 39, item 2: cross-checked against the controller
+# ------------------------------------------------------------------ issue 39, item 2: cross-checked against the
+# controller
 # Each case edits one field of a saved staleness state and re-signs the checkpoint (the checksums pass), as a hostile
 # or careless edit would.  Before: 20 of 28 such edits loaded silently, and a step of null or 0 truncated the run's
 # ``async.jsonl``.  Now each is refused with a CheckpointError naming the field, and nothing changes: not the rule,
@@ -237,7 +244,8 @@ CASES = ["step +1", "step -1", "step null", "step 0", "tracked id not buffered",
          "tracked tokens differ from the buffer's", "more tracked than diverted"]
 #: what each refusal must say (the check that caught it, not just a word every message has)
 NAMES = {"step +1": "differs from the controller's last committed step", "step -1": "differs from the controller's",
-         "step null": "step None differs", "step 0": "step 0 differs", "tracked id not buffered": "are not in the buffer",
+         "step null": "step None differs", "step 0": "step 0 differs",
+         "tracked id not buffered": "are not in the buffer",
          "sampler_ref id not buffered": "sampler-referenced group id(s)", "tracked born after the step": "born after",
          "floor estimate over 0 groups": "over 0 group(s)", "floor groups without an estimate": "floor estimate None",
          "generated != fresh + diverted + dropped": "generated_groups", "admitted > diverted": "admitted_tokens",

@@ -16,7 +16,7 @@ from hdreplay.baselines.bapo import BapoController, BapoOptions
 from hdreplay.baselines.exgrpo import ExgrpoController, ExgrpoOptions
 from hdreplay.baselines.repo import RepoController, RepoOptions
 from hdreplay_lab.synthetic import TablePolicy, make_group
-from strategy_states import BUILD, N, bad_metas, bapo, exgrpo, read_state, repo, resign, snapshot, to_layout1
+from strategy_states import BUILD, N, bad_metas, bapo, read_state, repo, resign, snapshot, to_layout1
 
 KINDS = ("repo", "exgrpo", "bapo")
 

@@ -5,7 +5,14 @@ import pytest
 
 from analysis_runs import groups_frame, life, step_rec, steps_frame
 from hdreplay_lab.analysis import (
-    age_gate, counterfactual, headroom_deciles, mixing, multiplicity, phase_mixture, pool_ages, staleness,
+    age_gate,
+    counterfactual,
+    headroom_deciles,
+    mixing,
+    multiplicity,
+    phase_mixture,
+    pool_ages,
+    staleness,
 )
 
 

@@ -9,7 +9,12 @@ from analysis_runs import step_rec, steps_frame
 from hdreplay import ReplayConfig, ReplayController
 from hdreplay.diagnostics import AdaptiveTau, DiagnosticsConfig, observers
 from hdreplay_lab.analysis import (
-    AnalysisInputError, CalibrationCriteria, compare_adaptive, diagnose, recommend, run_calibration,
+    AnalysisInputError,
+    CalibrationCriteria,
+    compare_adaptive,
+    diagnose,
+    recommend,
+    run_calibration,
     summarize_calibration,
 )
 from hdreplay_lab.cli import main
@@ -137,7 +142,8 @@ def test_recommendation_without_recorded_budget_fill():
 
 
 def test_fill_tolerance_is_a_fraction():
-    with pytest.raises(AnalysisInputError, match=r"fill_tolerance \(--fill-tolerance\) must be a fraction in \[0, 1\], got 5"):
+    with pytest.raises(AnalysisInputError,
+                       match=r"fill_tolerance \(--fill-tolerance\) must be a fraction in \[0, 1\], got 5"):
         CalibrationCriteria(fill_tolerance=5)
 
 

@@ -67,8 +67,9 @@ def test_thresholds_are_validated():
 
 
 def test_log_series_skips_missing_values_and_repeated_steps():
-    log = pd.DataFrame([{"step": 2, "reward": 0.5}, {"step": 1, "reward": 0.1}, {"step": 3}, {"step": 3, "reward": None},
-                        {"reward": 0.9}, {"step": 2, "reward": 0.6}, {"step": 4, "reward": float("nan")},
+    log = pd.DataFrame([{"step": 2, "reward": 0.5}, {"step": 1, "reward": 0.1}, {"step": 3},
+                        {"step": 3, "reward": None}, {"reward": 0.9}, {"step": 2, "reward": 0.6},
+                        {"step": 4, "reward": float("nan")},
                         {"step": True, "reward": 0.7}, {"step": 5, "reward": "0.3"}])
     s = log_series(log, "reward")
     assert s.index.tolist() == [1, 2] and s.tolist() == [0.1, 0.6]  # the last entry of a repeated step wins

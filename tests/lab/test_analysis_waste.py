@@ -4,8 +4,8 @@ import pytest
 
 from analysis_runs import make_real_run, step_rec, steps_frame
 from hdreplay_lab.analysis.load import load_run
-from hdreplay_lab.analysis.report import build_report
 from hdreplay_lab.analysis.markdown import render_report
+from hdreplay_lab.analysis.report import build_report
 from hdreplay_lab.analysis.waste import gate_waste
 
 

@@ -58,7 +58,8 @@ def test_output_paths_and_models_are_checked_before_writing(tmp_path, capsys):
     (tmp_path / "other" / "precious.txt").write_text("keep")
     refused(["compare", "--out", str(tmp_path / "other")], capsys, "--overwrite")
     (tmp_path / "notamodel").mkdir()
-    (tmp_path / "notamodel" / "config.json").write_text(json.dumps({"model_type": "bert", "architectures": ["BertModel"]}))
+    (tmp_path / "notamodel" / "config.json").write_text(json.dumps({"model_type": "bert",
+                                                                    "architectures": ["BertModel"]}))
     refused(["compare", "--model", str(tmp_path / "notamodel"), "--out", str(tmp_path / "o")], capsys, "causal LM")
     refused(["calibrate", "run", "--model", str(tmp_path / "missing"), "--out", str(tmp_path / "c")], capsys,
             "config.json")
@@ -90,7 +91,8 @@ def test_subcommands_and_their_defaults():
         "onpolicy_matched", "onpolicy_larger", "recency_matched", "dapo", "headroom_drift")
     cal = parse(["calibrate", "run", "--taus", "1e-3,1e-1", "--no-adaptive", "--replay.selector", "drift_only"])
     assert isinstance(cal, CalibrateArgs) and cal.taus == (1e-3, 1e-1) and not cal.adaptive
-    assert cal.config.methods == ("drift_only",) and (cal.config.steps, cal.config.eval_n, cal.config.seeds) == (100, 4, 1)
+    assert (cal.config.methods == ("drift_only",)
+            and (cal.config.steps, cal.config.eval_n, cal.config.seeds) == (100, 4, 1))
     assert parse(["--help"]) == 0
 
 
@@ -101,7 +103,8 @@ KNOB_VALUES = {
     "scan_chunk": 7, "scan_tokens": 12345,
     "max_scan_chunk": 99, "max_scan": 11, "acceptance_ema": 0.25, "diagnose_ungated": True,
     "counterfactual": True, "adaptive_tau": {"tau_min": 0.01, "tau_max": 0.2}, "seed": 5, "max_age": 3,
-    "priority_alpha": 0.7, "age_decay": 3.5, "is_beta": 0.3, "scan_passes": 2, "scan_refresh": "finish", "skip_rejected": 3,
+    "priority_alpha": 0.7, "age_decay": 3.5, "is_beta": 0.3, "scan_passes": 2, "scan_refresh": "finish",
+    "skip_rejected": 3,
 }
 #: knobs that apply to the proportional selectors only: checked on freshper (the user's value overrides the method's)
 PROPORTIONAL_KNOBS = ("priority_alpha", "age_decay", "is_beta")

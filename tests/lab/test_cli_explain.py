@@ -41,7 +41,8 @@ def test_explain_decisions_are_the_gate_rule_applied_to_recomputed_drift():
 
 
 def test_explain_command_runs():
-    p = subprocess.run([sys.executable, "-m", "hdreplay_lab.cli", "explain", "--steps", "3", "--selector", "drift_only"],
+    p = subprocess.run([sys.executable, "-m", "hdreplay_lab.cli", "explain", "--steps", "3",
+                        "--selector", "drift_only"],
                        capture_output=True, text=True, timeout=300)
     assert p.returncode == 0 and "selector=drift_only" in p.stdout and p.stdout.count("\nstep ") == 3, p.stderr[-2000:]
 

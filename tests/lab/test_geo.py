@@ -5,7 +5,16 @@ import pytest
 
 from hdreplay import make_ingress_rule
 from hdreplay_lab.sandbox.geo import (
-    FONT, INK, PATCH, QUESTIONS, SCALE, SHAPES, GeoTask, completion_text, geo_score, render,
+    FONT,
+    INK,
+    PATCH,
+    QUESTIONS,
+    SCALE,
+    SHAPES,
+    GeoTask,
+    completion_text,
+    geo_score,
+    render,
 )
 from hdreplay_lab.sandbox.tasks import get_task
 
@@ -24,7 +33,8 @@ def read_labels(img, shape: str) -> dict:
         y0, x0 = ys.min(), xs.min()
         glyph = cell[y0:y0 + 5 * SCALE:SCALE, x0:x0 + 3 * SCALE:SCALE]
         hits = [d for d, rows in FONT.items()
-                if glyph.shape == (5, 3) and np.array_equal(glyph, np.array([[ch == "1" for ch in row] for row in rows]))]
+                if glyph.shape == (5, 3)
+                and np.array_equal(glyph, np.array([[ch == "1" for ch in row] for row in rows]))]
         assert len(hits) == 1, (name, glyph)
         out[name] = int(hits[0])
     return out
@@ -64,7 +74,8 @@ def test_the_answer_is_in_the_image_and_not_in_the_question():
 
 def test_rendering_is_deterministic_and_jitter_moves_the_labels():
     img = render("tri", {"x": 3, "y": 8, "z": 5}, ((0, 0), (1, 2), (2, 1)))
-    assert np.array_equal(np.asarray(img), np.asarray(render("tri", {"x": 3, "y": 8, "z": 5}, ((0, 0), (1, 2), (2, 1)))))
+    assert np.array_equal(np.asarray(img),
+                          np.asarray(render("tri", {"x": 3, "y": 8, "z": 5}, ((0, 0), (1, 2), (2, 1)))))
     assert img.size == (56, 56) and img.mode == "RGB"
     moved = render("tri", {"x": 3, "y": 8, "z": 5}, ((1, 0), (1, 2), (2, 1)))
     assert not np.array_equal(np.asarray(img), np.asarray(moved))

@@ -87,13 +87,16 @@ BAD = {
     "steps_json_arrays": (lambda d: w(d / R, "[1,2]\n3\n\"x\"\n"), "steps.jsonl:1: expected a JSON object"),  # warn
     "steps_not_json": (lambda d: w(d / R, "hello\nworld\n"), "steps.jsonl:1: not a JSON object"),  # warn
     "steps_binary": (lambda d: w(d / R, bytes(range(256)) * 8), "steps.jsonl:1: not a JSON object"),  # warn
-    "steps_array_line_inside": (lambda d: insert_line(d / R, 3, "[1]"), "steps.jsonl:4: expected a JSON object"),  # warn
-    "steps_garbage_line_inside": (lambda d: insert_line(d / R, 3, "garbage"), "steps.jsonl:4: not a JSON object"),  # warn
+    "steps_array_line_inside": (lambda d: insert_line(d / R, 3, "[1]"),  # warn
+                                "steps.jsonl:4: expected a JSON object"),
+    "steps_garbage_line_inside": (lambda d: insert_line(d / R, 3, "garbage"),  # warn
+                                  "steps.jsonl:4: not a JSON object"),
     "groups_json_array": (lambda d: w(d / G, "[1]\n"), "groups.jsonl:1: expected a JSON object"),  # warn
     "groups_not_json": (lambda d: w(d / G, "xx\n"), "groups.jsonl:1: not a JSON object"),  # warn
     "train_log_arrays": (lambda d: w(d / "train_log.jsonl", "[1]\n[2]\n"),  # warn
                          "train_log.jsonl:1: expected a JSON object"),
-    "train_log_not_json": (lambda d: w(d / "train_log.jsonl", "a\nb\n"), "train_log.jsonl:1: not a JSON object"),  # warn
+    "train_log_not_json": (lambda d: w(d / "train_log.jsonl", "a\nb\n"),  # warn
+                           "train_log.jsonl:1: not a JSON object"),
     "fresh_groups_not_json": (lambda d: w(d / "fresh_groups.jsonl", "x\n"),  # warn
                               "fresh_groups.jsonl:1: not a JSON object"),
     "async_not_json": (lambda d: w(d / "async.jsonl", "x\n"), "async.jsonl:1: not a JSON object"),  # silent
@@ -104,20 +107,26 @@ BAD = {
                           "train_log.jsonl:1: 'step' must be an int >= 0"),
     "train_log_step_str": (lambda d: w(d / "train_log.jsonl", '{"step": "a", "reward": 1}\n'),  # silent
                            "train_log.jsonl:1: 'step' must be an int >= 0"),
-    "train_log_reward_str": (lambda d: w(d / "train_log.jsonl", '{"step": 1, "reward": "x", "entropy": 0.5}\n'),  # silent
+    "train_log_reward_str": (lambda d: w(d / "train_log.jsonl",  # silent
+                                         '{"step": 1, "reward": "x", "entropy": 0.5}\n'),
                              "train_log.jsonl:1: 'reward' must be a number or null"),
-    "async_foreign": (lambda d: w(d / "async.jsonl", '{"a": 1}\n'), "async.jsonl:1: 'step' must be an int >= 0"),  # silent
-    "async_wrong_types": (lambda d: w(d / "async.jsonl", '{"step": 1, "totals": {"generated_groups": "x"}, "ages": 3}\n'),  # trace
+    "async_foreign": (lambda d: w(d / "async.jsonl", '{"a": 1}\n'),  # silent
+                      "async.jsonl:1: 'step' must be an int >= 0"),
+    "async_wrong_types": (lambda d: w(d / "async.jsonl",  # trace
+                                      '{"step": 1, "totals": {"generated_groups": "x"}, "ages": 3}\n'),
                           "async.jsonl:1: 'totals' must be an object of numbers"),
     # whole-file JSON that is unreadable or of the wrong shape
     "run_json_not_json": (lambda d: w(d / "run.json", "{nope"), "run.json: not valid JSON"),  # warn
     "run_json_empty": (lambda d: w(d / "run.json", ""), "run.json: not valid JSON"),  # warn
     "run_json_list": (lambda d: w(d / "run.json", "[1, 2]"), "run.json: expected a JSON object, got list"),  # warn
-    "run_json_nested_too_deep": (lambda d: w(d / "run.json", "[" * 100_000 + "]" * 100_000), "run.json: nested too deeply"),  # trace
-    "run_json_replay_str": (lambda d: edit_run_json(d, replay="yes"), "run.json: 'replay' must be an object or null"),  # silent
+    "run_json_nested_too_deep": (lambda d: w(d / "run.json", "[" * 100_000 + "]" * 100_000),  # trace
+                                 "run.json: nested too deeply"),
+    "run_json_replay_str": (lambda d: edit_run_json(d, replay="yes"),  # silent
+                            "run.json: 'replay' must be an object or null"),
     "run_json_replay_field_types": (lambda d: edit_run_json(d, **{"replay.capacity": "big"}),  # silent
                                     "run.json: 'replay.capacity' must be an int or null"),
-    "run_json_method_int": (lambda d: edit_run_json(d, method=5), "run.json: 'method' must be a string or null"),  # silent
+    "run_json_method_int": (lambda d: edit_run_json(d, method=5),  # silent
+                            "run.json: 'method' must be a string or null"),
     "metrics_not_json": (lambda d: w(d / "metrics.json", "{x"), "metrics.json: not valid JSON"),  # warn
     "metrics_list": (lambda d: w(d / "metrics.json", "[1]"), "metrics.json: expected a JSON object, got list"),  # warn
     "trainer_state_no_history": (lambda d: plain_trl(d, '{"global_step": 3}'),  # silent
@@ -128,14 +137,17 @@ BAD = {
                                     "nothing to analyse: no trainer log entry in"),
     "trainer_state_history_not_objects": (lambda d: plain_trl(d, '{"log_history": [1, "x"]}'),  # silent
                                           "trainer_state.json: log_history[0]: expected a JSON object"),
-    "trainer_state_step_str": (lambda d: plain_trl(d, json.dumps({"log_history": [{"step": "a", "reward": 1}]})),  # silent
+    "trainer_state_step_str": (lambda d: plain_trl(d,  # silent
+                                                   json.dumps({"log_history": [{"step": "a", "reward": 1}]})),
                                "trainer_state.json: log_history[0]: 'step' must be an int >= 0"),
     "trainer_state_not_json": (lambda d: plain_trl(d, "{x"), "trainer_state.json: not valid JSON"),  # warn
-    "trainer_state_list": (lambda d: plain_trl(d, "[1]"), "trainer_state.json: expected a JSON object, got list"),  # warn
+    "trainer_state_list": (lambda d: plain_trl(d, "[1]"),  # warn
+                           "trainer_state.json: expected a JSON object, got list"),
     "checkpoint_state_not_json": (lambda d: (keep_only(d), w(d / "checkpoint-5" / "trainer_state.json", "{x")),  # warn
                                   "checkpoint-5/trainer_state.json: not valid JSON"),
     # TensorBoard event files that hold no scalar
-    "tensorboard_garbage": (lambda d: (keep_only(d), w(d / "runs" / "x" / "events.out.tfevents.1.host", bytes(500))),  # silent
+    "tensorboard_garbage": (lambda d: (keep_only(d),  # silent
+                                       w(d / "runs" / "x" / "events.out.tfevents.1.host", bytes(500))),
                             "hold no TensorBoard scalar"),
     "tensorboard_empty": (lambda d: (keep_only(d), w(d / "runs" / "x" / "events.out.tfevents.1.host", b"")),  # silent
                           "hold no TensorBoard scalar"),
@@ -145,10 +157,13 @@ BAD = {
     "run_json_dangling_link": (lambda d: (rm(d / "run.json"), os.symlink(d / "nowhere", d / "run.json")),  # silent
                                "run.json: a dangling symbolic link"),
     "steps_fifo": (lambda d: (rm(d / R), os.mkfifo(d / R)), "steps.jsonl: expected a file, found a FIFO"),  # vague
-    "async_directory": (lambda d: (d / "async.jsonl").mkdir(), "async.jsonl: expected a file, found a directory"),  # silent
-    "checkpoint_state_directory": (lambda d: (keep_only(d), (d / "checkpoint-5" / "trainer_state.json").mkdir(parents=True)),  # vague
+    "async_directory": (lambda d: (d / "async.jsonl").mkdir(),  # silent
+                        "async.jsonl: expected a file, found a directory"),
+    "checkpoint_state_directory": (lambda d: (keep_only(d),  # vague
+                                              (d / "checkpoint-5" / "trainer_state.json").mkdir(parents=True)),
                                    "checkpoint-5/trainer_state.json: expected a file, found a directory"),
-    "tensorboard_directory": (lambda d: (keep_only(d), (d / "runs" / "x" / "events.out.tfevents.1.host").mkdir(parents=True)),  # vague
+    "tensorboard_directory": (lambda d: (keep_only(d),  # vague
+                                         (d / "runs" / "x" / "events.out.tfevents.1.host").mkdir(parents=True)),
                               "events.out.tfevents.1.host: expected a file, found a directory"),
 }
 
@@ -166,7 +181,8 @@ def test_unreadable_input_exits_2_with_one_line_per_problem_and_writes_nothing(n
     # each line names the path it is about (inside the run directory) and says what to do
     problems = err[1:] if len(err) > 1 else [err[0]]
     assert all(str(real_run) in x for x in problems), err
-    assert all(any(v in x for v in ("restore", "remove", "fix", "delete", "rerun", "replace", "set ")) for x in problems), err
+    assert all(any(v in x for v in ("restore", "remove", "fix", "delete", "rerun", "replace", "set "))
+               for x in problems), err
 
 
 def test_every_problem_of_every_run_is_listed_not_just_the_first(real_run, tmp_path, capsys):
@@ -178,7 +194,8 @@ def test_every_problem_of_every_run_is_listed_not_just_the_first(real_run, tmp_p
     rc = main(["report", str(real_run), str(other), "--out", str(tmp_path / "o"), "--no-progress", "--no-figures"])
     err = [x for x in capsys.readouterr().err.splitlines() if x.strip()]
     assert rc == 2 and not (tmp_path / "o").exists()
-    for needle in (f"{real_run / 'run.json'}: expected a JSON object", f"{real_run / 'train_log.jsonl'}: holds no record",
+    for needle in (f"{real_run / 'run.json'}: expected a JSON object",
+                   f"{real_run / 'train_log.jsonl'}: holds no record",
                    f"{real_run / R}:3: expected a JSON object", f"{other / 'metrics.json'}: not valid JSON"):
         assert sum(needle in x for x in err) == 1, (needle, err)
 

@@ -5,7 +5,6 @@ import json
 import os
 import subprocess
 import sys
-
 from pathlib import Path
 
 import pytest
@@ -203,8 +202,8 @@ def test_compare_runs_the_peer_strategies_and_reports_their_costs(tiny_model, tm
     helptext = cli("compare", "--help").stdout
     assert all(name in helptext for name in STRATEGY_METHODS)
     out = tmp_path / "strategies"
-    p = cli("compare", "--methods", "uniform_fifo,adv_priority,dapo_dynamic,bapo,popo", "--seeds", "1", "--model", tiny_model,
-            "--out", out, *TINY)
+    p = cli("compare", "--methods", "uniform_fifo,adv_priority,dapo_dynamic,bapo,popo", "--seeds", "1",
+            "--model", tiny_model, "--out", out, *TINY)
     assert p.returncode == 0, p.stderr[-4000:]
     ms = json.loads((out / "summary.json").read_text())["methods"]
     logs = {k: [json.loads(x) for x in open(out / "runs" / k / "seed0" / "train_log.jsonl")] for k in ms}
@@ -219,7 +218,8 @@ def test_compare_runs_the_peer_strategies_and_reports_their_costs(tiny_model, tm
     # the held-out curve's cost axis counts the discarded rounds too (its last point is after step 3)
     curves = {k: [json.loads(x) for x in open(out / "runs" / k / "seed0" / "curve.jsonl")] for k in ms}
     assert curves["dapo_dynamic"][-1]["step"] == 3 and curves["dapo_dynamic"][-1]["fresh_responses"] == gen
-    assert [c["fresh_responses"] for c in curves["uniform_fifo"]] == [48 * c["step"] // 3 for c in curves["uniform_fifo"]]
+    assert ([c["fresh_responses"] for c in curves["uniform_fifo"]]
+            == [48 * c["step"] // 3 for c in curves["uniform_fifo"]])
     replayed = sum(r.get("replay/replayed_rows") or 0 for r in logs["adv_priority"])
     assert ms["adv_priority"]["replayed_groups"]["mean"] == replayed / 4
     # BAPO: every generated response counted (the b groups, plus n per re-evaluated prompt on even steps)

@@ -223,7 +223,8 @@ def test_an_interrupted_comparison_continues_without_redoing_finished_runs(tiny,
     with pytest.raises(KeyboardInterrupt):
         run_compare(cfg, tmp_path / "c", progress=False, log=lambda *a: None)
     done = tmp_path / "c" / "runs" / "onpolicy_matched" / "seed0" / "metrics.json"
-    assert runner.is_finished(done.parent) and not runner.is_finished(tmp_path / "c" / "runs" / "headroom_drift" / "seed0")
+    assert (runner.is_finished(done.parent)
+            and not runner.is_finished(tmp_path / "c" / "runs" / "headroom_drift" / "seed0"))
     stamp = (done.read_bytes(), os.stat(done).st_mtime_ns)
     monkeypatch.setattr(runner, "run_one", lambda *a, **k: (calls.append(a[0].method), real(*a, **k))[1])
     calls.clear()

@@ -3,8 +3,7 @@
 import numpy as np
 import pytest
 
-from hdreplay_lab.sandbox.stats import (components, paired_bootstrap, paired_differences, seed_bootstrap,
-                                        seeds_needed)
+from hdreplay_lab.sandbox.stats import components, paired_bootstrap, paired_differences, seed_bootstrap, seeds_needed
 
 
 def test_constant_difference_has_a_zero_width_interval_at_the_difference():

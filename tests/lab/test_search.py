@@ -8,7 +8,13 @@ pytestmark = pytest.mark.trl
 
 from hdreplay import group_scores  # noqa: E402
 from hdreplay_lab.sandbox.search import (  # noqa: E402
-    KB, SearchEnv, SearchTask, exact_answer, install_chat_format, render_with_mask, rollout,
+    KB,
+    SearchEnv,
+    SearchTask,
+    exact_answer,
+    install_chat_format,
+    render_with_mask,
+    rollout,
 )
 
 
@@ -40,8 +46,9 @@ def test_environment_rejects_malformed_calls_without_raising():
 
 
 def test_chat_format_masks_tool_text_and_parses_tool_calls():
-    from hdreplay_lab.sandbox.model import build_tokenizer
     from trl.chat_template_utils import is_chat_template_prefix_preserving, parse_response, supports_tool_calling
+
+    from hdreplay_lab.sandbox.model import build_tokenizer
 
     task = SearchTask()
     tok = install_chat_format(build_tokenizer(task.vocab))

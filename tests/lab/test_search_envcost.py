@@ -105,7 +105,8 @@ def test_a_comparison_whose_seeds_disagree_on_settings_refuses_to_summarize(tmp_
     run = json.loads(good)
     run["extra"]["latency_s"] = 0.2  # this seed slept 200 ms per call, the others none
     path.write_text(json.dumps(run))
-    with pytest.raises(ValueError, match=r"refusing to summarize .*headroom_drift/seed2 ran with extra\.latency_s=0\.2"):
+    with pytest.raises(ValueError,
+                       match=r"refusing to summarize .*headroom_drift/seed2 ran with extra\.latency_s=0\.2"):
         check_runs_agree(tmp_path, cfg, methods)
     run = json.loads(good)
     run["replay"]["tau"] = 0.1

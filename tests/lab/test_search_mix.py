@@ -48,7 +48,8 @@ def _model_dir(parent, share):
 
 def test_check_regime_names_the_measured_share_outside_the_band(tmp_path):
     task = get_task("search_mix")
-    with pytest.raises(RegimeOutOfBand, match=r"search_mix: 12% of fresh groups are zero-variance.*outside the 40%-60%"):
+    with pytest.raises(RegimeOutOfBand,
+                       match=r"search_mix: 12% of fresh groups are zero-variance.*outside the 40%-60%"):
         check_regime(task, _model_dir(tmp_path, 0.12), log=lambda *_: None)
     assert check_regime(task, _model_dir(tmp_path / "in", 0.47), log=lambda *_: None) == pytest.approx(0.47)
     # the 6 % regime asks for no band: nothing is measured or refused

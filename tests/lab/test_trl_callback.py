@@ -57,7 +57,8 @@ def test_callback_on_hdrgrpo_trainer_writes_a_complete_run_directory(tmp_path, c
 
     a = report(out, tmp_path / "rep", capsys)
     s = a["training"]["score"]
-    assert s["available"] and s["step"] == [1, 2, 3, 4] and s["value"] == [history(tr, "reward")[k] for k in (1, 2, 3, 4)]
+    assert (s["available"] and s["step"] == [1, 2, 3, 4]
+            and s["value"] == [history(tr, "reward")[k] for k in (1, 2, 3, 4)])
     assert a["training"]["entropy"]["n"] == 4 and a["entropy_timing"]["available"]
     assert a["acceptance"]["available"] and a["acceptance"]["n_steps"] == 4  # replay/steps.jsonl, same directory
     assert a["info"]["selector"] == "headroom_drift" and a["info"]["log_source"].endswith("train_log.jsonl")

@@ -18,10 +18,10 @@ import shutil
 import subprocess
 import sys
 import time
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 
 pytestmark = [pytest.mark.release, pytest.mark.slow]
 
@@ -37,7 +37,8 @@ def run(cmd: list, *, timeout: float, **kw) -> subprocess.CompletedProcess:
     p = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, timeout=timeout, env=env, **kw)
     if p.returncode and OFFLINE.search(p.stderr):
         pytest.skip(f"the package index is unreachable: {OFFLINE.search(p.stderr).group(0)}")
-    assert p.returncode == 0, f"{' '.join(map(str, cmd))} failed ({p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}"
+    assert p.returncode == 0, (f"{' '.join(map(str, cmd))} failed ({p.returncode}):\n"
+                               f"{p.stdout[-3000:]}\n{p.stderr[-3000:]}")
     return p
 
 

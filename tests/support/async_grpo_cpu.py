@@ -29,7 +29,6 @@ import types
 
 import numpy as np
 import torch
-
 import trl.experimental.async_grpo.async_grpo_trainer as _agt
 import trl.experimental.async_grpo.packing as _packing
 from trl.experimental.async_grpo.async_rollout_worker import RolloutSample

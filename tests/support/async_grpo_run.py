@@ -8,8 +8,8 @@ writes what each rank saw to ``OUT_DIR/rank<r><tag>.json`` (:func:`summary`).  T
 ``fresh_per_version`` groups' worth of samples ahead and, per version, one slow group released 3 versions later:
 with ``max_staleness=1`` every slow group arrives stale and is diverted.  ``--lockstep``: the deterministic, resumable
 worker of :mod:`async_grpo_lockstep` (two slow groups per version, 2 versions late, ``replay_k_rep=3``: the settings
-of tests/trl/test_trl_async_resume.py), its state saved beside each checkpoint; ``--resume``: from the newest
-checkpoint, the worker restored from it.
+of tests/trl/asynchronous/test_trl_async_resume.py), its state saved beside each checkpoint; ``--resume``: from the
+newest checkpoint, the worker restored from it.
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ cpu.install()
 
 from datasets import Dataset  # noqa: E402
 
-from hdreplay.integrations.trl.async_config import HDRAsyncGRPOConfig  # noqa: E402
-from hdreplay.integrations.trl.async_trainer import HDRAsyncGRPOTrainer  # noqa: E402
+from hdreplay.integrations.trl.asynchronous.config import HDRAsyncGRPOConfig  # noqa: E402
+from hdreplay.integrations.trl.asynchronous.trainer import HDRAsyncGRPOTrainer  # noqa: E402
 from hdreplay_lab.sandbox.model import load_model  # noqa: E402
 from trl_fixtures import weights_digest  # noqa: E402
 
@@ -116,7 +116,6 @@ def main() -> None:
         over.update(save_strategy="steps", save_steps=a.save_steps)
     if a.lockstep:
         from async_grpo_lockstep import LockstepWorker, load_worker_state
-
         from hdreplay.integrations.trl.checkpoints import resume_target  # the checkpoint train(True) resumes
 
         state = load_worker_state(resume_target(a.out)) if a.resume and int(os.environ.get("RANK", "0")) == 0 \

@@ -12,8 +12,8 @@ Every target's valid call runs too (``valid_failed`` counts valid calls that rai
 cannot pass by refusing everything.  :func:`random_programs` adds seeded random sequences of
 protocol calls on one controller, each call valid or invalid by construction.
 
-The cases themselves: tests/support/core_fuzz_cases.py.  Used by tests/core/test_fuzz_api.py (asserts every count is 0) and benchmarks/fuzz_core.py (the
-longer run whose counts the report quotes).
+The cases themselves: tests/support/core_fuzz_cases.py.  Used by tests/core/test_fuzz_api.py (asserts every count is 0)
+and benchmarks/fuzz_core.py (the longer run whose counts the report quotes).
 """
 
 from __future__ import annotations
@@ -138,7 +138,8 @@ def random_programs(programs: int, *, seed: int, length: int = 30, counts: Count
                     step += rng.randint(1, 3)
                 open_, selected = False, False
             elif op == "bad_select":
-                bad = rng.choice([lambda gs: None, lambda gs: [g.logprobs.abs() + 0.5 for g in gs], lambda gs: [g.logprobs.numpy() for g in gs]])
+                bad = rng.choice([lambda gs: None, lambda gs: [g.logprobs.abs() + 0.5 for g in gs],
+                                  lambda gs: [g.logprobs.numpy() for g in gs]])
                 if len(ctrl.buffer) and cfg.k_rep and cfg.selector != "recency" and not selected:
                     classify(counts, f"p{p}.select(bad scorer)", ctrl, lambda c: c.select(step=step, scorer=bad),
                              valid=False)

@@ -62,7 +62,8 @@ def pure_cases() -> list[tuple[str, Callable, bool]]:
         "max_scan": [0, -1, 2**24 + 1, 2.0, "8"], "acceptance_ema": [0, 0.0, -0.1, 1.5, NAN, INF, True, "0.5", None],
         "group_size": [0, -1, 2.0, True, "8"],
     })
-    cases += _over(D.DiagnosticsConfig, {}, {"diagnose_ungated": [1, 0, "True", None], "counterfactual": [1, "False", None],
+    cases += _over(D.DiagnosticsConfig, {}, {"diagnose_ungated": [1, 0, "True", None],
+                                             "counterfactual": [1, "False", None],
                                              "adaptive_tau": ["x", 1, True, "{bad json", {"warmup": NAN}, {"nope": 1}]})
     cases.append(("ReplayConfig(ingress=answer, no threshold)", lambda fx: H.ReplayConfig(ingress="answer"), False))
     cases.append(("observers(tau outside adaptive bounds)",
@@ -107,7 +108,8 @@ def pure_cases() -> list[tuple[str, Callable, bool]]:
     fr = dict(group_id="x", prompt_ids=[1], completion_ids=[[1], [2, 3]], logprobs=[[-0.1], [-0.2, -0.3]],
               advantages=[1, -1], rewards=[1, 0], birth_step=0)
     cases += _over(H.GroupRecord.from_responses, fr, {
-        "completion_ids": [None, "ab", [[1.5], [2, 3]], [[-1], [2, 3]]], "logprobs": [[[-0.1]], None, [[0.5], [-1, -1]]],
+        "completion_ids": [None, "ab", [[1.5], [2, 3]], [[-1], [2, 3]]],
+        "logprobs": [[[-0.1]], None, [[0.5], [-1, -1]]],
         "loss_masks": [[[1]], [[2], [1, 1]], "x"], "extras": [{"k": [[NAN], [0, 0]]}, [1]]})
     fp = dict(group_id=1, prompt_ids=[1], completion_ids=torch.tensor([[3, 4, 5]]), completion_mask=torch.ones(1, 3),
               logprobs=-torch.ones(1, 3), advantages=[0.0], rewards=[0.0], birth_step=0)

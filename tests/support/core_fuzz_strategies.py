@@ -11,10 +11,10 @@ from typing import Callable
 import torch
 
 from core_fuzz import Counts
-from hdreplay.errors import ReplayError
 from hdreplay.baselines import bapo as B
 from hdreplay.baselines import exgrpo as E
 from hdreplay.baselines import repo as R
+from hdreplay.errors import ReplayError
 from strategy_states import BUILD, _group, bad_metas, snapshot
 
 NAN, INF = float("nan"), float("inf")
@@ -66,8 +66,10 @@ def pure_cases() -> list[tuple[str, Callable, bool]]:
         "bad_thr": [-0.1, 1.5, "0.1", None, True], "target_range": [(0.5, 0.1), (0, 2), "x", (0.1,), None],
         "train_range": [(1, 0), [None, 1]], "reeval_every": [0, 1.5, "2"], "max_reeval": [-1, None],
         "max_uids": [0, 2.0], "max_target": [-1, 10**6], "stale_steps": [-1, "3"], "seed": [-1, None, 1.5]})
-    cases += _over("retrieve", lambda o, **kw: R.retrieve(**kw), {"rewards": [1.0, 0.0, 1.0], "rule": "highest", "k": 2}, {
-        "rewards": [None, "ab", [NAN, 0.0], [[1.0]], 3], "rule": ["x", None, 1], "k": [-1, 1.5, "2", None, True]})
+    cases += _over("retrieve", lambda o, **kw: R.retrieve(**kw),
+                   {"rewards": [1.0, 0.0, 1.0], "rule": "highest", "k": 2},
+                   {"rewards": [None, "ab", [NAN, 0.0], [[1.0]], 3], "rule": ["x", None, 1],
+                    "k": [-1, 1.5, "2", None, True]})
     cases += _over("max_variance_subset", lambda o, **kw: R.max_variance_subset(**kw), {"rewards": [1, 0, 1], "k": 2},
                    {"rewards": [None, "ab", [NAN, 1]], "k": [-1, 4, 1.5, None]})
     cases += _over("split_advantages", lambda o, **kw: R.split_advantages(**kw), {"rewards": torch.tensor([1.0, 0.0])},
@@ -112,7 +114,8 @@ def state_cases(kind: str, tmp) -> list[tuple[str, Callable, bool]]:
                                                       "counters": ["x", [1]]})
     if kind == "repo":
         ids = torch.tensor([[1, 2], [1, 2]])
-        cases += _over("repo.observe_batch", m("observe_batch"), {"prompt_ids": ids, "prompt_mask": torch.ones_like(ids)},
+        cases += _over("repo.observe_batch", m("observe_batch"),
+                       {"prompt_ids": ids, "prompt_mask": torch.ones_like(ids)},
                        {"prompt_ids": [None, ids[0], ids.numpy()], "prompt_mask": [None, torch.ones(3, 2)]})
         cases += _over("repo.stage", m("stage"), {"groups": _groups(step), "step": step},
                        {"groups": bad_groups, "step": BAD_STEP})

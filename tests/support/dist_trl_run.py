@@ -21,9 +21,9 @@ sys.path.insert(0, os.path.dirname(__file__))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from trl_fixtures import RecordingTrainer, make_args, prompts, reward_digit, weights_digest  # noqa: E402
 from hdreplay_lab.sandbox.model import load_model  # noqa: E402
 from hdreplay_lab.sandbox.vlm import is_vlm_dir, load_vlm  # noqa: E402
+from trl_fixtures import RecordingTrainer, make_args, prompts, reward_digit, weights_digest  # noqa: E402
 
 
 class CountingTrainer(RecordingTrainer):

@@ -5,8 +5,8 @@
 BACKEND: zero2 | zero3 | fsdp2 (``one`` = the same run on a single process, called in-process by the test).
 Trains 4 updates (checkpoints at 2 and 4), then resumes a new trainer from checkpoint-2 in the same process and
 trains to 4 again, then 3 updates with ``replay_micro_step="grow"``, then builds a trainer with a setting replay
-refuses (:func:`refusal`); writes what rank r saw to ``OUT/rank<r>.json``: every part's rows and current log-probs, every
-micro-step's loss, every backward call's sync state, the selections with their Drift values, buffer hashes.
+refuses (:func:`refusal`); writes what rank r saw to ``OUT/rank<r>.json``: every part's rows and current log-probs,
+every micro-step's loss, every backward call's sync state, the selections with their Drift values, buffer hashes.
 
 Same data on 1 and 2 processes: completions come from TRL's ``rollout_func`` hook as a fixed function of (the
 optimizer step, the row's index in the global generation batch) -- rank r holds global rows [r B, (r + 1) B)
@@ -29,8 +29,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 import torch  # noqa: E402
 
 from fsdp_cpu import engage_fsdp_on_cpu  # noqa: E402
-from trl_fixtures import RecordingTrainer, make_args, prompts, reward_digit  # noqa: E402
 from hdreplay_lab.sandbox.model import load_model  # noqa: E402
+from trl_fixtures import RecordingTrainer, make_args, prompts, reward_digit  # noqa: E402
 
 CHARS = "0123456789abcdefghijklmnopqrstuvwxyz+="
 DS = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto", "train_batch_size": "auto",

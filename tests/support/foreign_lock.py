@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-from hdreplay import dirlock
+from hdreplay.checkpoint import dirlock
 
 
 @contextlib.contextmanager
@@ -40,9 +40,8 @@ def _main(argv: list[str]) -> None:
     printing "saved" or "refused: ...".  Run under ``unshare --pid --fork --mount-proc`` to be pid 1 of a new pid
     namespace (a container's writer)."""
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from protocol import run_steps
-
     from hdreplay import CheckpointError, ReplayConfig, ReplayController
+    from protocol import run_steps
 
     mode, d = argv[0], argv[1]
     ctrl = run_steps(ReplayController(ReplayConfig(k_rep=3, tau=5e-3, capacity=12, group_size=4)),

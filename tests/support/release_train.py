@@ -60,10 +60,10 @@ def reward_digit(completions, **kw):
 
 
 def main(out: str) -> dict:
-    import hdreplay
     from datasets import Dataset
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+    import hdreplay
     from hdreplay.integrations.trl import HDRGRPOConfig, HDRGRPOTrainer, HDRLogCallback
 
     model, tok = tiny_qwen2(os.path.join(out, "model"))
@@ -82,7 +82,8 @@ def main(out: str) -> dict:
     ev.Reload()
     steps = os.path.join(args.output_dir, "replay", "steps.jsonl")
     return {"versions": versions(), "hdreplay_file": hdreplay.__file__, "global_step": trainer.state.global_step,
-            "buffer_size": [e.get("replay/buffer_size") for e in log], "accepted": [e.get("replay/accepted") for e in log],
+            "buffer_size": [e.get("replay/buffer_size") for e in log],
+            "accepted": [e.get("replay/accepted") for e in log],
             "loss": [e["loss"] for e in log], "tensorboard_tags": sorted(ev.Tags()["scalars"]),
             "steps_jsonl_lines": sum(1 for _ in open(steps)) if os.path.exists(steps) else None,
             "train_log_lines": sum(1 for _ in open(os.path.join(args.output_dir, "train_log.jsonl")))}

@@ -14,11 +14,11 @@ from pathlib import Path
 
 import torch
 
-from hdreplay.checkpoint import MANIFEST_FILE, STATE_FILE, TENSORS_FILE, _manifest_digest
-from hdreplay.record import GroupRecord
 from hdreplay.baselines.bapo import BapoController, BapoOptions, Fresh
 from hdreplay.baselines.exgrpo import ExgrpoController, ExgrpoOptions
 from hdreplay.baselines.repo import RepoController, RepoOptions, key_of
+from hdreplay.checkpoint.files import MANIFEST_FILE, STATE_FILE, TENSORS_FILE, _manifest_digest
+from hdreplay.store.record import GroupRecord
 from hdreplay_lab.synthetic import TablePolicy, make_group
 
 FORMATS = {"repo": "hdreplay.repo", "exgrpo": "hdreplay.exgrpo", "bapo": "hdreplay.bapo"}
@@ -82,7 +82,8 @@ BUILD = {"repo": repo, "exgrpo": exgrpo, "bapo": bapo}
 def _records(rs):
     return [(r.group_id, r.birth_step, r.prompt_ids.tolist(), r.completion_ids.tolist(), r.logprobs.tolist(),
              r.loss_mask.tolist(), r.advantages.tolist(), r.rewards.tolist(),
-             sorted((k, v.tolist()) for k, v in r.extras.items()), sorted((k, v.tolist()) for k, v in r.mm_inputs.items()))
+             sorted((k, v.tolist()) for k, v in r.extras.items()),
+             sorted((k, v.tolist()) for k, v in r.mm_inputs.items()))
             for r in rs]
 
 
@@ -120,8 +121,8 @@ def resign(d: Path, meta: dict) -> None:
 
 
 def to_layout1(src: Path, dst: Path, meta: dict | None = None) -> None:
-    """Write checkpoint ``src`` (layout 2) as a layout-1 directory ``dst`` (the unreleased hdreplay 0.1's form, no longer
-    read), meta replaced."""
+    """Write checkpoint ``src`` (layout 2) as a layout-1 directory ``dst`` (the unreleased hdreplay 0.1's form, no
+    longer read), meta replaced."""
     state, p = read_state(src)
     blob = (p.parent / TENSORS_FILE).read_bytes()
     dst.mkdir(parents=True)

@@ -11,7 +11,6 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch  # noqa: E402
 from datasets import Dataset  # noqa: E402
-
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
 from hdreplay.integrations.trl import HDRGRPOConfig, HDRGRPOTrainer  # noqa: E402

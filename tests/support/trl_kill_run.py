@@ -51,7 +51,7 @@ def install(kill_at: str, kill_step: int, trainer) -> None:
                 return orig_save(self, directory, **kw)
             if kill_at == "before_replay":
                 die()
-            from hdreplay.checkpoint import FS
+            from hdreplay.checkpoint.files import FS
 
             real_replace = FS.replace
 
@@ -99,7 +99,8 @@ def main() -> None:
             return orig(checkpoint)
         tr._load_optimizer_and_scheduler = load
     tr.train(resume_from_checkpoint=True if resume == "1" else None)
-    rec = {"resumed_from": resumed_from, "selections": [{"step": s["step"], "groups": s["groups"]} for s in tr.selections],
+    rec = {"resumed_from": resumed_from,
+           "selections": [{"step": s["step"], "groups": s["groups"]} for s in tr.selections],
            "buffer_hashes": tr.buffer_hashes, "final_hash": buffer_hash(tr.replay), "steps": tr.state.global_step}
     with open(os.path.join(out, "result_resumed.json" if resume == "1" else "result.json"), "w") as f:
         json.dump(rec, f)

@@ -42,8 +42,16 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 
-from trl_seam_print import (FRAMEWORKS, PRINT_FIELDS, _code_objects, _framework, _load, instance_attributes,
-                            item_print, public_path)
+from trl_seam_print import (
+    FRAMEWORKS,
+    PRINT_FIELDS,
+    _code_objects,
+    _framework,
+    _load,
+    instance_attributes,
+    item_print,
+    public_path,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 SRC = ROOT / "src"
@@ -281,8 +289,8 @@ def _private_import(module: str, name: str) -> bool:
 
 # ---------------------------------------------------------------------------------------------- record and compare
 def versions() -> dict[str, str]:
-    import trl
     import transformers
+    import trl
 
     return {"trl": trl.__version__, "transformers": transformers.__version__}
 
@@ -361,7 +369,8 @@ def change_message(record: dict, changes: list[Change], section: str = "items") 
     what = ("The TRL seam changed: {n} item(s) hdreplay overrides or uses privately differ" if section == "items" else
             "The lab's own uses changed (not the TRL seam: the library is unaffected): {n} item(s) the lab (sandbox, "
             "VLM sandbox, search task) overrides or imports differ")
-    lines = [what.format(n=len(changes)) + f" between the record (trl {rec['trl']}, transformers {rec['transformers']}; "
+    lines = [what.format(n=len(changes))
+             + f" between the record (trl {rec['trl']}, transformers {rec['transformers']}; "
              f"{_rel(RECORD)}) and the installed trl {now['trl']}, transformers {now['transformers']}:"]
     for c in changes:
         users = ", ".join(record[section][c.key]["used_by"])

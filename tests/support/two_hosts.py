@@ -8,8 +8,8 @@ Each "host" is a long-lived agent process in its own UTS and pid namespace, with
 so a lock one agent writes names a host (and a pid 1) the other cannot check: it is judged by its age, as between two
 machines sharing an NFS directory.  Both agents see the same directory, and (one kernel) every mtime is stamped by
 one clock, as an NFS server stamps them with its own; ``CLOCK_OFFSET_S`` shifts the agent's ``time.time`` (a host
-whose clock is off).  ``STALE_AFTER_S`` and ``HEARTBEAT_S`` are set on :mod:`hdreplay.dirlock` at start (the module
-constants the lock reads at each use), so a test waits seconds, not ten minutes.
+whose clock is off).  ``STALE_AFTER_S`` and ``HEARTBEAT_S`` are set on :mod:`hdreplay.checkpoint.dirlock` at start (the
+module constants the lock reads at each use), so a test waits seconds, not ten minutes.
 
 An agent reads one JSON command per line and answers with JSON lines: ``{"event": ...}`` while the command runs, then
 one ``{"done": ...}``.  Commands (``steps``: the controller state to save, ``run_steps`` of that many steps):
@@ -112,9 +112,10 @@ class Host:
 # ---------------------------------------------------------------------------------------------------- the agent
 def _agent(stale_s: float, heartbeat_s: float, clock_offset_s: float) -> None:
     sys.path.insert(0, str(HERE))
+    from hdreplay import CheckpointError, ReplayConfig, ReplayController
+    from hdreplay.checkpoint import dirlock, tensorfile
+    from hdreplay.checkpoint import files as checkpoint
     from protocol import run_steps, state_hash
-
-    from hdreplay import CheckpointError, ReplayConfig, ReplayController, checkpoint, dirlock, tensorfile
 
     dirlock.STALE_AFTER_S, dirlock.HEARTBEAT_S = stale_s, heartbeat_s
     if clock_offset_s:

@@ -211,7 +211,8 @@ class CPUActorWorker(Worker):
         plens = [int(x.numel()) for x in rows(micro["prompts"])]
         cur = [row[p - 1:p - 1 + int(m.numel())].tolist() for row, p, m in zip(rows(lp.detach()), plens,
                                                                                  rows(micro["response_mask"]))]
-        return {"uid": _non_tensor_list(micro, "uid"), "lp": cur, "responses": [r.tolist() for r in rows(micro["responses"])],
+        return {"uid": _non_tensor_list(micro, "uid"), "lp": cur,
+                "responses": [r.tolist() for r in rows(micro["responses"])],
                 "old": [r.tolist() for r in rows(micro["old_log_probs"])],
                 "adv": [r.tolist() for r in rows(micro["advantages"])],
                 "mask": [r.tolist() for r in rows(micro["response_mask"])],

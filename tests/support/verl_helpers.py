@@ -176,11 +176,10 @@ def make_trainer(cls, cfg, wg, *, n: int = 4, seed: int = 0, dataset_size: int =
                  rollout_lp: bool = False):
     """Build ``cls`` (a RayPPOTrainer subclass) through its real __init__, attach a CPU worker group (and a stub
     rollout that returns ``rollout_log_probs`` when ``rollout_lp``)."""
+    import ray
     from verl.single_controller.ray.base import ResourcePoolManager
     from verl.trainer.ppo.utils import Role
     from verl.utils.dataset.rl_dataset import collate_fn
-
-    import ray
 
     role = Role.ActorRollout
     rpm = ResourcePoolManager(resource_pool_spec={"global_pool": [2]}, mapping={role: "global_pool"})

@@ -1,4 +1,5 @@
-"""Both verl recipes on a two-node Ray cluster on this machine, all bound to 127.0.0.1 (tests/verl/test_verl_two_nodes.py).
+"""Both verl recipes on a two-node Ray cluster on this machine, all bound to 127.0.0.1
+(tests/verl/test_verl_two_nodes.py).
 
 Run as a script in its own process, so the test session's one-node ``ray.init`` (tests/verl/conftest.py) is never
 touched: ``python tests/support/verl_two_nodes.py <tiny model dir> <out dir>`` writes ``<out>/results.pt``.
@@ -121,7 +122,8 @@ class Driver:
         self.model_dir = model_dir
         cfg = verl_helpers.compose_config()
         # verl's task runner: resource_pool_spec = {global_pool: [n_gpus_per_node] * nnodes}, its default colocation
-        rpm = ResourcePoolManager(resource_pool_spec={"global_pool": [1, 1]}, mapping={Role.ActorRollout: "global_pool"})
+        rpm = ResourcePoolManager(resource_pool_spec={"global_pool": [1, 1]},
+                                  mapping={Role.ActorRollout: "global_pool"})
         rpm.create_resource_pool()
         cls = RayClassWithInitArgs(cls=ray.remote(verl_cpu_worker.CPUActorWorker), model_dir=model_dir,
                                    actor_config=cfg.actor_rollout_ref.actor,
@@ -137,6 +139,7 @@ class Driver:
     def _transfer_queue(self):
         if self.tq is None:  # as verl's v1 task runner does, in this process
             import transfer_queue as tq
+
             from verl_v1_harness import compose_v1_config
 
             tq.init(compose_v1_config(ckpt_dir="/tmp/unused", model_dir=self.model_dir).transfer_queue)
@@ -149,9 +152,8 @@ class Driver:
 
     # ------------------------------------------------------------------ the recipes
     def run_v0(self, ckpt: str, *overrides: str) -> dict:
-        from verl_helpers import compose_config, make_trainer
-
         from hdreplay.integrations.verl import HDRRayPPOTrainer
+        from verl_helpers import compose_config, make_trainer
 
         class Recording(HDRRayPPOTrainer):
             def __init__(self, *a, **k):
@@ -177,10 +179,9 @@ class Driver:
                 "weights": self.wg.state_dict()}
 
     def run_v1(self, ckpt: str, *overrides: str) -> dict:
-        from verl_v1_harness import run_v1
-
         from hdreplay.integrations.verl import HDRPPOTrainerSync
         from hdreplay_lab.sandbox.model import build_tokenizer
+        from verl_v1_harness import run_v1
 
         self._transfer_queue()
         run = run_v1(HDRPPOTrainerSync, self.wg, build_tokenizer(), self.model_dir, ckpt, *overrides, lr=LR,
@@ -192,11 +193,10 @@ class Driver:
     def refuse(self, recipe: str, folder: str) -> dict:
         """Resume ``recipe`` ("v0" / "v1") from ``folder`` (resume_path); what was raised and what changed: the
         workers' weights (reset to the initial model first), the trainer's step, the files under ``folder``."""
-        from verl_helpers import compose_config, make_trainer
-        from verl_v1_harness import compose_v1_config, make_v1_trainer
-
         from hdreplay.integrations.verl import HDRPPOTrainerSync, HDRRayPPOTrainer
         from hdreplay_lab.sandbox.model import build_tokenizer
+        from verl_helpers import compose_config, make_trainer
+        from verl_v1_harness import compose_v1_config, make_v1_trainer
 
         overrides = (*RESUMED, f"trainer.resume_from_path={folder}")
         ckpt = os.path.dirname(folder)

@@ -22,9 +22,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-from transformers import AutoModelForCausalLM
-
 import trl.generation.vllm_generation as vg
+from transformers import AutoModelForCausalLM
 from trl.generation.vllm_client import VLLMClient as _RealVLLMClient
 
 #: os.environ keys VLLMGeneration sets in colocate mode (tests restore them)
@@ -128,7 +127,8 @@ class FakeLLM:
         self.engine = Engine(model)
         self.llm_engine = _NS(
             model_executor=_NS(driver_worker=_NS(model_runner=_NS(model=_NS(load_weights=self.engine.load_weights)))),
-            model_config=_NS(max_model_len=kwargs.get("max_model_len") or self.engine.model.config.max_position_embeddings),
+            model_config=_NS(max_model_len=kwargs.get("max_model_len")
+                             or self.engine.model.config.max_position_embeddings),
         )
         self.generate_calls = 0
         FakeLLM.instances.append(self)
@@ -142,7 +142,8 @@ class FakeLLM:
         outs = []
         for i, (p, per) in enumerate(zip(token_lists, samples)):
             comps = [CompletionOutput(index=j, token_ids=t,
-                                      logprobs=[{tok: Logprob(lp_, r)} for tok, lp_, r in zip(t, lp, rk)] if want else None)
+                                      logprobs=([{tok: Logprob(lp_, r)} for tok, lp_, r in zip(t, lp, rk)]
+                                                if want else None))
                      for j, (t, lp, rk) in enumerate(per)]
             outs.append(RequestOutput(request_id=str(i), prompt_token_ids=list(p), outputs=comps))
         return outs

@@ -74,7 +74,12 @@ def _tiny_qwen(dtype):
     return m.to(dtype).eval()
 
 
-def test_floor_is_zero_to_rounding_in_fp32_and_measurable_in_bf16():
+def test_floor_is_zero_to_rounding_in_fp32_and_finite_in_bf16():
+    """fp32 with generation-style position ids: every layout agrees to rounding.  bf16: the floor is finite and the
+    summary reports its largest value; whether it is above 0 on a CPU depends on the CPU's bf16 kernels (re-batching
+    moves log-probs by ~4e-13 on an AVX2 AMD EPYC and by exactly 0 on the CI machine), so no test here may require it:
+    that the measurement sees a layout-dependent kernel is held by the next two tests, and the real bf16 floors are
+    GPU figures (docs/results/bf16_floor*)."""
     from hdreplay_lab import drift_floor as df
     prompts, comps = df.random_groups(num_groups=6, n=4, prompt_len=24, completion_len=12, vocab=97, seed=1)
     fp32 = df.floor(_tiny_qwen(torch.float32), prompts, comps, n=4, pad_token_id=0, mode="fp32", batch_rows=8,
@@ -82,11 +87,34 @@ def test_floor_is_zero_to_rounding_in_fp32_and_measurable_in_bf16():
     bf16 = df.floor(_tiny_qwen(torch.bfloat16), prompts, comps, n=4, pad_token_id=0, mode="bf16_weights",
                     batch_rows=8, extra_pad=7)
     assert max(max(v) for v in fp32.values()) < 1e-9  # generation-style position ids: layouts agree in fp32
-    # bf16 rounding moves the log-probs of re-padded / re-batched rows: the floor the check reports is not 0
-    assert max(bf16["padding"]) > 100 * max(max(fp32["padding"]), 1e-15)
-    assert max(bf16["batch"]) > 0.0
+    assert set(bf16) == set(df.SETTINGS) and all(len(v) == 6 for v in bf16.values())
+    assert all(0.0 <= x < 1e-2 for v in bf16.values() for x in v)
     s = df.summarize(bf16, tau=1e-3, tau_range=(1e-3, 1e-1))
     assert s["groups"] == 6 and s["settings"]["all"]["max"] == max(max(v) for v in bf16.values())
+
+
+def test_floor_sees_a_batch_dependent_kernel():
+    """A kernel whose result depends on how many rows share the batch (what bf16 GEMMs do on a GPU, emulated here so
+    the check holds on every CPU): the measurement reports a floor for the layouts that change the batch (re-batching,
+    one row at a time) and none for the one that keeps it (re-padding: the same n rows, wider)."""
+    from hdreplay_lab import drift_floor as df
+
+    class BatchDependent(torch.nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, input_ids=None, **kw):
+            out = self.inner(input_ids=input_ids, **kw)
+            v = out.logits.shape[-1]
+            out.logits = out.logits + 1e-3 * input_ids.shape[0] * torch.arange(v, dtype=out.logits.dtype) / v
+            return out
+
+    prompts, comps = df.random_groups(num_groups=4, n=4, prompt_len=16, completion_len=8, vocab=97, seed=3)
+    got = df.floor(BatchDependent(_tiny_qwen(torch.float32)), prompts, comps, n=4, pad_token_id=0, mode="fp32",
+                   batch_rows=8, extra_pad=5)
+    assert min(got["batch"]) > 1e-9 and min(got["chunking"]) > 1e-9
+    assert max(got["padding"]) < 1e-9
 
 
 def test_floor_sees_wrong_positions():
@@ -118,7 +146,8 @@ def test_floor_sees_wrong_positions():
 def test_gpu_gate_benchmark_runs_tiny_on_cpu(tmp_path):
     """benchmarks/gpu_gate.py --tiny (the CPU proxy of the gate's cost table, so it cannot rot): in every cell the
     three scans make the same decisions, neither early-rejecting scan forwards more than the paper's, and no exact scan
-    forwards fewer tokens than the oracle bound (each rejected group up to the shortest prefix that proves Drift > tau)."""
+    forwards fewer tokens than the oracle bound (each rejected group up to the shortest prefix that proves
+    Drift > tau)."""
     import json
     import subprocess
     import sys

@@ -17,7 +17,14 @@ from hdreplay import CheckpointError, ReplayController  # noqa: E402
 from hdreplay.integrations.trl import HDRGRPOConfig, HDRGRPOTrainer  # noqa: E402
 from hdreplay.integrations.trl.batch import ROW_KEYS, SCALAR_KEYS, check_keys  # noqa: E402
 from trl_fixtures import (  # noqa: E402
-    RecordingTrainer, buffer_hash, grpo_and_replay_none, loss_log, make_args, prompts, reward_digit, tiny_model,
+    RecordingTrainer,
+    buffer_hash,
+    grpo_and_replay_none,
+    loss_log,
+    make_args,
+    prompts,
+    reward_digit,
+    tiny_model,
 )
 
 
@@ -170,8 +177,8 @@ def test_metrics_reach_trl_logs(model_dir, tmp_path, monkeypatch):
     monkeypatch.setenv("TENSORBOARD_LOGGING_DIR", str(tmp_path / "tb"))
     tr = run(model_dir, tmp_path / "out", max_steps=3, report_to="tensorboard")
     logged = {k for h in tr.state.log_history for k in h}
-    for k in ("replay/buffer_size", "replay/ingress_admitted", "replay/accepted", "replay/budget_fill", "replay/scanned",
-              "replay/accept_rate", "replay/drift_accepted", "replay/replay_kl", "replay/mean_age",
+    for k in ("replay/buffer_size", "replay/ingress_admitted", "replay/accepted", "replay/budget_fill",
+              "replay/scanned", "replay/accept_rate", "replay/drift_accepted", "replay/replay_kl", "replay/mean_age",
               "replay/ingress_empty", "replay/generations", "replay/scan_capped"):
         assert k in logged, k
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator

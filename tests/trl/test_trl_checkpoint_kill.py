@@ -9,16 +9,17 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+
+from paths import SUPPORT
 
 pytest.importorskip("trl")
 pytestmark = pytest.mark.trl
 
 from hdreplay.integrations.trl.checkpoints import PENDING, checkpoint_problem, checkpoints  # noqa: E402
 
-SCRIPT = Path(__file__).resolve().parent.parent / "support" / "trl_kill_run.py"
+SCRIPT = SUPPORT / "trl_kill_run.py"
 STEPS, AT = 4, 2
 #: kill point -> the checkpoint a resume must use (the newest complete one)
 KILLS = {"model": 1, "before_replay": 1, "replay_rename": 1, "rotate": 2, "train": 2}

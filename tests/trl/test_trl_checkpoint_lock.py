@@ -8,10 +8,10 @@ import pytest
 pytest.importorskip("trl")
 pytestmark = pytest.mark.trl
 
-from hdreplay.errors import CheckpointLockedError  # noqa: E402
-from hdreplay.integrations.trl.checkpoints import checkpoint_problem  # noqa: E402
-from hdreplay.integrations.common import STATE_DIR  # noqa: E402
 from foreign_lock import held_by_another_process  # noqa: E402
+from hdreplay.errors import CheckpointLockedError  # noqa: E402
+from hdreplay.integrations.common import STATE_DIR  # noqa: E402
+from hdreplay.integrations.trl.checkpoints import checkpoint_problem  # noqa: E402
 from trl_fixtures import RecordingTrainer, make_args, prompts, reward_digit, tiny_model  # noqa: E402
 
 

@@ -18,12 +18,13 @@ BASE = dict(output_dir="/tmp/hdr_cfg", use_cpu=True, bf16=False, report_to="none
             num_generations=4)
 #: a non-default value for every core knob (the test fails if ReplayConfig gains a knob not listed here)
 VALUES = dict(selector="freshper", k_rep=6, tau=0.02, capacity=20, drift_norm="l1", headroom_weighting="advantage",
-              ingress="answer", answer_threshold=0.9, truncate_multiple=3, scan_chunk=5, scan_tokens=100_000, max_scan_chunk=50,
-              acceptance_ema=0.25, max_scan=30, seed=5, max_age=3,
+              ingress="answer", answer_threshold=0.9, truncate_multiple=3, scan_chunk=5, scan_tokens=100_000,
+              max_scan_chunk=50, acceptance_ema=0.25, max_scan=30, seed=5, max_age=3,
               priority_alpha=0.7, age_decay=3.5, is_beta=0.3,  # these three need a proportional selector
               scan_passes=2, scan_refresh="finish", skip_rejected=3)
 #: the same for every diagnostic (hdreplay.diagnostics.DiagnosticsConfig)
-DIAG = dict(diagnose_ungated=True, counterfactual=True, adaptive_tau='{"tau_min": 0.001, "tau_max": 0.1, "patience": 2}')
+DIAG = dict(diagnose_ungated=True, counterfactual=True,
+            adaptive_tau='{"tau_min": 0.001, "tau_max": 0.1, "patience": 2}')
 
 
 def test_every_replay_field_is_declared_one_to_one_with_the_core_and_the_diagnostics():
@@ -95,8 +96,10 @@ def test_trl_parser_parses_every_knob_from_the_command_line():
 
 
 @pytest.mark.parametrize("over,needle", [
-    (dict(replay_tau=-1.0), "replay_tau"), (dict(replay_k_rep=-2), "replay_k_rep"), (dict(replay_selector="bogus"), "replay_selector"),
-    (dict(replay_ingress="answer"), "replay_answer_threshold"), (dict(replay_counterfactual="yes"), "replay_counterfactual"),
+    (dict(replay_tau=-1.0), "replay_tau"), (dict(replay_k_rep=-2), "replay_k_rep"),
+    (dict(replay_selector="bogus"), "replay_selector"),
+    (dict(replay_ingress="answer"), "replay_answer_threshold"),
+    (dict(replay_counterfactual="yes"), "replay_counterfactual"),
     (dict(replay_adaptive_tau='{"tau_min": 1'), "replay_adaptive_tau"),
     (dict(replay_adaptive_tau={"taumin": 1e-3}), "replay_adaptive_tau"),
     (dict(replay_acceptance_ema=0.0), "replay_acceptance_ema"), (dict(replay_capacity=0), "replay_capacity"),
@@ -111,9 +114,8 @@ def test_the_replay_settings_are_built_once_per_run_and_follow_a_changed_field(m
     """One ReplayConfig and one plan per run: built with the HDRGRPOConfig, then handed to the trainer (and to
     everything that asks the config again) instead of being rebuilt; a field changed afterwards is honoured."""
     import hdreplay.integrations.trl.config as trl_config
-    from trl_fixtures import make_args, prompts, reward_digit, tiny_model
-
     from hdreplay.integrations.trl import HDRGRPOTrainer
+    from trl_fixtures import make_args, prompts, reward_digit, tiny_model
 
     plans, builds = [], []
     real_plan, real_init = trl_config.plan_replay, ReplayConfig.__post_init__

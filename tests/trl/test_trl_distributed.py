@@ -9,14 +9,15 @@ import shutil
 import socket
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+
+from paths import SUPPORT
 
 pytest.importorskip("trl")
 pytestmark = [pytest.mark.trl, pytest.mark.multiprocess]
 
-HERE = Path(__file__).resolve().parent.parent / "support"
+HERE = SUPPORT
 
 
 def free_port() -> int:

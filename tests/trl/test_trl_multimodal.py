@@ -20,7 +20,12 @@ from hdreplay.integrations.trl.mm import NUM_IMAGES, group_inputs, row_inputs  #
 from hdreplay_lab.sandbox.geo import GeoTask  # noqa: E402
 from hdreplay_lab.sandbox.vlm import build_tiny_vlm, load_vlm  # noqa: E402
 from trl_fixtures import (  # noqa: E402
-    RecordingTrainer, buffer_hash, grpo_and_replay_none, loss_log, make_args, plain_config,
+    RecordingTrainer,
+    buffer_hash,
+    grpo_and_replay_none,
+    loss_log,
+    make_args,
+    plain_config,
 )
 
 TASK = GeoTask()

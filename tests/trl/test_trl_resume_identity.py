@@ -23,7 +23,6 @@ pytest.importorskip("trl")
 pytestmark = [pytest.mark.trl, pytest.mark.filterwarnings("ignore:hdreplay async:UserWarning")]
 
 from hdreplay import CheckpointError, CheckpointMismatchError, ReplayResumeWarning  # noqa: E402
-from hdreplay.integrations.trl import HDRGRPOTrainer  # noqa: E402
 from strategy_states import read_state, resign  # noqa: E402
 from trl_fixtures import RecordingTrainer, make_args, prompts, reward_digit, tiny_model  # noqa: E402
 
@@ -310,7 +309,8 @@ def _async_attack(root, case, tmp_path):
     return out, target
 
 
-ASYNC_CASES = {**CASES, "routing step re-signed": r"routing: it was taken after update 2, the checkpoint after update 3",
+ASYNC_CASES = {**CASES,
+               "routing step re-signed": r"routing: it was taken after update 2, the checkpoint after update 3",
                "staleness step re-signed": r"staleness state: step \d+ differs from the controller's last committed"}
 
 

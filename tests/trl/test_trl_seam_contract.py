@@ -9,6 +9,7 @@ named as the lab's, not as a change of the seam a user's install depends on."""
 from __future__ import annotations
 
 import re
+
 import pytest
 
 pytest.importorskip("trl")
@@ -167,7 +168,8 @@ def test_a_new_override_or_private_use_without_a_record_entry_fails(items, tmp_p
     assert found[f"trl.GRPOTrainer.{override}"].kind == "override"
     assert found[f"trl.GRPOTrainer.{called}"].kind == "private"
     exact = {"recorded_with": trl_seam.versions(),
-             **{sec: {k: {"kind": it.kind} for k, it in items.items() if it.section == sec} for sec in trl_seam.SECTIONS}}
+             **{sec: {k: {"kind": it.kind} for k, it in items.items() if it.section == sec}
+                for sec in trl_seam.SECTIONS}}
     assert trl_seam.coverage_problem(items, exact, strict=True) == ""
     problem = trl_seam.coverage_problem(found, exact, strict=True)
     assert f"not recorded: trl.GRPOTrainer.{override} [override; used by " in problem

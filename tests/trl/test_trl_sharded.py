@@ -18,16 +18,17 @@ import os
 import socket
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+
+from paths import SUPPORT
 
 pytest.importorskip("trl")
 pytestmark = [pytest.mark.trl, pytest.mark.multiprocess]
 if importlib.util.find_spec("deepspeed") is None:  # (not imported here: only the torchrun workers use it)
     pytest.skip("deepspeed is not installed (pip install -e '.[dev]')", allow_module_level=True)
 
-HERE = Path(__file__).resolve().parent.parent / "support"
+HERE = SUPPORT
 BACKENDS = ("zero2", "zero3", "fsdp2")
 EPS = 0.2  # TRL's default epsilon (low and high)
 

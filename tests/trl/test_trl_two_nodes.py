@@ -15,10 +15,11 @@ from pathlib import Path
 
 import pytest
 
+from paths import SUPPORT
+
 pytest.importorskip("trl")
 pytestmark = [pytest.mark.trl, pytest.mark.multiprocess]
 
-SUPPORT = Path(__file__).resolve().parent.parent / "support"
 STEPS = 4  # checkpoints at 2 and 4
 LOCAL = {"save_on_each_node": True}
 
@@ -63,7 +64,8 @@ def local_run(model_dir, tmp_path_factory):
     """The uninterrupted sync run on node-local disks (save_on_each_node=True): node k writes into nodek/."""
     root = tmp_path_factory.mktemp("local")
     dirs = [root / "node0", root / "node1"]
-    _ok(_launch("dist_trl_run.py", [[d, model_dir, STEPS] for d in dirs], env=[{"HDR_TEST_ARGS": json.dumps(LOCAL)}] * 2))
+    _ok(_launch("dist_trl_run.py", [[d, model_dir, STEPS] for d in dirs],
+                env=[{"HDR_TEST_ARGS": json.dumps(LOCAL)}] * 2))
     return root, dirs
 
 
@@ -139,7 +141,8 @@ def test_a_node_without_the_checkpoint_refuses_on_every_rank(local_run, model_di
             assert "rank 1 (host" in msgs[0] and "has no trainer_state.json" in msgs[0]
             assert "rank 0 (host" not in msgs[0]
         else:  # node 1 has no complete checkpoint (and says why)
-            assert "rank 1 (host" in msgs[0] and "no complete checkpoint in" in msgs[0] and "trainer_state.json" in msgs[0]
+            assert ("rank 1 (host" in msgs[0] and "no complete checkpoint in" in msgs[0]
+                    and "trainer_state.json" in msgs[0])
         for r, d in enumerate(dirs):
             (d / f"rank{r}_error.txt").unlink()
     assert [_digest(d) for d in dirs] == before

@@ -10,13 +10,17 @@ import pytest
 pytestmark = pytest.mark.verl
 pytest.importorskip("verl", minversion="0.9.1")
 
-from hdreplay.errors import ReplayConfigError  # noqa: E402
-from hdreplay.integrations.verl import HDRRayPPOTrainer, HDRSettings, validate_verl_config  # noqa: E402
-from hdreplay.integrations.verl import verl_truncate_multiple  # noqa: E402
 from hydra import compose, initialize_config_module  # noqa: E402
-from verl_helpers import compose_config, make_trainer  # noqa: E402
 
+from hdreplay.errors import ReplayConfigError  # noqa: E402
+from hdreplay.integrations.verl import (  # noqa: E402
+    HDRRayPPOTrainer,
+    HDRSettings,
+    validate_verl_config,
+    verl_truncate_multiple,  # noqa: E402
+)
 from hdreplay.integrations.verl.schema import register_hdr_schema  # noqa: E402
+from verl_helpers import compose_config, make_trainer  # noqa: E402
 
 ACTOR = "actor_rollout_ref.actor"
 
@@ -228,7 +232,8 @@ def test_every_replay_knob_is_settable_from_the_verl_config():
                          "hdr.drift_norm=l1", "hdr.headroom_weighting=advantage", "hdr.ingress=answer",
                          "hdr.answer_threshold=0.9", "hdr.truncate_multiple=3", "hdr.scan_chunk=5",
                          "hdr.scan_tokens=90000",
-                         "hdr.max_scan_chunk=50", "hdr.max_scan=30", "hdr.acceptance_ema=0.25", "hdr.diagnose_ungated=true",
+                         "hdr.max_scan_chunk=50", "hdr.max_scan=30", "hdr.acceptance_ema=0.25",
+                         "hdr.diagnose_ungated=true",
                          "hdr.counterfactual=true", "hdr.adaptive_tau.enabled=true", "hdr.adaptive_tau.tau_min=0.001",
                          "hdr.adaptive_tau.patience=2", "hdr.seed=5", "hdr.max_age=3", "hdr.priority_alpha=0.7",
                          "hdr.diagnostics_dir=null", "hdr.resume_without_state=true", "hdr.scan_passes=2",
@@ -287,8 +292,8 @@ def test_trainer_warns_at_start_when_the_bf16_drift_floor_reaches_tau_over_10():
     a selector without a gate or no replay: no warning."""
     import warnings
 
-    from hdreplay.integrations.verl.settings import actor_precision
     from hdreplay.diagnostics.noise_floor import DriftFloorWarning, worst_floor
+    from hdreplay.integrations.verl.settings import actor_precision
 
     class NoWorkers:
         pass
@@ -320,9 +325,9 @@ def test_v0_task_runner_builds_the_hdr_trainer_inside_verls_own_run(monkeypatch,
     """verl's real v0 ``TaskRunner.run`` (workers mapping, validate_config, tokenizer, resource pools) runs
     until ``trainer.init_workers()`` (GPUs); the trainer it constructed there must be the recipe's."""
     import verl.trainer.main_ppo_v0 as v0
-    from verl_helpers import StubPromptDataset
 
     from hdreplay.integrations.verl import main
+    from verl_helpers import StubPromptDataset
 
     monkeypatch.setattr(v0, "create_rl_dataset", lambda *a, **k: StubPromptDataset())  # no parquet files here
     monkeypatch.setattr(HDRRayPPOTrainer, "init_workers", _stop)

@@ -93,7 +93,8 @@ def test_every_setting_given_a_wrong_value_is_a_config_error_naming_it():
             examples.append(f"accepted {label}")
         except ReplayConfigError as e:
             outcome["refused"] += 1
-            if key.split(".")[-1] not in str(e) and not (key == "hdr.adaptive_tau.enabled" and "adaptive_tau" in str(e)):
+            if (key.split(".")[-1] not in str(e)
+                    and not (key == "hdr.adaptive_tau.enabled" and "adaptive_tau" in str(e))):
                 examples.append(f"does not name the key: {label}: {e}")
         except ReplayError as e:
             examples.append(f"{type(e).__name__} (not a config error) {label}: {e}")

@@ -20,8 +20,8 @@ from verl.utils import tensordict_utils as tu  # noqa: E402
 from verl.workers.utils.padding import left_right_2_no_padding  # noqa: E402
 
 from hdreplay.integrations.verl.actor_batch import build_actor_batch  # noqa: E402
-from hdreplay.integrations.verl.minibatches import actor_order, padding_needed, rank_minibatches  # noqa: E402
 from hdreplay.integrations.verl.dataproto import REPLAY_FLAG, groups_from_batch  # noqa: E402
+from hdreplay.integrations.verl.minibatches import actor_order, padding_needed, rank_minibatches  # noqa: E402
 from verl_helpers import fresh_batch  # noqa: E402
 
 

@@ -14,7 +14,7 @@ import torch  # noqa: E402
 from verl.utils.model import extract_multi_modal_inputs  # noqa: E402
 from verl.workers.utils.padding import left_right_2_no_padding  # noqa: E402
 
-from hdreplay import ReplayController, ReplayConfig  # noqa: E402
+from hdreplay import ReplayConfig, ReplayController  # noqa: E402
 from hdreplay.integrations.common import split_by_schema  # noqa: E402
 from hdreplay.integrations.verl.actor_batch import build_actor_batch  # noqa: E402
 from hdreplay.integrations.verl.dataproto import REPLAY_FLAG, groups_from_batch, scoring_batch  # noqa: E402
@@ -93,7 +93,8 @@ def test_replay_rows_rebuild_positions_and_images_and_score_exactly(vlm, batch, 
             vb = b["attention_mask"][orig[0]].bool()
             assert torch.equal(a["position_ids"][r][:, va], b["position_ids"][orig[0]][:, vb])
             orig = orig[0]
-            mm_a, mm_b = actor.non_tensor_batch["multi_modal_inputs"][r], batch.non_tensor_batch["multi_modal_inputs"][orig]
+            mm_a, mm_b = (actor.non_tensor_batch["multi_modal_inputs"][r],
+                          batch.non_tensor_batch["multi_modal_inputs"][orig])
             assert mm_a.keys() == mm_b.keys() and all(torch.equal(mm_a[x], mm_b[x]) for x in mm_a)
     # verl's engine-side preparation accepts the mixed batch
     td = left_right_2_no_padding(actor.to_tensordict())

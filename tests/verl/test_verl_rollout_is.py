@@ -94,7 +94,8 @@ def _rows(records):
                     for i, uid in enumerate(micro["uid"]):
                         uid = str(uid)
                         kind = ("pad" if uid.startswith("hdrpad") else
-                                "replay" if (micro["replay"] or [None] * len(micro["uid"]))[i] or ":" in uid else "fresh")
+                                "replay" if (micro["replay"] or [None] * len(micro["uid"]))[i] or ":" in uid
+                                else "fresh")
                         yield u, micro, i, kind
 
 

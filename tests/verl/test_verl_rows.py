@@ -11,7 +11,10 @@ from verl import DataProto  # noqa: E402
 
 from hdreplay.integrations.verl.actor_batch import build_actor_batch  # noqa: E402
 from hdreplay.integrations.verl.dataproto import (  # noqa: E402
-    REPLAY_FLAG, groups_from_batch, replay_rows, scoring_batch,
+    REPLAY_FLAG,
+    groups_from_batch,
+    replay_rows,
+    scoring_batch,
 )
 from verl_helpers import P_WIDTH, R_WIDTH, fresh_batch  # noqa: E402
 

@@ -69,7 +69,8 @@ def frozen(worker_group, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def moving(worker_group, tmp_path_factory):
-    """(Also run B of the identity tests: its step-3 checkpoint, another run's, with the same data order as frozen's.)"""
+    """(Also run B of the identity tests: its step-3 checkpoint, another run's, with the same data order as
+    frozen's.)"""
     trainer, records = _run(worker_group, tmp_path_factory.mktemp("moving_ckpt"), "hdr.tau=1e-9", "trainer.save_freq=3",
                             lr=0.5, kl=False)
     return trainer, records
@@ -290,8 +291,8 @@ IDENTITY_CASES = {
     "another run's state with its run record": r"run_id: the replay state holds '(?P<b>[0-9a-f]{32})', the checkpoint "
                                                r"'(?P<a>[0-9a-f]{32})'",
     "another run's state, the run record deleted": r"run_id: the replay state holds '[0-9a-f]{32}', the checkpoint "
-                                                   r"records none.*hdreplay_run.json \(the run record of this checkpoint "
-                                                   r"directory\) is missing",
+                                                   r"records none.*hdreplay_run.json \(the run record of this "
+                                                   r"checkpoint directory\) is missing",
     "another step's data.pt": r"dataloader: the replay state holds '[0-9a-f]{64}', the checkpoint '[0-9a-f]{64}'",
     "a pre-identity state": r"records no identity",
 }

@@ -280,7 +280,7 @@ def _checkpoint_copy(ckpt: Path, tmp_path: Path) -> tuple[Path, tuple[str, ...]]
 def _strip_staleness_state(folder: Path) -> None:
     """Rewrite the controller checkpoint in ``folder`` without the staleness rule's state (what the synchronous
     trainer, or an hdreplay that did not save it, writes)."""
-    from hdreplay.checkpoint import open_checkpoint_dir, write_checkpoint_dir
+    from hdreplay.checkpoint.files import open_checkpoint_dir, write_checkpoint_dir
     from hdreplay.controller import CONTROLLER_FORMAT, CONTROLLER_VERSION, CONTROLLER_VERSIONS
 
     with open_checkpoint_dir(folder, format_name=CONTROLLER_FORMAT, versions=CONTROLLER_VERSIONS) as (t, meta):
@@ -326,7 +326,8 @@ def test_resume_refuses_a_replay_state_that_is_not_this_checkpoints_and_changes_
     run = json.loads((copy / RUN_FILE).read_text())
     if case == "another run's state":  # the directory's record names another run than the state's
         (copy / RUN_FILE).write_text(json.dumps({**run, "run_id": "0" * 32}))
-        error, refusal = CheckpointMismatchError, rf"run_id: the replay state holds '{run['run_id']}', the checkpoint '0+'"
+        error, refusal = (CheckpointMismatchError,
+                          rf"run_id: the replay state holds '{run['run_id']}', the checkpoint '0+'")
         warning = r"empty replay state \(hdr\.resume_without_state=True\)"
     else:
         st = read_state(folder / "hdreplay")[0]

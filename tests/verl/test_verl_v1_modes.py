@@ -21,7 +21,9 @@ pytest.importorskip("transfer_queue")
 import numpy as np  # noqa: E402
 
 from hdreplay.integrations.verl import (  # noqa: E402
-    HDRPPOTrainerColocateAsync, HDRPPOTrainerSeparateAsync, HDRPPOTrainerSync,
+    HDRPPOTrainerColocateAsync,
+    HDRPPOTrainerSeparateAsync,
+    HDRPPOTrainerSync,
 )
 from verl_helpers import never_flat  # noqa: E402
 from verl_v1_harness import run_v1  # noqa: E402
@@ -29,7 +31,8 @@ from verl_v1_harness import run_v1  # noqa: E402
 N = 4
 SEPARATE = ("trainer.v1.trainer_mode=separate_async", "actor_rollout_ref.hybrid_engine=false",
             "actor_rollout_ref.rollout.nnodes=1", "actor_rollout_ref.rollout.n_gpus_per_node=1",
-            "actor_rollout_ref.rollout.checkpoint_engine.backend=nccl", "trainer.v1.separate_async.parameter_sync_step=2")
+            "actor_rollout_ref.rollout.checkpoint_engine.backend=nccl",
+            "trainer.v1.separate_async.parameter_sync_step=2")
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +60,7 @@ def separate(worker_group, transfer_queue, tokenizer, tiny_model_dir, tmp_path_f
                                     # mode: with flat prompts both can be all-equal (no mixed group to replay)
 
 
-# ---------------------------------------------------------------------------------------------------------- DAPO
+# ------------------------------------------------------------------------------------------------------- DAPO
 def test_dapo_fills_the_fresh_batch_with_mixed_groups_and_replay_adds_k_rep(dapo):
     recs = dapo.trainer.step_records
     assert [r.num_fresh_groups for r in recs] == [4, 4, 4]  # data.train_batch_size, after DAPO's filtering
@@ -78,7 +81,7 @@ def test_dapo_run_trains_replay_first(dapo):
         assert dapo.trained_kinds(i) == dapo.planned_kinds(i) and set(dapo.trained_kinds(i)[0]) == {"replay"}
 
 
-# ---------------------------------------------------------------------------------------------------------- colocate_async
+# ------------------------------------------------------------------------------------------------------- colocate_async
 def test_colocate_async_replays_with_verls_async_sampler_and_checkpoints_a_clean_transfer_queue(colocate):
     run, ckpt = colocate
     recs = run.trainer.step_records
@@ -92,7 +95,7 @@ def test_colocate_async_replays_with_verls_async_sampler_and_checkpoints_a_clean
         assert run.trained_kinds(i) == run.planned_kinds(i) and set(run.trained_kinds(i)[0]) == {"replay"}
 
 
-# ---------------------------------------------------------------------------------------------------------- separate_async
+# ------------------------------------------------------------------------------------------------------- separate_async
 def test_separate_async_counts_actor_updates_and_scores_with_the_current_weights(separate):
     recs = separate.trainer.step_records
     assert [r.step for r in recs] == [2, 3, 4, 5]  # global_steps * parameter_sync_step + local_trigger_step

@@ -17,7 +17,11 @@ from verl.utils.tensordict_utils import list_of_dict_to_tensordict  # noqa: E402
 
 from hdreplay.integrations.verl.mm import POSITIONS  # noqa: E402
 from hdreplay.integrations.verl.v1_rows import (  # noqa: E402
-    fresh_groups, padding_rows, replay_rows, score_fields, scoring_rows,
+    fresh_groups,
+    padding_rows,
+    replay_rows,
+    score_fields,
+    scoring_rows,
 )
 from verl_helpers import compose_config  # noqa: E402
 from verl_vlm import TASK, vlm_batch  # noqa: E402

@@ -2,7 +2,7 @@
 
 Every strategy here is driven by a trainer through :class:`~.protocol.Strategy` (select -> stage -> commit once per
 optimizer update, plus checkpoints) -- the protocol the core's :class:`~hdreplay.controller.ReplayController`
-already speaks -- and the integration's generation-side seam (``integrations/trl/strategies.py``), so no trainer
+already speaks -- and the integration's generation-side seam (``integrations/trl/peers/strategies.py``), so no trainer
 asks which strategy it holds.
 
 =================  ==========================================  ==============================================

@@ -16,7 +16,7 @@ The rules as the released trainer implements them (``OffPolicyManager`` / ``OffP
 * eviction (:func:`evict`) only above ``max_uids`` uids, by category caps.
 
 All ranges are inclusive.  :class:`BapoController` is the controller the TRL integration uses for ``replay_bapo``;
-the generation side (fresh filter, re-evaluation rounds, batch fill) is ``integrations/trl/bapo.py``.
+the generation side (fresh filter, re-evaluation rounds, batch fill) is ``integrations/trl/peers/bapo.py``.
 Deviation: a dropped fresh group (outside ``train_range``, so never in the trained batch) is stored without its
 generation log-probs -- it is re-evaluated, but never replayed (an all-wrong group has zero advantage anyway).
 """
@@ -31,14 +31,25 @@ import numpy as np
 import torch
 
 from ..errors import CheckpointError, ReplayConfigError, ReplayInputError, ReplayProtocolError
-from ..record import GroupRecord
 from ..sampling import new_rng, rng_from_state, rng_state
 from ..selectors import Selection, empty_selection
+from ..store.record import GroupRecord
 from ..validate import check_int, check_reals, check_sequence, check_step, is_int, is_real
 from .sampling import uniform_order
 from .store import (
-    StoredState, check_commit, check_groups, check_options, checked_meta, only_tensors, options_changes, pack,
-    real_list, refuse_option, step_or_none, unpack, warn_changes,
+    StoredState,
+    check_commit,
+    check_groups,
+    check_options,
+    checked_meta,
+    only_tensors,
+    options_changes,
+    pack,
+    real_list,
+    refuse_option,
+    step_or_none,
+    unpack,
+    warn_changes,
 )
 
 FORMAT = "hdreplay.bapo"
@@ -181,7 +192,7 @@ class Fresh:
 class BapoController(StoredState):
     """BAPO as a replay controller of the TRL integration (select -> stage -> commit, once per optimizer update).
 
-    Per step the sampler (integrations/trl/bapo.py) calls :meth:`reeval_candidates`, :meth:`record_reeval` for
+    Per step the sampler (integrations/trl/peers/bapo.py) calls :meth:`reeval_candidates`, :meth:`record_reeval` for
     each re-evaluated uid, then :meth:`plan` with the step's fresh groups and the replay budget; :meth:`select`
     returns up to that many target groups; :meth:`commit` stores the eligible fresh groups and evicts.
     """

@@ -12,7 +12,7 @@ of B groups of n:
    completed with the latest zero-variance groups -- zero advantage, so no policy gradient -- and the shortfall is
    counted (:meth:`compose`).
 
-The TRL integration (``integrations/trl/dynamic.py``) runs TRL's own generation for each round and cuts the rows.
+The TRL integration (``integrations/trl/peers/dynamic.py``) runs TRL's own generation for each round and cuts the rows.
 Deviations from verl: rounds of B instead of ``gen_prompt_bsz = 3B`` prompts; the extra prompts come from their own
 seeded pass over the training set instead of the dataloader's next batches; that pass restarts on resume.
 

@@ -12,8 +12,8 @@ The rules as the released code implements them (file names under ``exgrpo/verl/v
   pool for good, in either phase;
 * **selection** (``ExperienceMixCollateFn``, ``weighted_bucket_sampler.py``): ``min(valid prompts, int(B x ratio))``
   experience prompts, bucket counts ~ Multinomial(P_k proportional to N(k; n/2, sigma = 1) over non-empty buckets,
-  count units as in the code) with the overflow rule of :func:`hdreplay.baselines.sampling.bucket_counts`, uniform without
-  replacement within a bucket; per prompt the stored trajectory of lowest mean token entropy under the current
+  count units as in the code) with the overflow rule of :func:`hdreplay.baselines.sampling.bucket_counts`, uniform
+  without replacement within a bucket; per prompt the stored trajectory of lowest mean token entropy under the current
   policy (``exp_metric=ent``, ``argmin``);
 * **mixed group** (``mix_vllm_rollout_exp.py``, ``n_prefix=1``): the experience prompt is generated again and one of
   its n rows is the stored trajectory;
@@ -22,7 +22,7 @@ The rules as the released code implements them (file names under ``exgrpo/verl/v
   (:func:`shaped_token_loss`).
 
 This module holds the store and the decisions (pure given the generator); the TRL integration
-(:mod:`hdreplay.integrations.trl.exgrpo`) substitutes the prompts, injects the rows and trains the shaped term.
+(:mod:`hdreplay.integrations.trl.peers.exgrpo`) substitutes the prompts, injects the rows and trains the shaped term.
 """
 
 from __future__ import annotations
@@ -35,16 +35,28 @@ import numpy as np
 import torch
 
 from ..errors import CheckpointError, ReplayConfigError, ReplayInputError, ReplayProtocolError
-from ..record import GroupRecord
 from ..sampling import new_rng, rng_from_state, rng_state
 from ..selectors import Selection, empty_selection
+from ..store.record import GroupRecord
 from ..validate import check_int, check_step, is_int, is_real
 from .repo import key_of
 from .rollouts import split_rollouts
 from .sampling import bucket_counts, normal_bucket_weights, uniform_order
 from .store import (
-    StoredState, check_commit, check_groups, check_options, checked_meta, keyed, keys_of, only_tensors, options_changes,
-    pack, refuse_option, step_or_none, unpack, warn_changes,
+    StoredState,
+    check_commit,
+    check_groups,
+    check_options,
+    checked_meta,
+    keyed,
+    keys_of,
+    only_tensors,
+    options_changes,
+    pack,
+    refuse_option,
+    step_or_none,
+    unpack,
+    warn_changes,
 )
 
 FORMAT = "hdreplay.exgrpo"

@@ -21,7 +21,7 @@ ablations POPO-stale / POPO-pi_old / POPO-KL).  What neither states is marked *a
 The selection hands out copies of the chosen groups whose ``logprobs`` are pi_prox (the ratio denominator) and
 whose extra ``token_weight`` is w; a trainer multiplies a replayed row's advantage by it per token (TRL:
 :func:`hdreplay.integrations.trl.batch.replay_rows`).  The generation side (which fresh groups are swapped out) is
-``integrations/trl/popo.py``; the checkpoint goes through the validating store path of :mod:`.store`.
+``integrations/trl/peers/popo.py``; the checkpoint goes through the validating store path of :mod:`.store`.
 """
 
 from __future__ import annotations
@@ -35,14 +35,24 @@ import numpy as np
 import torch
 
 from ..errors import CheckpointError, ReplayConfigError, ReplayInputError, ReplayProtocolError
-from ..record import GroupRecord
-from ..scores import check_scorer_output
 from ..rescore import WalkCost
+from ..scores import check_scorer_output
 from ..selectors import Selection, empty_selection
+from ..store.record import GroupRecord
 from ..validate import check_int, check_step, is_real
 from .store import (
-    StoredState, check_commit, check_groups, check_options, checked_meta, only_tensors, options_changes, pack,
-    refuse_option, step_or_none, unpack, warn_changes,
+    StoredState,
+    check_commit,
+    check_groups,
+    check_options,
+    checked_meta,
+    only_tensors,
+    options_changes,
+    pack,
+    refuse_option,
+    step_or_none,
+    unpack,
+    warn_changes,
 )
 
 FORMAT = "hdreplay.popo"
@@ -52,7 +62,8 @@ TOKEN_WEIGHT = "token_weight"
 
 @dataclass(frozen=True)
 class PopoOptions:
-    """POPO's settings: ``capacity`` effective groups kept (FIFO), ``is_cap`` the truncation of w = pi_prox / pi_behav."""
+    """POPO's settings: ``capacity`` effective groups kept (FIFO), ``is_cap`` the truncation of
+    w = pi_prox / pi_behav."""
 
     capacity: int = 64
     is_cap: float = 2.0

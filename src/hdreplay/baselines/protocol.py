@@ -10,8 +10,8 @@ Once per optimizer update::
 
 and ``save`` / ``load`` for checkpoints, ``close`` at the end of training.  Nothing else: what a peer needs beyond
 it (RePO's batch prompts, BAPO's re-evaluation rounds, ExGRPO's prompt substitution, POPO's swap count) is fed by
-that peer's own generation-side code in the integration (e.g. ``integrations/trl/strategies.py`` builds one
-:class:`~hdreplay.integrations.trl.strategies.StrategySeam` per run), so the trainer calls this protocol and
+that peer's own generation-side code in the integration (e.g. ``integrations/trl/peers/strategies.py`` builds one
+:class:`~hdreplay.integrations.trl.peers.strategies.StrategySeam` per run), so the trainer calls this protocol and
 the seam's hooks and never asks which strategy it holds.
 
 >>> from hdreplay import ReplayConfig, ReplayController
@@ -26,8 +26,8 @@ from __future__ import annotations
 import os
 from typing import Any, Mapping, Protocol, Sequence, runtime_checkable
 
-from ..record import GroupRecord
 from ..selectors import Selection
+from ..store.record import GroupRecord
 
 
 @runtime_checkable

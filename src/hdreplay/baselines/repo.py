@@ -31,13 +31,24 @@ import numpy as np
 import torch
 
 from ..errors import CheckpointError, ReplayConfigError, ReplayInputError
-from ..record import GroupRecord
 from ..selectors import Selection, empty_selection
+from ..store.record import GroupRecord
 from ..validate import check_int, check_reals, check_step, check_str
 from .rollouts import split_rollouts
 from .store import (
-    StoredState, check_commit, check_groups, check_options, checked_meta, keyed, keys_of, only_tensors, options_changes,
-    pack, step_or_none, unpack, warn_changes,
+    StoredState,
+    check_commit,
+    check_groups,
+    check_options,
+    checked_meta,
+    keyed,
+    keys_of,
+    only_tensors,
+    options_changes,
+    pack,
+    step_or_none,
+    unpack,
+    warn_changes,
 )
 
 FORMAT = "hdreplay.repo"
@@ -231,7 +242,8 @@ class RepoController(StoredState):
         """(N, P) left-padded prompts of the current fresh batch, rows in TRL's order (n per prompt)."""
         if not (isinstance(prompt_ids, torch.Tensor) and isinstance(prompt_mask, torch.Tensor)
                 and prompt_ids.dim() == 2 and prompt_ids.shape == prompt_mask.shape):
-            raise ReplayInputError(f"observe_batch: prompt_ids and prompt_mask must be tensors of one (N, P) shape, got "
+            raise ReplayInputError(f"observe_batch: prompt_ids and prompt_mask must be tensors of one (N, P) "
+                                   f"shape, got "
                                    f"{getattr(prompt_ids, 'shape', type(prompt_ids).__name__)} and "
                                    f"{getattr(prompt_mask, 'shape', type(prompt_mask).__name__)}")
         keys = [key_of(prompt_ids[i][prompt_mask[i].bool()]) for i in range(prompt_ids.shape[0])]

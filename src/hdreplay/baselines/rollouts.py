@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..record import GroupRecord
+from ..store.record import GroupRecord
 
 
 def split_rollouts(group: GroupRecord, *, keep_zero_advantage: bool = False) -> list[GroupRecord]:

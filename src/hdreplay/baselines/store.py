@@ -1,16 +1,16 @@
 """What the prompt-keyed strategies (RePO, ExGRPO, BAPO) share: records kept per prompt key, and their checkpoint.
 
 A prompt key is a string naming one prompt (the integration derives it from the dataset row, e.g. the JSON of its
-prompt).  The stores hold :class:`~hdreplay.record.GroupRecord` s -- single responses (n = 1) or whole groups -- with
-their generation-time log-probs, plus the dataset row that regenerates the prompt (ExGRPO substitutes stored prompts
-into a batch, BAPO re-evaluates them).  Rows must be JSON-able to be checkpointed.
+prompt).  The stores hold :class:`~hdreplay.store.record.GroupRecord` s -- single responses (n = 1) or whole groups --
+with their generation-time log-probs, plus the dataset row that regenerates the prompt (ExGRPO substitutes stored
+prompts into a batch, BAPO re-evaluates them).  Rows must be JSON-able to be checkpointed.
 
-Checkpoints reuse the buffer's ragged storage (:class:`~hdreplay.storage.Block`) and crash-safe directory layout
-(:mod:`hdreplay.checkpoint`, layout 2).  A load is validated like the core controller's
-(:mod:`hdreplay.checkpoint_schema`): :func:`unpack` and the helpers below check every field's type, range and
-length, each strategy checks its cross-field consistency, and only then is anything assigned -- a refused load
-(:class:`~hdreplay.errors.CheckpointError` naming the field) changes nothing.  Options changed at resume are
-compared like the core's: what the stored state cannot hold under is refused, the rest is listed in one
+Checkpoints reuse the buffer's ragged storage (:class:`~hdreplay.store.blocks.Block`) and crash-safe directory layout
+(:mod:`hdreplay.checkpoint.files`, layout 2).  A load is validated like the core controller's
+(:mod:`hdreplay.store.state`, :mod:`hdreplay.controller_state`): :func:`unpack` and the helpers below check every
+field's type, range and length, each strategy checks its cross-field consistency, and only then is anything assigned --
+a refused load (:class:`~hdreplay.errors.CheckpointError` naming the field) changes nothing.  Options changed at resume
+are compared like the core's: what the stored state cannot hold under is refused, the rest is listed in one
 :class:`~hdreplay.errors.ReplayResumeWarning`.
 """
 
@@ -25,11 +25,11 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
-from ..checkpoint import check_identity, identity_of, read_checkpoint_dir, write_checkpoint_dir
+from ..checkpoint.files import check_identity, identity_of, read_checkpoint_dir, write_checkpoint_dir
 from ..errors import CheckpointError, ReplayConfigError, ReplayInputError, ReplayResumeWarning
-from ..multimodal import schema_from_json, schema_of, schema_to_json
-from ..record import GroupRecord
-from ..storage import PAYLOAD_DTYPES, Block
+from ..store.blocks import PAYLOAD_DTYPES, Block
+from ..store.multimodal import schema_from_json, schema_of, schema_to_json
+from ..store.record import GroupRecord
 from ..validate import MAX_COUNT, MAX_STEP, check_int, check_sequence, is_int, is_real
 
 STORE_VERSION = 1

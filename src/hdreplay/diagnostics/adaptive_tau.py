@@ -26,11 +26,10 @@ The multiplicative schedule refuses to move a tau of 0.
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Mapping
-
-import json
 
 from ..errors import CheckpointError, ReplayConfigError, ReplayInputError
 from ..validate import MAX_STEP, check_real, is_int, is_real

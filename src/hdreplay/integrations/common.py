@@ -18,8 +18,8 @@ from .. import baselines as _peers  # noqa: F401  (registers the peers' selector
 from ..config import Knob
 from ..controller import ReplayController
 from ..errors import CheckpointError, CheckpointMismatchError, ReplayResumeWarning
-from ..ingest import split_by_schema  # noqa: F401  (re-exported: its home before hdreplay.ingest)
-from ..padding import PaddedGroups
+from ..store.ingest import split_by_schema  # noqa: F401  (re-exported: its home before hdreplay.store.ingest)
+from ..store.padding import PaddedGroups
 
 #: name of the replay-state directory inside a framework checkpoint directory
 STATE_DIR = "hdreplay"

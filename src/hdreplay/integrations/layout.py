@@ -33,7 +33,8 @@ def _lengths(name: str, value) -> list[int]:
         value = value.tolist()
     out = check_sequence(name, value)
     if not all(is_int(x) and 0 <= x < MAX_STEP for x in out):
-        raise ReplayInputError(f"{name}: must hold ints >= 0 (row lengths), got {out[:8]}{'...' if len(out) > 8 else ''}")
+        raise ReplayInputError(f"{name}: must hold ints >= 0 (row lengths), "
+                               f"got {out[:8]}{'...' if len(out) > 8 else ''}")
     return [int(x) for x in out]
 
 

@@ -42,12 +42,12 @@ import numpy as np
 
 from ..controller import ReplayController
 from ..errors import ReplayConfigError, ReplayInputError, ReplayProtocolError
-from .ledger import LEDGER_FILE, StalenessLedger
-from .state import STATE_NAME, StalenessState, install, parse, snapshot
-from ..record import GroupRecord
 from ..selection import Scorer
 from ..selectors import Selection
-from ..validate import check_bool, check_int, check_sequence, check_step, is_int, is_real
+from ..store.record import GroupRecord
+from ..validate import check_bool, check_step, is_int, is_real
+from .ledger import LEDGER_FILE, StalenessLedger
+from .state import STATE_NAME, StalenessState, install, parse, snapshot
 
 #: what :func:`route` returns
 ROUTES = ("fresh", "divert", "drop")

@@ -20,8 +20,8 @@ import warnings
 from pathlib import Path
 from typing import Any, Mapping
 
-from ..records import rewind_jsonl
 from ..errors import CheckpointError, ReplayProtocolError, ReplayResumeWarning
+from ..records import rewind_jsonl
 from ..validate import is_int, is_real
 from .ledger import StalenessLedger
 
@@ -83,7 +83,8 @@ def parse(d: Any) -> dict[str, Any]:
         info = t[1]
         ok = (set(info) == set(_INFO) and is_int(info["birth"]) and info["birth"] >= 0 and is_int(info["tokens"])
               and info["tokens"] >= 0 and _number(info["length"]) and isinstance(info["admitted"], bool)
-              and (info["first_drift"] is None or (is_real(info["first_drift"]) and math.isfinite(info["first_drift"]))))
+              and (info["first_drift"] is None
+                   or (is_real(info["first_drift"]) and math.isfinite(info["first_drift"]))))
         if not ok or t[0] in out_tracked:
             raise bad(f"tracked group {t[0]!r}: info must be {_INFO} (each group once), got {dict(info)!r:.120}")
         out_tracked[t[0]] = dict(info)

@@ -13,9 +13,16 @@ The ``hdreplay report`` / ``hdreplay calibrate`` commands (``hdreplay_lab.cli``)
 """
 
 from .age import age_gate, mixing, phase_mixture, pool_ages, staleness
-from .calibration import run_calibration, summarize_calibration
 from .calibration import (
-    CalibrationCriteria, CalibrationSummary, Recommendation, RunDiagnostics, compare_adaptive, diagnose, recommend,
+    CalibrationCriteria,
+    CalibrationSummary,
+    Recommendation,
+    RunDiagnostics,
+    compare_adaptive,
+    diagnose,
+    recommend,
+    run_calibration,
+    summarize_calibration,
 )
 from .gate import acceptance, prefix_share, replay_kl, scan
 from .lifetime import counterfactual, headroom_deciles, multiplicity

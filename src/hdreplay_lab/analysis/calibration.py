@@ -33,7 +33,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import pandas as pd
 
-from hdreplay.atomic import atomic_write_text
+from hdreplay.checkpoint.atomic import atomic_write_text
 
 from ..progress import progress
 from .gate import acceptance, col, rejections, replay_kl, updates
@@ -192,7 +192,8 @@ def _flag(d: RunDiagnostics, c: CalibrationCriteria) -> None:
                          f"{c.loose_kl_ratio:g}x) with mean acceptance {d.mean_accept:.1%} > {c.loose_accept:.0%}")
     d.gate_inactive = d.mean_accept > c.inactive_accept
     if d.gate_inactive:
-        d.reasons.append(f"note: mean acceptance {d.mean_accept:.1%} > {c.inactive_accept:.0%}: the gate filters little")
+        d.reasons.append(f"note: mean acceptance {d.mean_accept:.1%} > {c.inactive_accept:.0%}: "
+                         "the gate filters little")
     d.status = "starved" if d.starved else "too_loose" if d.too_loose else "viable"
 
 
@@ -205,7 +206,8 @@ def recommend(diags: Sequence[RunDiagnostics], criteria: CalibrationCriteria | N
                               "keep their run.json / steps.jsonl tau)")
     viable = [d for d in fixed if d.status == "viable"]
     ruled_out = {d.label: d.status for d in fixed if d.status != "viable"}
-    ruled = "; ruled out: " + ", ".join(f"{k} ({v.replace('_', ' ')})" for k, v in ruled_out.items()) if ruled_out else ""
+    ruled = ("; ruled out: " + ", ".join(f"{k} ({v.replace('_', ' ')})" for k, v in ruled_out.items())
+             if ruled_out else "")
     if viable:
         pool = [d for d in viable if not d.gate_inactive] or viable
         fills_known = all(d.mean_budget_fill is not None for d in viable)
@@ -398,7 +400,8 @@ def fig_calibration(summary: CalibrationSummary):
     return fig
 
 
-def write_calibration(summary: CalibrationSummary, out_dir: str | os.PathLike, *, figures: bool = True) -> dict[str, Path]:
+def write_calibration(summary: CalibrationSummary, out_dir: str | os.PathLike, *,
+                      figures: bool = True) -> dict[str, Path]:
     """Write calibration.md / .json (and .png when a run has step records) under ``out_dir``."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

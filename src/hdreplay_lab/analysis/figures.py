@@ -213,7 +213,8 @@ def fig_ingress(runs: Runs):
         ax[0, 1].plot(*_xy(s["step"], s["buffer_format_only"]), color=c, label=f"{lab} ({sec['rule']} ingress)")
     _bars(ax[0, 2], [(i, f"{lab}: {rule}", {"rows": [{"x": j, "y": sec["rules"][rule][k]}
                                                       for j, k in enumerate(("no_correct", "mixed", "all_correct"))]})
-                     for i, lab, sec in have for rule in ("mixed", "answer")], lambda r: r["x"], "y", lambda s: s["rows"])
+                     for i, lab, sec in have for rule in ("mixed", "answer")],
+          lambda r: r["x"], "y", lambda s: s["rows"])
     ax[0, 2].set_xticks(range(3), ["S = 0", "1 <= S <= n-1", "S = n"])
     _finish(ax[0], [("step", "share of fresh groups admitted", "(A) ingress per step (5-step mean)"),
                     ("step", "format-only share of the buffer", "(B) buffer composition (run's rule)"),

@@ -4,8 +4,9 @@ Lifetime records (groups.jsonl): birth_step, ref_headroom (H_ref, the initial st
 (N_rep), exposure (W_T = sum_t 1[g in A_t] / |A_t|, including the fresh use at birth), evicted_step (null = still
 buffered when the run ended: its lifetime is censored; such groups are included and counted in n_still_buffered).
 
-Counterfactual: with the counterfactual on (``replay_counterfactual``, :class:`hdreplay.diagnostics.Counterfactual`) each step records the subset recency replay would have
-taken from the same pre-step buffer (same size) beside the selection.  Per step:
+Counterfactual: with the counterfactual on (``replay_counterfactual``, :class:`hdreplay.diagnostics.Counterfactual`)
+each step records the subset recency replay would have taken from the same pre-step buffer (same size) beside the
+selection.  Per step:
     compatibility gain  x = cf_drift_recency - cf_drift_selected        (> 0: selected has lower Drift)
     learning-value gain y = cf_headroom_selected - cf_headroom_recency  (> 0: selected has higher Headroom)
 Quadrants: both (x > 0, y > 0), compatibility_only (x > 0, y <= 0), value_only (x <= 0, y > 0), neither
@@ -82,7 +83,8 @@ def counterfactual(steps: pd.DataFrame) -> dict[str, Any]:
     if not len(cf):
         if col(steps, "cf_size").notna().any():
             return unavailable("counterfactual keys present but no step replayed anything")
-        return unavailable("run without the counterfactual (replay_counterfactual / hdreplay.diagnostics.Counterfactual) (no cf_* keys in steps.jsonl)")
+        return unavailable("run without the counterfactual (replay_counterfactual / "
+                           "hdreplay.diagnostics.Counterfactual) (no cf_* keys in steps.jsonl)")
     x = cf["cf_drift_recency"] - cf["cf_drift_selected"]
     y = cf["cf_headroom_selected"] - cf["cf_headroom_recency"]
     quad = pd.Series(np.select([(x == 0) & (y == 0), (x > 0) & (y > 0), x > 0, y > 0], QUADRANTS[4:] + QUADRANTS[:3],

@@ -14,14 +14,14 @@
 
 A resume's rewind sets the records of the steps after its checkpoint aside beside each log
 (``steps.rewound-from-step-<k>.<time>.jsonl``, :mod:`hdreplay.records`): they are not read, and a note lists them
-(``RunData.rewound``).  What a crash leaves is read around: a JSONL line cut short (a record that opens with ``{`` and does not parse) is
-skipped with a warning naming file:line (``on_bad_line="skip"``), and an empty groups.jsonl (a rewind on resume) is
-no records.  Everything else that cannot be read is refused with :class:`AnalysisInputError`, one line per problem
-naming the file (and line or field) and the fix: a file that is not a regular file (directory, FIFO, dangling link),
-a JSON file that does not parse or is not an object, an empty JSONL file, a line that is not a JSON object, a record
-of the wrong shape (:mod:`.records`; a NaN / Infinity literal in a file hdreplay writes as strict JSON), TensorBoard
-files without a scalar, a directory with nothing to analyse.  What is readable but left out is said in a note
-(``RunData.notes``): a run with neither replay diagnostics nor an async ledger (its report has the trainer log's
+(``RunData.rewound``).  What a crash leaves is read around: a JSONL line cut short (a record that opens with ``{`` and
+does not parse) is skipped with a warning naming file:line (``on_bad_line="skip"``), and an empty groups.jsonl (a rewind
+on resume) is no records.  Everything else that cannot be read is refused with :class:`AnalysisInputError`, one line per
+problem naming the file (and line or field) and the fix: a file that is not a regular file (directory, FIFO, dangling
+link), a JSON file that does not parse or is not an object, an empty JSONL file, a line that is not a JSON object, a
+record of the wrong shape (:mod:`.records`; a NaN / Infinity literal in a file hdreplay writes as strict JSON),
+TensorBoard files without a scalar, a directory with nothing to analyse.  What is readable but left out is said in a
+note (``RunData.notes``): a run with neither replay diagnostics nor an async ledger (its report has the trainer log's
 sections only), the values of a foreign metrics.json that are not numbers.  Nothing here computes statistics.
 """
 
@@ -38,11 +38,20 @@ from typing import Callable, Iterable
 
 import pandas as pd
 
-from hdreplay.records import EXTRA_STEP_TYPES, STEP_FIELDS, StepRecord, rewound_files
 from hdreplay.errors import ReplayError
+from hdreplay.records import EXTRA_STEP_TYPES, STEP_FIELDS, StepRecord, rewound_files
 
-from .records import (STEP_LISTS, check_fresh_record, check_group_record, check_ledger_record, check_log_record,
-                      check_metrics, check_run_meta, check_step_record, parse_json)
+from .records import (
+    STEP_LISTS,
+    check_fresh_record,
+    check_group_record,
+    check_ledger_record,
+    check_log_record,
+    check_metrics,
+    check_run_meta,
+    check_step_record,
+    parse_json,
+)
 
 __all__ = ["AnalysisInputError", "BadLineWarning", "RunData", "check_fresh_record", "check_group_record",
            "check_step_record", "group_frame", "load_run", "read_jsonl", "step_frame", "tensorboard_log",
@@ -220,7 +229,8 @@ def tensorboard_log(p: Path) -> pd.DataFrame:
     for f in sorted(p.rglob("events.out.tfevents.*")):
         acc = EventAccumulator(str(f), size_guidance={"scalars": 0})
         acc.Reload()
-        rows += [(e.step, tag.removeprefix("train/"), e.value) for tag in acc.Tags()["scalars"] for e in acc.Scalars(tag)]
+        rows += [(e.step, tag.removeprefix("train/"), e.value)
+                 for tag in acc.Tags()["scalars"] for e in acc.Scalars(tag)]
     df = pd.DataFrame(rows, columns=["step", "key", "value"])
     return df.pivot_table(index="step", columns="key", values="value", aggfunc="last").reset_index()
 
@@ -239,7 +249,8 @@ def load_run(path: str | Path, *, label: str | None = None, on_bad_line: str = "
     if not any(p.iterdir()):
         raise AnalysisInputError(f"{p}: the directory is empty; did the run write its logs somewhere else?")
     found = {m: p / m for m in FILES if os.path.lexists(p / m)}
-    ckpts = {int(c.parent.name[11:]): c for c in p.glob("checkpoint-*/trainer_state.json") if c.parent.name[11:].isdigit()}
+    ckpts = {int(c.parent.name[11:]): c for c in p.glob("checkpoint-*/trainer_state.json")
+             if c.parent.name[11:].isdigit()}
     state = found.get("trainer_state.json") or (ckpts[max(ckpts)] if ckpts else None)
     events = sorted(p.rglob("events.out.tfevents.*")) if "train_log.jsonl" not in found and not state else []
     if not ({"run.json", "train_log.jsonl", *STEPS_FILES} & set(found) or state or events):

@@ -46,7 +46,8 @@ def run_table(report: dict, section: str, rows: Sequence[tuple[str, str, str]]) 
     body = [[name, *(fmt(_get(a.get(section, {}), path), kind) if _ok(a.get(section, {})) else "n/a"
                      for a in runs.values())] for name, path, kind in rows]
     notes = [f"- {lab}: {a[section]['reason']}" for lab, a in runs.items() if not _ok(a.get(section, {}))]
-    return table(["metric", *(fmt(lab, "text") for lab in runs)], body) + ("\n" + "\n".join(notes) + "\n" if notes else "")
+    return (table(["metric", *(fmt(lab, "text") for lab in runs)], body)
+            + ("\n" + "\n".join(notes) + "\n" if notes else ""))
 
 
 def _figure(report: dict, name: str) -> str:
@@ -71,8 +72,8 @@ def _header(report: dict) -> str:
     rows = [[lab, *(fmt(i[k], "text") for k in ("method", "seed", "task", "selector", "k_rep")), fmt(i["tau"]),
              "yes" if i["adaptive"] else "no", _span(i["replay_steps"]), _span(i["log_steps"]), f"`{i['path']}`"]
             for lab, i in ((lab, a["info"]) for lab, a in report["runs"].items())]
-    s = "# Replay analytics report\n\n" + table(["run", "method", "seed", "task", "selector", "k_rep", "tau", "adaptive",
-                                                 "replay steps", "log steps", "path"], rows)
+    s = "# Replay analytics report\n\n" + table(["run", "method", "seed", "task", "selector", "k_rep", "tau",
+                                                 "adaptive", "replay steps", "log steps", "path"], rows)
     if report["comparison"]["mismatches"]:
         s += "\n## Comparability\n\n" + "\n".join(f"- {m}" for m in report["comparison"]["mismatches"]) + "\n"
     probs = [f"- {lab}: `{p}`" for lab, a in report["runs"].items() for p in a["problems"]]
@@ -80,8 +81,8 @@ def _header(report: dict) -> str:
         s += "\n## Data problems\n\n" + "\n".join(probs) + "\n"
     aside = [f"- {lab}: `{p}`" for lab, a in report["runs"].items() for p in a["info"].get("rewound") or ()]
     if aside:
-        s += ("\n## Records set aside by a resume\n\nA run resumed from a checkpoint: the records of the steps after it "
-              "were moved beside the logs (and written again by the resumed run); this report reads the logs "
+        s += ("\n## Records set aside by a resume\n\nA run resumed from a checkpoint: the records of the steps after "
+              "it were moved beside the logs (and written again by the resumed run); this report reads the logs "
               "themselves.\n\n" + "\n".join(aside) + "\n")
     return s + ("\nIntervals (early / middle / final) are equal-count thirds of the *updates* (steps whose pre-step "
                 "buffer was non-empty). Shares are percentages.\n")
@@ -146,7 +147,8 @@ def _phases(sec: dict) -> str:
     rows = [("steps", lambda p: f"{p['first_step']}..{p['last_step']}" if p["n_steps"] else "-"),
             ("updates with replay", lambda p: str(p["n_replay_updates"])),
             ("mean source age", lambda p: fmt(p["mean_age"])),
-            ("% age = 1", lambda p: fmt(p["share_age1"], "pct")), ("% age >= 3", lambda p: fmt(p["share_age_ge3"], "pct")),
+            ("% age = 1", lambda p: fmt(p["share_age1"], "pct")),
+            ("% age >= 3", lambda p: fmt(p["share_age_ge3"], "pct")),
             ("mean distinct ages / update", lambda p: fmt(p["mean_distinct_ages"])),
             ("% updates with >= 3 ages", lambda p: fmt(p["share_updates_ge3_ages"], "pct")),
             ("% updates with age 1 and age >= 3", lambda p: fmt(p["share_updates_age1_and_ge3"], "pct"))]
@@ -172,7 +174,8 @@ def _ingress(report: dict) -> str:
     rows += [("buffer: format-only share (mean)", "buffer/format_only_mean", "pct"),
              *_intervals("buffer: format-only share", "buffer/by_interval", "pct"),
              ("buffer: format-only share (last step)", "buffer/format_only_final", "pct"),
-             ("replay acceptance rate", "replay/accept_rate", "pct"), ("replay budget fill", "replay/budget_fill", "pct"),
+             ("replay acceptance rate", "replay/accept_rate", "pct"),
+             ("replay budget fill", "replay/budget_fill", "pct"),
              ("replay events on format-only groups", "replay/format_only_replay_share", "pct")]
     mism = [f"- {lab}: reconstructed ingress differs from the logged count at steps "
             f"{a['ingress']['buffer']['admitted_mismatch_steps'][:10]}" for lab, a in runs.items()

@@ -84,7 +84,8 @@ def _non_finite(rec: dict) -> str | None:
 
 
 def _step(rec: dict) -> str | None:
-    return None if _is_int(rec.get("step")) and rec["step"] >= 0 else f"'step' must be an int >= 0, got {rec.get('step')!r:.40}"
+    return (None if _is_int(rec.get("step")) and rec["step"] >= 0
+            else f"'step' must be an int >= 0, got {rec.get('step')!r:.40}")
 
 
 def check_step_record(rec: dict) -> str | None:

@@ -26,7 +26,7 @@ from typing import Annotated, Any, Sequence
 
 from tyro.conf import arg
 
-from hdreplay.atomic import atomic_write_text
+from hdreplay.checkpoint.atomic import atomic_write_text
 
 from ..flags import CommaInt
 from ..progress import progress
@@ -151,7 +151,8 @@ def mismatches(infos: Sequence[dict], *, ignore: Sequence[str] = ()) -> list[str
         d = differ(infos, key)
         if d:
             out.append(f"{what} differs ({', '.join(f'{k}={v[0]}..{v[1]}' for k, v in d.items())}): early/middle/"
-                       "final intervals and phases cover different spans; compare per-step curves on their common steps")
+                       "final intervals and phases cover different spans; compare per-step curves on their common "
+                       "steps")
     if rep and any(i["counterfactual"] for i in rep) and not all(i["counterfactual"] for i in rep):
         out.append("only some runs logged the same-buffer counterfactual (counterfactual=True)")
     return out
@@ -161,7 +162,8 @@ def analyze_run(run: RunData, settings: ReportSettings = ReportSettings()) -> di
     """Every section for one loaded run (pure: no I/O).  See the module docstring for the keys."""
     info = run_info(run)
     out: dict[str, Any] = {"info": info, "problems": list(run.problems),
-                           "training": training(run.log, score_key=settings.score_key, entropy_key=settings.entropy_key),
+                           "training": training(run.log, score_key=settings.score_key,
+                                                entropy_key=settings.entropy_key),
                            "final_metrics": final_metrics(run.metrics), "async_ledger": async_ledger(run)}
     out["ingress"] = ingress(run.fresh, run.steps, run.groups, run.replay_config,
                              threshold=settings.answer_threshold)
@@ -198,7 +200,8 @@ def build_report(runs: Sequence[RunData], settings: ReportSettings = ReportSetti
         analyses = {r.label: analyze_run(r, settings) for r in bar}
     return sanitize({"format": REPORT_FORMAT, "version": REPORT_VERSION, "settings": asdict(settings),
                      "runs": analyses, "figures": {},
-                     "comparison": {"labels": labels, "mismatches": mismatches([a["info"] for a in analyses.values()])}})
+                     "comparison": {"labels": labels,
+                                    "mismatches": mismatches([a["info"] for a in analyses.values()])}})
 
 
 def write_report(report: dict[str, Any], out_dir: str | os.PathLike, *, figures: bool = True,

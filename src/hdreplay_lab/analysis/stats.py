@@ -94,12 +94,14 @@ def sanitize(obj: Any) -> Any:
     return None if obj is pd.NA else obj
 
 
-def check_settings(obj: Any, *, counts: tuple = (), finite: tuple = (), fractions: tuple = (), flags: dict = {}) -> None:
+def check_settings(obj: Any, *, counts: tuple = (), finite: tuple = (), fractions: tuple = (),
+                   flags: dict = {}) -> None:
     """Refuse (AnalysisInputError naming the field and its flag) a count < 1, a non-finite number or a fraction
     outside [0, 1] among the named fields of a settings dataclass."""
     from .load import AnalysisInputError
 
-    for names, ok, what in ((counts, lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1, "an int >= 1"),
+    for names, ok, what in ((counts, lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1,
+                             "an int >= 1"),
                             (finite, lambda v: num(v) is not None, "a finite number"),
                             (fractions, lambda v: num(v) is not None and 0 <= v <= 1, "a fraction in [0, 1]")):
         for name in names:

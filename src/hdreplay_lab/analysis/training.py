@@ -8,7 +8,8 @@ thresholds H_L < H_U:
                H <= H_L (the onset of the held run)
     t_rebound  the step of the first log point at or after t_entry that starts ``rebound_hold`` (5) consecutive
                log points all with H >= H_U
-    Delta_entry = t_entry - t_first (negative if entropy collapses before the anchor); Delta_rebound = t_rebound - t_entry
+    Delta_entry = t_entry - t_first (negative if entropy collapses before the anchor);
+    Delta_rebound = t_rebound - t_entry
 
 "Consecutive log points" are consecutive entries of the series that has the key (entries without a finite value
 are dropped first).  Times are trainer steps.  An event that never happens is None with the reason in ``notes``;
@@ -46,7 +47,8 @@ class EntropyThresholds:
                        counts=("entry_hold", "rebound_hold"))
         if not self.entropy_low < self.entropy_high:
             raise AnalysisInputError(f"need entropy_low (H_L) < entropy_high (H_U), got H_L={self.entropy_low:g}, "
-                                     f"H_U={self.entropy_high:g}; pass a smaller --entropy-low or larger --entropy-high")
+                                     f"H_U={self.entropy_high:g}; pass a smaller --entropy-low or larger "
+                                     "--entropy-high")
 
 
 def log_series(log: pd.DataFrame, key: str) -> pd.Series:
@@ -83,7 +85,8 @@ def first_held(cond: pd.Series, hold: int, start: int = 0) -> int | None:
     return int(full.idxmax()) - hold + 1 + start if full.any() else None
 
 
-def collapse_timing(score: pd.Series, entropy: pd.Series, th: EntropyThresholds = EntropyThresholds()) -> dict[str, Any]:
+def collapse_timing(score: pd.Series, entropy: pd.Series,
+                    th: EntropyThresholds = EntropyThresholds()) -> dict[str, Any]:
     """t_first, t_entry, t_rebound and the two delays (module docstring) from step-indexed score / entropy series.
 
     Returns {"t_first", "t_entry", "t_rebound", "delta_entry", "delta_rebound", "n_score_points",

@@ -38,7 +38,13 @@ from hdreplay.errors import ReplayConfigError
 
 from ..flags import CommaFloat, CommaStr, ReplayOptions
 from .methods import (
-    COMPARE_METHODS, GEO_METHODS, METHODS, SEARCH_METHODS, STRATEGY_METHODS, Method, get_methods,
+    COMPARE_METHODS,
+    GEO_METHODS,
+    METHODS,
+    SEARCH_METHODS,
+    STRATEGY_METHODS,
+    Method,
+    get_methods,
 )
 from .runner import RunSpec, is_finished
 from .tasks import TASKS, get_task
@@ -326,9 +332,10 @@ def run_compare(cfg: CompareConfig, out: Path, *, overwrite: bool = False, log=p
     for m in methods:
         if cfg.train_pool is not None and cfg.train_pool % m.fresh_groups(cfg.prompts_per_step):
             log(f"warning: --train-pool {cfg.train_pool} is not a multiple of {m.name}'s "
-                f"{m.fresh_groups(cfg.prompts_per_step)} prompts per step: TRL's sampler drops each epoch's incomplete "
-                "last batch, so after the first epoch it reads the prompts in another order than the others (the "
-                "summary's prompt-order check names it); a multiple of every method's prompts per step keeps the pairing")
+                f"{m.fresh_groups(cfg.prompts_per_step)} prompts per step: TRL's sampler drops each epoch's "
+                "incomplete last batch, so after the first epoch it reads the prompts in another order than the "
+                "others (the summary's prompt-order check names it); a multiple of every method's prompts per step "
+                "keeps the pairing")
     if model_dir is None:
         log("warm start (cached once per settings in the shared cache directory) ...")
         model_dir = warm_start(task, log=log)

@@ -35,7 +35,8 @@ def build_tiny_model(directory: str | os.PathLike, *, arch: str = "qwen2", chars
     torch.manual_seed(seed)
     if arch == "qwen2":
         cfg = Qwen2Config(vocab_size=V, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-                          num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=max_positions,
+                          num_attention_heads=heads, num_key_value_heads=kv_heads,
+                          max_position_embeddings=max_positions,
                           tie_word_embeddings=True, pad_token_id=0, eos_token_id=1, bos_token_id=None)
         model = Qwen2ForCausalLM(cfg)
     elif arch == "gpt2":  # absolute position embeddings

@@ -80,7 +80,8 @@ def run_regime(run_dir: Path, *, model_ms_per_token: float = 0.0) -> dict:
     native = generation_share([r["gen_s"] for r in timed], [r["step_s"] for r in timed],
                               [r["gen_tokens"] for r in timed], -run_ms) if timed else np.array([])
     modelled = generation_share([r["gen_s"] for r in timed], [r["step_s"] for r in timed],
-                                [r["gen_tokens"] for r in timed], model_ms_per_token - run_ms) if timed else np.array([])
+                                [r["gen_tokens"] for r in timed],
+                                model_ms_per_token - run_ms) if timed else np.array([])
     zv = [r.get("zero_variance_share") for r in log]
     acc = [s.get("accept_rate") for s in active]
     out = {

@@ -31,7 +31,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from hdreplay.atomic import atomic_write_text
+from hdreplay.checkpoint.atomic import atomic_write_text
 
 from ..env import configure_threads, offline_env
 from .instrument import Instrument, StepStats, sandbox_trainer_class

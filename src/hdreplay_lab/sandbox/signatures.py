@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from hdreplay.atomic import atomic_write_text
+from hdreplay.checkpoint.atomic import atomic_write_text
 
 from .. import jsonout
 
@@ -64,7 +64,8 @@ def tau_sweep(out: Path, cfg) -> dict:
     verdict = (f"Acceptance tight / moderate / loose: {_pct(tight['acceptance'])} / {_pct(moderate['acceptance'])} / "
                f"{_pct(loose['acceptance'])} (paper: 6 % / ~40 % / 94 %); replay KL final/early "
                f"{_fmt(moderate['kl_final_over_early'], '.2f')} at moderate ({'flat' if flat else 'not flat'}) and "
-               f"{_fmt(loose['kl_final_over_early'], '.2f')} at loose ({'rising, faster than moderate' if rising else 'not rising'}); "
+               f"{_fmt(loose['kl_final_over_early'], '.2f')} at loose "
+               f"({'rising, faster than moderate' if rising else 'not rising'}); "
                f"calibrate's recommendation: {summ.recommendation.label or summ.recommendation.status}.")
     return {"available": True, "runs": rows, "recommendation": summ.recommendation.label, "verdict": verdict,
             "files": {k: str(Path(v).relative_to(out)) for k, v in summ.paths.items() if isinstance(v, (str, Path))}}
@@ -151,7 +152,8 @@ def variant(out: Path, summary: dict, name: str, what: str, paper: str) -> dict:
     elif (out / "signatures" / name / "metrics.json").is_file():
         ref_dir, var_dir = out / "runs" / REF / "seed0", out / "signatures" / name
         c = summary["modelled_ms_per_token"]
-        a, b = ({k: (v["mean"] if isinstance(v, dict) and "mean" in v else v) for k, v in run_regime(d, model_ms_per_token=c).items()}
+        a, b = ({k: (v["mean"] if isinstance(v, dict) and "mean" in v else v)
+                 for k, v in run_regime(d, model_ms_per_token=c).items()}
                 for d in (ref_dir, var_dir))
         p = _paired([json.loads((ref_dir / "metrics.json").read_text())],
                     [json.loads((var_dir / "metrics.json").read_text())], reps=2000)
@@ -164,7 +166,8 @@ def variant(out: Path, summary: dict, name: str, what: str, paper: str) -> dict:
            + (f" over {seeds} seeds" if seeds > 1 else ", one seed: the interval covers held-out prompts only")
            ) if p else "accuracy not paired"
     verdict = (f"{what}: acceptance {_pct(b.get('acceptance'))} vs {_pct(a.get('acceptance'))}, budget fill "
-               f"{_pct(b.get('budget_fill'))} vs {_pct(a.get('budget_fill'))}, replay KL {_fmt(b.get('replay_kl'), '.4f')} "
+               f"{_pct(b.get('budget_fill'))} vs {_pct(a.get('budget_fill'))}, "
+               f"replay KL {_fmt(b.get('replay_kl'), '.4f')} "
                f"vs {_fmt(a.get('replay_kl'), '.4f')}; {acc}. Paper: {paper}")
     return {"available": True, "numbers": nums, "paired": p, "seeds": seeds, "verdict": verdict}
 
@@ -181,7 +184,8 @@ def ablation(summary: dict) -> dict:
     verdict = ("Order by macro Mean@n: " + " > ".join(ms[n]["label"] for n in order)
                + f" (paper: full > headroom-only > drift-only); against Headroom-Drift: {'; '.join(sep)}"
                + (". The paper's order " + ("holds" if order == names else "does not hold")
-                  + " in the means; " + ("every" if all(p and p["excludes_zero"] for p in paired.values()) else "not every")
+                  + " in the means; "
+                  + ("every" if all(p and p["excludes_zero"] for p in paired.values()) else "not every")
                   + " difference is resolved at 95 %."))
     return {"available": True, "macro_mean_at_n": means, "order": order, "verdict": verdict}
 

@@ -29,14 +29,13 @@ from pathlib import Path
 
 import numpy as np
 
-from hdreplay.atomic import atomic_write_text
+from hdreplay.checkpoint.atomic import atomic_write_text
 
 from .. import jsonout
 from ..analysis.load import AnalysisInputError
-
 from .curves import cost_to_target, method_curve, read_curve
-from .regime import cost_for_share, interval_regime, method_regime, run_regime
 from .methods import METHODS
+from .regime import cost_for_share, interval_regime, method_regime, run_regime
 from .stats import components, paired_bootstrap, paired_differences, seed_bootstrap, seeds_needed
 
 REFERENCE = "headroom_drift"
@@ -272,7 +271,8 @@ def gate_numbers(out: Path, cfg, names: list[str]) -> dict:
             "mean_age": float(a.mean()) if a.size else None,
             "share_age_1": float((a == 1).mean()) if a.size else None,
             "max_age": int(a.max()) if a.size else None,
-            "age_hist": {int(k): int(v) for k, v in zip(*np.unique(a.astype(int), return_counts=True))} if a.size else {},
+            "age_hist": ({int(k): int(v) for k, v in zip(*np.unique(a.astype(int), return_counts=True))}
+                         if a.size else {}),
         }
     return res
 

@@ -37,7 +37,8 @@ def render_markdown(summary: dict) -> str:
              "BAPO's re-evaluations included), stored responses forwarded under the current policy to select replay, "
              "groups replayed (single-rollout replay: rows / n), training wall-clock.", ""]
     cells = lambda fn: [fn(ms[k]) for k in names]  # noqa: E731
-    rows = [[f"{b} (n={size})", *cells(lambda e: _cell(e["benchmarks"][b]["best_at_n"], e["benchmarks"][b]["mean_at_n"]))]
+    rows = [[f"{b} (n={size})",
+             *cells(lambda e: _cell(e["benchmarks"][b]["best_at_n"], e["benchmarks"][b]["mean_at_n"]))]
             for b, size in summary["benchmarks"].items()]
     rows += [["Macro Avg", *cells(lambda e: _cell(e["macro_best_at_n"], e["macro_mean_at_n"]))],
              ["Weighted Avg", *cells(lambda e: _cell(e["weighted_best_at_n"], e["weighted_mean_at_n"]))],
@@ -113,7 +114,8 @@ def _regime(summary: dict) -> list[str]:
            "zero-variance share in 40-60 % / the acceptance in 30-50 %. Generation share: seconds in TRL's "
            f"`_generate` / step seconds, natively and with the modelled rollout cost of {c:g} ms per generated "
            "token added" + (f" (the smallest round cost making generation >= 2/3 of "
-                             f"{ms[summary['modelled_from']]['label']}'s step here)" if summary.get("modelled_from") else "")
+                             f"{ms[summary['modelled_from']]['label']}'s step here)"
+                             if summary.get("modelled_from") else "")
            + ".", "",
            ]
     rows = []
@@ -173,7 +175,8 @@ def _paired(summary: dict, seeds: int) -> list[str]:
     better = [e["label"] for _, e in rows if e["paired"]["excludes_zero"] and e["paired"]["diff"] > 0]
     worse = [e["label"] for _, e in rows if e["paired"]["excludes_zero"] and e["paired"]["diff"] < 0]
     hw = max(e["paired"]["half_width"] for _, e in rows)
-    parts = ([f"better than {', '.join(worse)}"] if worse else []) + ([f"worse than {', '.join(better)}"] if better else [])
+    parts = (([f"better than {', '.join(worse)}"] if worse else [])
+             + ([f"worse than {', '.join(better)}"] if better else []))
     said = (f"Headroom-Drift is {' and '.join(parts)} at 95 % (intervals excluding 0); the rest are not separated"
             if parts else "no interval excludes 0: Headroom-Drift is not separated from any method")
     if fam is not None and fam["comparisons"] > 1 and (better or worse):
@@ -298,7 +301,8 @@ def _paired_step_time(summary: dict) -> list[str]:
 
 
 def _pm(s: dict, spec: str) -> str:
-    return "n/a" if s["mean"] is None else format(s["mean"], spec) + (f" ± {format(s['std'], spec)}" if s["n"] > 1 else "")
+    return ("n/a" if s["mean"] is None
+            else format(s["mean"], spec) + (f" ± {format(s['std'], spec)}" if s["n"] > 1 else ""))
 
 
 def _lat(x: float) -> str:
@@ -312,8 +316,8 @@ def _wallclock(summary: dict) -> list[str]:
         return []
     ref = ec["reference"]
     lats = [f"{x:g}" for x in ec["latencies_ms"]]
-    out = ["", f"Wall-clock to the target (held-out macro Mean@{summary['config']['curve_n']} {wc['target']:.3f} on the "
-               "curve's prompts, seed-mean curve), modelled from the cumulative CPU seconds and counts at each "
+    out = ["", f"Wall-clock to the target (held-out macro Mean@{summary['config']['curve_n']} {wc['target']:.3f} "
+               "on the curve's prompts, seed-mean curve), modelled from the cumulative CPU seconds and counts at each "
                "evaluation point, per turn / sequential:", "",
            table(["Method", *(f"{x} ms" for x in lats)],
                  [[ms[k]["label"], *(" / ".join(_f(wc[c]["to_target_s"][k][lat], ",.0f", "not reached")
@@ -339,9 +343,9 @@ def _wallclock(summary: dict) -> list[str]:
                                  f"[{_lat(x['lo'])}, {_lat(x['hi'])}]", f"{100 * x['never_share']:.0f}%",
                                  f"{100 * x['always_share']:.0f}%", f"{100 * x.get('neither_share', 0.0):.0f}%"])
     if rows:
-        out += ["", f"The same against the on-policy baselines at lower targets (half, three quarters and all of the way "
-                    f"from the warm start's curve value {wc['start']:.3f} to the target): one target is one point of a "
-                    "noisy curve.", "",
+        out += ["", f"The same against the on-policy baselines at lower targets (half, three quarters and all of the "
+                    f"way from the warm start's curve value {wc['start']:.3f} to the target): one target is one point "
+                    "of a noisy curve.", "",
                 table(["Concurrency", "Target", "Against", "Sooner above", "95 % interval", "Never", "Always",
                        "Neither"], rows)]
     return out

@@ -87,14 +87,21 @@ def _qwen2vl(tok, hidden: int, layers: int, heads: int, kv_heads: int, vision_de
 
 
 def _llava(tok, hidden: int, layers: int, heads: int, kv_heads: int, vision_depth: int):
-    from transformers import (CLIPImageProcessorPil, CLIPVisionConfig, LlavaConfig, LlavaForConditionalGeneration,
-                              LlavaProcessor, Qwen2Config)
+    from transformers import (
+        CLIPImageProcessorPil,
+        CLIPVisionConfig,
+        LlavaConfig,
+        LlavaForConditionalGeneration,
+        LlavaProcessor,
+        Qwen2Config,
+    )
 
     improc = CLIPImageProcessorPil(size={"shortest_edge": IMAGE_SIZE},
                                    crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE})
     n_img = (IMAGE_SIZE // 14) ** 2
-    proc = LlavaProcessor(image_processor=improc, tokenizer=tok, patch_size=14, vision_feature_select_strategy="default",
-                          chat_template=chat_template("<image>"), image_token="<image>", num_additional_image_tokens=1)
+    proc = LlavaProcessor(image_processor=improc, tokenizer=tok, patch_size=14,
+                          vision_feature_select_strategy="default", chat_template=chat_template("<image>"),
+                          image_token="<image>", num_additional_image_tokens=1)
     cfg = LlavaConfig(
         vision_config=CLIPVisionConfig(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=vision_depth,
                                        num_attention_heads=2, image_size=IMAGE_SIZE, patch_size=14,

@@ -61,7 +61,8 @@ class WarmStartConfig:
         if getattr(task, "warmstart_kinds", None):  # the recorded zero-variance share depends on the question mix
             setting["kinds"] = [list(task.train_kinds), list(task.warmstart_kinds)]
         blob = json.dumps(setting, sort_keys=True)
-        return f"{task.name}-{self.arch}-h{self.hidden}l{self.layers}-s{self.seed}-" + hashlib.sha1(blob.encode()).hexdigest()[:10]
+        return (f"{task.name}-{self.arch}-h{self.hidden}l{self.layers}-s{self.seed}-"
+                + hashlib.sha1(blob.encode()).hexdigest()[:10])
 
 
 def _batch(tok, task: Task, problems, rng: random.Random) -> dict:
@@ -168,7 +169,8 @@ def warm_start(task: Task, cache_dir: str | os.PathLike | None = None, cfg: Warm
             model.save_pretrained(tmp)
         meta = {"task": task.name, "config": asdict(cfg), "steps": step, "mean_at_n": acc, "history": history,
                 "zero_variance_share": history[-1].get("zero_variance_share") if history else None,
-                "seconds": time.perf_counter() - t0, "torch_threads": threads, "method": "teacher-forced AdamW loop (hdreplay_lab.sandbox.warmstart)"}
+                "seconds": time.perf_counter() - t0, "torch_threads": threads,
+                "method": "teacher-forced AdamW loop (hdreplay_lab.sandbox.warmstart)"}
         (tmp / "warmstart.json").write_text(json.dumps(meta, indent=2))
         if out.exists():  # another process finished first
             shutil.rmtree(tmp)

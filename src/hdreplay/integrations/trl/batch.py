@@ -35,12 +35,12 @@ import torch
 
 from ...baselines.popo import TOKEN_WEIGHT
 from ...errors import ReplayInputError
-from ...ingest import Ingest, Rows
-from ...ingest import groups_from_rows as ingest_groups
-from ...multimodal import Schema
-from ...padding import pad_groups
-from ...record import GroupRecord
 from ...selection import Selection
+from ...store.ingest import Ingest, Rows
+from ...store.ingest import groups_from_rows as ingest_groups
+from ...store.multimodal import Schema
+from ...store.padding import pad_groups
+from ...store.record import GroupRecord
 from ..common import trim_rows
 from . import mm
 
@@ -146,7 +146,7 @@ def generation_groups(rows: dict[str, torch.Tensor], rewards: torch.Tensor, *, n
                       id_prefix: str, mm_rows: Sequence[dict] | None = None,
                       mm_why: Sequence[str | None] | None = None, schema: Schema | None = None) -> Ingest:
     """The groups of a *global* (all-rank) generation batch, whose groups are consecutive blocks of rows
-    (:func:`hdreplay.ingest.groups_from_rows` builds and checks them; ids ``"<id_prefix><k>"``).
+    (:func:`hdreplay.store.ingest.groups_from_rows` builds and checks them; ids ``"<id_prefix><k>"``).
 
     Args:
         rows: global per-row tensors: prompt_ids/prompt_mask (N, P) left-padded, completion_ids/
@@ -191,7 +191,6 @@ def replay_rows(groups: Sequence[GroupRecord], sl: slice, *, pad_token_id: int,
     """
     pg = pad_groups(groups, pad_token_id=pad_token_id)
     rows = trim_rows(pg, sl)  # drop the column padding that only rows outside this slice needed
-    n = rows.completion_ids.shape[0]
     adv = pg.advantages
     if loss_weights is not None:
         w = torch.tensor(np.asarray(loss_weights, dtype=np.float64))

@@ -31,7 +31,7 @@ from typing import Any, Callable
 
 from transformers import TrainerCallback
 
-from ...atomic import atomic_write_text
+from ...checkpoint.atomic import atomic_write_text
 
 LOG_FILE, RUN_FILE = "train_log.jsonl", "run.json"
 

@@ -68,38 +68,14 @@ def check_sharding(args, accelerator) -> None:
                          "under it. Set the FSDP version to 2.")
 
 
-def check_exgrpo(trainer, args) -> None:
-    """Refuse ``replay_exgrpo`` settings its injected rows cannot honour (each message names the setting and the fix)."""
-    from .exgrpo import SHAPED_LOSS_TYPES
-
-    bad = []
-    if trainer.accelerator.num_processes > 1:
-        bad.append(f"{trainer.accelerator.num_processes} processes (launch one)")
-    if trainer._is_vlm:
-        bad.append("a vision-language model (text only)")
-    if trainer.loss_type not in SHAPED_LOSS_TYPES:
-        bad.append(f"loss_type={trainer.loss_type!r} (use one of {', '.join(SHAPED_LOSS_TYPES)})")
-    if args.replay_micro_step != "chunk":
-        bad.append("replay_micro_step='grow' (use 'chunk')")
-    if trainer.beta != 0.0:
-        bad.append(f"beta={trainer.beta} (use 0: stored rows carry no reference log-probs)")
-    if trainer._entropy_bonus_enabled or trainer.top_entropy_quantile < 1.0 or trainer.off_policy_mask_threshold:
-        bad.append("an entropy bonus, top_entropy_quantile < 1 or off_policy_mask_threshold (the shaped term has none)")
-    if trainer.scale_rewards not in ("group", "none"):
-        bad.append(f"scale_rewards={trainer.scale_rewards!r} (use 'group' or 'none')")
-    if getattr(trainer, "multi_objective_aggregation", "sum_then_normalize") != "sum_then_normalize":
-        bad.append("multi_objective_aggregation other than 'sum_then_normalize'")
-    if bad:
-        raise ValueError("replay_exgrpo (ExGRPO's mixed-policy groups) cannot run with " + "; ".join(bad))
-
-
 def check_padding_drift(err: float, *, low_precision: bool, model: torch.nn.Module) -> float:
     """``err`` = max |d logp| between two paddings of one sequence (:func:`.positions.padding_drift`); returned
     when within :data:`PADDING_TOLERANCE`, else refused: replayed groups could not be re-scored consistently."""
     tol = PADDING_TOLERANCE["low" if low_precision else "fp32"]
     if not err <= tol:
         raise ValueError(
-            f"{type(model).__name__}: the same sequence re-padded changes its log-probs by up to {err:.2e} (> {tol:g}), "
-            "even with generation-style position ids; replayed groups could not be re-scored consistently. Use a "
-            "model whose forward accepts position_ids (rotary or absolute), or replay_selector='none'.")
+            f"{type(model).__name__}: the same sequence re-padded changes its log-probs by up to {err:.2e} "
+            f"(> {tol:g}), even with generation-style position ids; replayed groups could not be re-scored "
+            "consistently. Use a model whose forward accepts position_ids (rotary or absolute), or "
+            "replay_selector='none'.")
     return err

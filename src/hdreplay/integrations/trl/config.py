@@ -135,7 +135,8 @@ class _ReplayFields:
     replay_dynamic_sampling_max_batches: int = field(default=10, metadata={"help": (
         "generation rounds per batch at most with replay_dynamic_sampling (verl's max_num_gen_batches; >= 1); at "
         'the limit the batch is completed with zero-variance groups (zero advantage) and the shortfall logged')})
-    # ---- diagnostics and experiments (hdreplay.diagnostics.DiagnosticsConfig): none changes what is replayed but adaptive tau
+    # ---- diagnostics and experiments (hdreplay.diagnostics.DiagnosticsConfig):
+    # none changes what is replayed but adaptive tau
     replay_diagnose_ungated: bool = field(default=False, metadata={"help": (
         'also re-score the groups recency replay picks, so their Drift and replay KL are reported (one forward '
         'over them)')})

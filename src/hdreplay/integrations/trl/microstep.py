@@ -14,8 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .batch import concat_rows, spread, take_rows
-from .batch import Generation
+from .batch import Generation, concat_rows, spread, take_rows
 
 #: how TRL 1.16 normalises a micro-batch's loss, per loss type (see chunk_scales)
 ROW_MEAN = ("grpo", "sapo", "luspo", "dr_grpo")
@@ -72,7 +71,8 @@ def trim(rows: dict) -> dict:
     for k, v in rows.items():
         if k.startswith("prompt"):
             out[k] = v[:, v.shape[1] - p:]
-        elif isinstance(v, torch.Tensor) and v.dim() == 2 and not (k == "importance_sampling_ratio" and v.shape[1] == 1):
+        elif (isinstance(v, torch.Tensor) and v.dim() == 2
+                and not (k == "importance_sampling_ratio" and v.shape[1] == 1)):
             out[k] = v[:, :c]
         else:
             out[k] = v
@@ -104,7 +104,8 @@ def merged(micro: MicroStep, *, pad_token_id: int) -> dict:
     fresh.setdefault("tool_mask", torch.ones_like(fresh["completion_mask"]))
     fill = "old_per_token_logps" not in fresh
     if fill:
-        fresh["old_per_token_logps"] = torch.zeros_like(fresh["completion_mask"], dtype=like["old_per_token_logps"].dtype)
+        fresh["old_per_token_logps"] = torch.zeros_like(fresh["completion_mask"],
+                                                        dtype=like["old_per_token_logps"].dtype)
     out = concat_rows([fresh, *micro.replay], pad_token_id=pad_token_id)
     out["hdr_fill_old"] = fill
     return out

@@ -74,9 +74,9 @@ def check_setup(processing_class, train_dataset, *, replay: str, micro_step: str
     cols = set(getattr(train_dataset, "column_names", None) or [])
     if not vlm and cols & {"image", "images"}:
         raise ValueError(f"the training dataset has an image column ({sorted(cols & {'image', 'images'})}) but "
-                         f"processing_class is a {type(processing_class).__name__}, not a processor: a text model would "
-                         "train without seeing the images. Pass the vision-language model with its processor (e.g. "
-                         "AutoProcessor.from_pretrained), or drop the image column.")
+                         f"processing_class is a {type(processing_class).__name__}, not a processor: a text model "
+                         "would train without seeing the images. Pass the vision-language model with its processor "
+                         "(e.g. AutoProcessor.from_pretrained), or drop the image column.")
     if vlm and replay != "none" and micro_step == "grow":
         raise ValueError("replay_micro_step='grow' is not supported for vision-language models (the merged "
                          "micro-batch would have to re-lay out TRL's flat image tensors); use 'chunk' (the default)")
@@ -206,7 +206,7 @@ def reload_converted_weights(model, checkpoint: str) -> bool:
 def check_images(trainer, out: dict, gen) -> None:
     """First step of a VLM run: the buffer (e.g. resumed) must hold images this processor produces, and re-padding a
     real row (with its image) must not change its log-probs (``trainer``'s padding check, on that row)."""
-    from ...multimodal import schema_difference, schema_of
+    from ...store.multimodal import schema_difference, schema_of
 
     have = trainer._mm_schema()
     i = next((j for j, w in enumerate(gen.mm_why) if w is None), None)

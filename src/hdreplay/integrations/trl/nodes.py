@@ -36,8 +36,7 @@ from ... import errors
 from ...errors import CheckpointError
 from ..common import STATE_DIR
 from .agreement import RankMismatchError
-from .checkpoints import checkpoint_identity, checkpoint_problem, checkpoints, refuse_incomplete, \
-    resume_target
+from .checkpoints import checkpoint_identity, checkpoint_problem, checkpoints, refuse_incomplete, resume_target
 
 #: what the Trainer loads from its own copy of a checkpoint on every rank at a resume: the model's config and weights
 #: (whole, sharded, PEFT adapters), optimizer, scheduler, scaler, the Trainer's state, DeepSpeed / FSDP folders (the

@@ -19,8 +19,8 @@ from typing import Callable, Sequence
 
 import torch
 
-from ...padding import pad_groups
-from ...record import GroupRecord
+from ...store.padding import pad_groups
+from ...store.record import GroupRecord
 
 #: share the prompt pass only when it runs at most this fraction of the full forward's token positions.  A token of
 #: the shared path costs more than one of the full forward (two calls per batch, the KV cache copied per row):

@@ -34,27 +34,26 @@ from contextlib import contextmanager, nullcontext
 
 import torch
 from transformers import TrainerCallback
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint, rotate_checkpoints
+from transformers.trainer_utils import get_last_checkpoint
 from trl import GRPOTrainer
 from trl.models.utils import disable_gradient_checkpointing
 
-from ...multimodal import schema_of
-from ...padding import pad_groups
-from ..common import STATE_DIR, restore, scan_budget
+from ...store.multimodal import schema_of
+from ...store.padding import pad_groups
+from ..common import restore, scan_budget
 from . import mm, terms
 from .agreement import check_rank_agreement, selection_digest
-from .batch import (ReplayStep, check_keys, gather_objects, gather_rows, generation_groups, ingress_rows,
-                    replay_rows)
-from .checks import check_padding_drift
+from .batch import ReplayStep, check_keys, gather_objects, gather_rows, generation_groups, ingress_rows, replay_rows
 from .checkpoints import HDReplayRun, resumed_run, save_with_replay
-from .nodes import check_settings, resume_together
+from .checks import check_padding_drift
 from .config import as_replay_config
-from .exgrpo import split_off
+from .microstep import MicroStep, merged, replay_chunks
+from .nodes import check_settings, resume_together
+from .peers.exgrpo import split_off
+from .peers.strategies import build_strategy
 from .positions import install_position_ids, padding_drift
 from .reference import refresh_reference
 from .rescore import can_share_prompt, rescore_batches, share_pays, shared_prompt_logps
-from .microstep import MicroStep, merged, replay_chunks
-from .strategies import build_strategy
 from .sharded import backward_kwargs, deferred_sync, shards_parameters
 
 _INIT = inspect.signature(GRPOTrainer.__init__)
@@ -283,7 +282,8 @@ class HDRGRPOTrainer(GRPOTrainer):
     # ------------------------------------------------------------------ reference model syncs (beta != 0)
     def _ref_syncs(self) -> int | None:
         a = self.args
-        return a.ref_model_sync_steps if (a.sync_ref_model and self.beta != 0.0 and self.ref_model is not None) else None
+        return (a.ref_model_sync_steps if (a.sync_ref_model and self.beta != 0.0 and self.ref_model is not None)
+                else None)
 
     def _refresh_reference(self, step: ReplayStep, rows: dict, sl: slice) -> None:
         births = torch.tensor([g.birth_step for g in step.selection.groups for _ in range(g.num_responses)])[sl]
@@ -404,7 +404,8 @@ class HDRGRPOTrainer(GRPOTrainer):
         groups, empty, problems, fresh = [], 0, [], 0
         for gi, gen in enumerate(step.generations):
             rows = gather_rows(self.accelerator, gen.ingress_rows(), pad_token_id=self._tokenizer.pad_token_id)
-            mm_rows, mm_why = gather_objects(self.accelerator, gen.mm_rows), gather_objects(self.accelerator, gen.mm_why)
+            mm_rows, mm_why = (gather_objects(self.accelerator, gen.mm_rows),
+                               gather_objects(self.accelerator, gen.mm_why))
             schema = self._mm_schema()
             if schema is None and groups:
                 schema = schema_of(groups[0].mm_inputs)

@@ -35,8 +35,8 @@ if getattr(_verl, "__version__", None) != TESTED_VERL:  # pragma: no cover
         f"verl=={TESTED_VERL} (pip install -c constraints-verl.txt 'hdreplay[verl]')."
     )
 
-from .settings import HDRSettings, validate_verl_config, verl_truncate_multiple  # noqa: E402
 from ..common import STATE_DIR  # noqa: E402
+from .settings import HDRSettings, validate_verl_config, verl_truncate_multiple  # noqa: E402
 from .trainer import HDRRayPPOTrainer  # noqa: E402
 
 #: the v1 names, imported from .v1_trainer on first access (it needs TransferQueue)

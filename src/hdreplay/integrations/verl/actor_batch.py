@@ -14,7 +14,7 @@ import numpy as np
 import torch
 from verl import DataProto
 
-from ...record import GroupRecord
+from ...store.record import GroupRecord
 from .dataproto import REPLAY_FLAG, pad_batch_tensors, replay_rows
 from .minibatches import actor_order, layout_metrics
 from .mm import images_seqlens

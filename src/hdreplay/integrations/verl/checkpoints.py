@@ -38,10 +38,9 @@ from typing import Any
 
 import numpy as np
 import torch
-
 from verl.utils.checkpoint.checkpoint_manager import find_latest_ckpt_path
 
-from ...atomic import atomic_write_text
+from ...checkpoint.atomic import atomic_write_text
 from ...errors import CheckpointError
 from ..common import STATE_DIR, CheckpointIdentity, restore
 
@@ -85,8 +84,9 @@ def require_replay_state(folder: str) -> None:
         f"{folder} {where} on {socket.gethostname()}, the node this trainer process runs on: it was written without "
         f"hdreplay, the run stopped between verl's checkpoint and the replay state, or trainer.default_local_dir is "
         f"not shared by the nodes and the trainer that wrote {STATE_DIR}/ ran on another node. Put "
-        f"trainer.default_local_dir on a file system every node shares, resume from a checkpoint that has {STATE_DIR}/, "
-        "or set hdr.resume_without_state=True to resume with an empty buffer (the replay history is lost)")
+        f"trainer.default_local_dir on a file system every node shares, resume from a checkpoint that has "
+        f"{STATE_DIR}/, or set hdr.resume_without_state=True to resume with an empty buffer "
+        "(the replay history is lost)")
 
 
 def prune_states(trainer_config: Any) -> None:

@@ -1,7 +1,7 @@
 """verl ``DataProto`` rows <-> hdreplay groups.
 
 The batch ``RayPPOTrainer._update_actor`` receives holds B = groups x n rows (shape glossary of
-:mod:`hdreplay.record`; P / R are the padded prompt / response widths of the batch):
+:mod:`hdreplay.store.record`; P / R are the padded prompt / response widths of the batch):
 
     prompts         (B, P)     prompt ids, left-padded
     responses       (B, R)     response ids, right-padded (tool / observation tokens included)
@@ -32,11 +32,11 @@ import torch
 from verl import DataProto
 from verl.utils.model import compute_position_id_with_mask
 
-from ...ingest import Rows, groups_from_rows
-from ...ingest import response_advantages as ingest_response_advantages
-from ...multimodal import Schema
-from ...padding import PaddedGroups, pad_groups
-from ...record import GroupRecord
+from ...store.ingest import Rows, groups_from_rows
+from ...store.ingest import response_advantages as ingest_response_advantages
+from ...store.multimodal import Schema
+from ...store.padding import PaddedGroups, pad_groups
+from ...store.record import GroupRecord
 from . import mm
 
 #: fresh-batch key -> GroupRecord extras name, stored at ingress when the key is present
@@ -50,7 +50,8 @@ REPLAY_FILL = {
     "response_mask": "stored loss mask", "old_log_probs": "stored generation-time log-probs",
     "advantages": "stored A_i * response_mask", "returns": "stored A_i * response_mask (GRPO: returns = advantages)",
     "ref_log_prob": "stored reference log-probs", "rollout_log_probs": "stored rollout log-probs",
-    "rollout_is_weights": "stored birth-time rollout IS weights (algorithm.rollout_correction.rollout_is; 0 on padding)",
+    "rollout_is_weights": ("stored birth-time rollout IS weights "
+                           "(algorithm.rollout_correction.rollout_is; 0 on padding)"),
     "token_level_scores": "stored reward on the last response token",
     "token_level_rewards": "stored reward on the last response token (no in-reward KL term)",
     "rm_scores": "stored reward on the last response token", "dummy_tensor": "zeros",
@@ -98,14 +99,14 @@ def response_advantages(batch: DataProto, *, estimator: str = "?") -> torch.Tens
 
 
 def response_level(advantages: torch.Tensor, mask: torch.Tensor, *, estimator: str = "?") -> torch.Tensor:
-    """(B,) one advantage per row (:func:`hdreplay.ingest.response_advantages` with verl's setting named)."""
+    """(B,) one advantage per row (:func:`hdreplay.store.ingest.response_advantages` with verl's setting named)."""
     return ingest_response_advantages(advantages, mask, hint=f"algorithm.adv_estimator={estimator}")
 
 
 def groups_from_batch(
     batch: DataProto, *, step: int, group_size: int, estimator: str = "?", schema: Schema | None = None
 ) -> tuple[list[GroupRecord], list[str], int]:
-    """One GroupRecord per uid of a fresh verl batch (:func:`hdreplay.ingest.groups_from_rows` builds and checks
+    """One GroupRecord per uid of a fresh verl batch (:func:`hdreplay.store.ingest.groups_from_rows` builds and checks
     them; this function reads verl's layout and checks verl's conventions).
 
     Stores per group: the unpadded prompt (P,), the n responses concatenated (T,) (unpadded with

@@ -1,6 +1,6 @@
 """Vision-language rows of a verl batch <-> a group's stored multimodal inputs.
 
-verl 0.9.1's agent loop gives every row of a vision-language rollout (shape glossary of :mod:`hdreplay.record`):
+verl 0.9.1's agent loop gives every row of a vision-language rollout (shape glossary of :mod:`hdreplay.store.record`):
 
     non_tensor_batch["multi_modal_inputs"][i]   dict of the processor's outputs for the row's prompt
                                                 (``pixel_values (patches, C)``, ``image_grid_thw (I, 3)``,
@@ -23,7 +23,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from ...record import GroupRecord
+from ...store.record import GroupRecord
 
 #: key of the prompt's ``(P, K)`` multi-row position ids in ``GroupRecord.mm_inputs`` (hdreplay's own entry)
 POSITIONS = "hdr.prompt_position_ids"

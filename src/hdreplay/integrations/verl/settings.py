@@ -17,12 +17,11 @@ from typing import Any
 
 from omegaconf import ListConfig
 
-from ...config import ReplayConfig
-from ...errors import ReplayConfigError
 from ... import baselines as _peers  # noqa: F401  (registers the peers' selectors)
+from ...config import ReplayConfig
 from ...diagnostics import DiagnosticsConfig, observers
-from .schema import DIAGNOSTIC_KEYS, RECIPE_KEYS
-from .schema import checked_section
+from ...errors import ReplayConfigError
+from .schema import DIAGNOSTIC_KEYS, RECIPE_KEYS, checked_section
 
 #: verl advantage estimators whose advantages are not one value per response (token-level or
 #: critic-based); replay stores response-level advantages, so these are rejected.
@@ -249,9 +248,10 @@ _DTYPES = {"bf16": "bf16_weights", "bfloat16": "bf16_weights", "fp16": "fp16", "
 
 
 def actor_precision(config: Any) -> str:
-    """The precision of the actor's log-prob forward (a key of :data:`hdreplay.diagnostics.noise_floor.PRECISIONS`): verl's FSDP
-    engine casts the parameters to ``fsdp_config.mixed_precision.param_dtype`` (default bf16) for the forward,
-    Megatron computes in ``megatron.dtype`` (default bfloat16); either way bf16 parameters, i.e. ``bf16_weights``."""
+    """The precision of the actor's log-prob forward (a key of :data:`hdreplay.diagnostics.noise_floor.PRECISIONS`):
+    verl's FSDP engine casts the parameters to ``fsdp_config.mixed_precision.param_dtype`` (default bf16) for the
+    forward, Megatron computes in ``megatron.dtype`` (default bfloat16); either way bf16 parameters, i.e.
+    ``bf16_weights``."""
     if str(_get(config, f"{ACTOR}.strategy", "fsdp")) == "megatron":
         name = _get(config, f"{ACTOR}.megatron.dtype", "bfloat16")
     else:
@@ -260,8 +260,8 @@ def actor_precision(config: Any) -> str:
 
 
 def warn_drift_floor(config: Any, settings: HDRSettings) -> str | None:
-    """Warn (:class:`hdreplay.diagnostics.noise_floor.DriftFloorWarning`) when the measured Drift floor of the actor's precision
-    reaches tau/10; returns the message (None: no warning)."""
+    """Warn (:class:`hdreplay.diagnostics.noise_floor.DriftFloorWarning`) when the measured Drift floor of the actor's
+    precision reaches tau/10; returns the message (None: no warning)."""
     from ...diagnostics.noise_floor import DriftFloorWarning, floor_warning
 
     msg = floor_warning(settings.replay_config, actor_precision(config),

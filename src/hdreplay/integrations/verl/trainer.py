@@ -30,12 +30,12 @@ from verl.protocol import pad_dataproto_to_divisor, unpad_dataproto
 from verl.trainer.ppo.ray_trainer import RayPPOTrainer
 
 from ...controller import ReplayController
-from ..common import scan_budget
 from ...diagnostics import observers
-from .settings import validate_verl_config, verl_truncate_multiple, warn_drift_floor
+from ..common import scan_budget
 from .actor_batch import build_actor_batch
 from .checkpoints import ReplayCheckpoints
 from .dataproto import groups_from_batch, scoring_batch
+from .settings import validate_verl_config, verl_truncate_multiple, warn_drift_floor
 
 
 class HDRRayPPOTrainer(ReplayCheckpoints, RayPPOTrainer):

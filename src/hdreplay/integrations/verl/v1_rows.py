@@ -3,7 +3,7 @@
 At ``PPOTrainer._update_actor`` (verl 0.9.1, ``trainer.use_v1=true``) the batch is a ``KVBatchMeta``:
 the keys of rows stored in TransferQueue.  ``tq.kv_batch_get`` returns them as a TensorDict of B rows in
 which every token field is a jagged nested tensor, one *unpadded* 1-D row per trajectory (row i has
-P_i prompt and L_i response tokens; shape glossary of :mod:`hdreplay.record`):
+P_i prompt and L_i response tokens; shape glossary of :mod:`hdreplay.store.record`):
 
     prompts         (P_i,)       int64 prompt ids
     responses       (L_i,)       int64 response ids (tool / observation tokens included)
@@ -41,9 +41,9 @@ from typing import Any, Sequence
 
 import torch
 
-from ...ingest import Rows, groups_from_rows
-from ...multimodal import Schema
-from ...record import GroupRecord
+from ...store.ingest import Rows, groups_from_rows
+from ...store.multimodal import Schema
+from ...store.record import GroupRecord
 from . import mm
 from .dataproto import STORED_EXTRAS
 
@@ -146,7 +146,7 @@ def _padded(nested: torch.Tensor, pad=0) -> tuple[torch.Tensor, torch.Tensor]:
 def fresh_groups(data, tags: Sequence[dict], *, step: int, group_size: int, estimator: str = "?",
                  schema: Schema | None = None) -> FreshGroups:
     """One GroupRecord per uid of the fresh rows (``data`` from ``tq.kv_batch_get``, ``tags`` of the meta);
-    :func:`hdreplay.ingest.groups_from_rows` builds and checks them, this function reads verl's v1 layout and
+    :func:`hdreplay.store.ingest.groups_from_rows` builds and checks them, this function reads verl's v1 layout and
     checks its conventions.
 
     Stores per group: the prompt (P,), the n responses concatenated, ``response_mask`` as the loss mask,

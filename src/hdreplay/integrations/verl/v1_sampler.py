@@ -31,8 +31,8 @@ from verl.trainer.ppo import core_algos
 from verl.trainer.ppo.v1.replay_buffer import ReplayBufferAsync
 
 from ...errors import ReplayInputError
-from ...ingest import one_group, rows_from_responses
-from ...record import GroupRecord
+from ...store.ingest import one_group, rows_from_responses
+from ...store.record import GroupRecord
 from .dataproto import response_level
 
 #: estimators whose advantages are a function of the group's outcome rewards alone (what a diverted group can get)

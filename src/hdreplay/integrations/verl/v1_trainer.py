@@ -35,6 +35,7 @@ from __future__ import annotations
 import contextlib
 from typing import Sequence
 
+import torch
 import transfer_queue as tq
 import verl.trainer.main_ppo as _main_ppo
 import verl.trainer.ppo.v1.trainer_base as _tb
@@ -43,16 +44,14 @@ from verl.trainer.ppo.v1 import PPOTrainerColocateAsync, PPOTrainerSeparateAsync
 from verl.utils.tensordict_utils import list_of_dict_to_tensordict
 from verl.workers.utils.padding import response_from_nested
 
-import torch
-
 from ...controller import ReplayController
+from ...diagnostics import observers
+from ...store.record import GroupRecord
 from ..common import scan_budget
-from ...record import GroupRecord
 from .checkpoints import ReplayCheckpoints
 from .minibatches import actor_order, layout_metrics, padding_needed
-from ...diagnostics import observers
-from .settings import validate_verl_config, warn_drift_floor
 from .mm import POSITIONS
+from .settings import validate_verl_config, warn_drift_floor
 from .v1_rows import fresh_groups, padding_rows, replay_rows, score_fields, scoring_rows
 
 #: TransferQueue partition of the rows being re-scored (empty between calls)

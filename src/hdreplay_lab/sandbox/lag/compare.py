@@ -18,7 +18,7 @@ from typing import Annotated
 
 from tyro.conf import arg
 
-from hdreplay.atomic import atomic_write_text
+from hdreplay.checkpoint.atomic import atomic_write_text
 
 from ...flags import CommaStr
 from ..tasks import get_task

@@ -7,8 +7,8 @@ step, arrivals before the step ends dispatch new groups with the pre-update weig
 generated group has arrived and been routed (the last step may be short).
 
 Run directory: ``run.json`` (settings), ``pipeline.jsonl`` (per step: version, modelled time, groups trained),
-``async.jsonl`` (the staleness ledger, :mod:`hdreplay.staleness.ledger`, for every method), ``replay/`` (the gated methods'
-replay diagnostics), ``metrics.json`` (held-out Mean@n per prompt, the ledger's totals, lags, lengths, modelled
+``async.jsonl`` (the staleness ledger, :mod:`hdreplay.staleness.ledger`, for every method), ``replay/`` (the gated
+methods' replay diagnostics), ``metrics.json`` (held-out Mean@n per prompt, the ledger's totals, lags, lengths, modelled
 wall-clock; written last and atomically).
 """
 
@@ -24,9 +24,8 @@ import numpy as np
 import torch
 
 from hdreplay import ReplayConfig, ReplayController
-from hdreplay.atomic import atomic_write_text
-from hdreplay.staleness import LEDGER_FILE, StalenessLedger
-from hdreplay.staleness import AsyncReplay, StalenessConfig
+from hdreplay.checkpoint.atomic import atomic_write_text
+from hdreplay.staleness import LEDGER_FILE, AsyncReplay, StalenessConfig, StalenessLedger
 
 from ...env import configure_threads, offline_env
 from ..tasks import get_task

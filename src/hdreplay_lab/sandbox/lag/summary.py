@@ -13,11 +13,12 @@ from pathlib import Path
 
 import numpy as np
 
-from hdreplay.atomic import atomic_write_text
+from hdreplay.checkpoint.atomic import atomic_write_text
 
 from ... import jsonout
 from ..stats import paired_bootstrap, paired_differences, seed_bootstrap
 from .methods import ASYNC_METHODS, REFERENCE
+
 
 #: per-seed quantities (name -> (label, function of metrics.json))
 def _share(m: dict, *keys: str, unit: str = "groups") -> float:
