@@ -16,7 +16,7 @@ VPY       := $(VENV_VERL)/bin/python
 VSTAMP    := $(VENV_VERL)/.hdreplay-installed
 PIP_FLAGS := --disable-pip-version-check -q
 
-.PHONY: demo test test-core test-verl test-release bench bench-verl venv venv-verl clean
+.PHONY: demo test lint test-core test-verl test-release bench bench-verl venv venv-verl clean
 
 venv: $(STAMP)
 venv-verl: $(VSTAMP)
@@ -36,7 +36,11 @@ $(VSTAMP): pyproject.toml constraints-verl.txt
 demo: $(STAMP)
 	$(VENV)/bin/hdreplay demo
 
-test: test-core test-verl test-release
+test: lint test-core test-verl test-release
+
+# ruff (rules in pyproject.toml [tool.ruff]): pyflakes, pycodestyle errors and warnings, import order
+lint: $(STAMP)
+	$(VENV)/bin/ruff check src tests benchmarks scripts
 
 test-core: $(STAMP)
 	$(PY) -m pytest -q -m "not verl and not release"
