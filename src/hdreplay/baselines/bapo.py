@@ -35,22 +35,8 @@ from ..sampling import new_rng, rng_from_state, rng_state
 from ..selectors import Selection, empty_selection
 from ..store.record import GroupRecord
 from ..validate import check_int, check_reals, check_sequence, check_step, is_int, is_real
+from . import store as kit
 from .sampling import uniform_order
-from .store import (
-    StoredState,
-    check_commit,
-    check_groups,
-    check_options,
-    checked_meta,
-    only_tensors,
-    options_changes,
-    pack,
-    real_list,
-    refuse_option,
-    step_or_none,
-    unpack,
-    warn_changes,
-)
 
 FORMAT = "hdreplay.bapo"
 _POSITION = re.compile(r".*g\d+")
@@ -189,7 +175,7 @@ class Fresh:
     position: int | None
 
 
-class BapoController(StoredState):
+class BapoController(kit.StoredState):
     """BAPO as a replay controller of the TRL integration (select -> stage -> commit, once per optimizer update).
 
     Per step the sampler (integrations/trl/peers/bapo.py) calls :meth:`reeval_candidates`, :meth:`record_reeval` for
@@ -200,7 +186,7 @@ class BapoController(StoredState):
     FORMAT = FORMAT
 
     def __init__(self, options: BapoOptions) -> None:
-        self.options = check_options("bapo", options, BapoOptions)
+        self.options = kit.check_options("bapo", options, BapoOptions)
         self.store: dict[str, Entry] = {}
         self.rng = new_rng(options.seed)
         self.last_step: int | None = None
@@ -262,7 +248,7 @@ class BapoController(StoredState):
 
     def stage(self, groups: Sequence[GroupRecord], *, step: int) -> None:
         step = check_step("stage: step", step)
-        groups = check_groups("bapo stage", groups)
+        groups = kit.check_groups("bapo stage", groups)
         bad = [g.group_id for g in groups if not _POSITION.fullmatch(str(g.group_id))]
         if bad:
             raise ReplayInputError(f"bapo stage: group id {bad[0]!r} does not end in g<position in the batch> (the "
@@ -274,7 +260,7 @@ class BapoController(StoredState):
 
     def commit(self, *, num_fresh_groups: int | None = None, counters: Mapping[str, Any] | None = None
                ) -> dict[str, float]:
-        check_commit(num_fresh_groups, counters)
+        kit.check_commit(num_fresh_groups, counters)
         o, step = self.options, self.last_step
         by_pos = {int(str(g.group_id).rsplit("g", 1)[1]): g for g in self._staged}
         stored = 0
@@ -301,7 +287,7 @@ class BapoController(StoredState):
     # ---------------------------------------------------------------- checkpoints
     def state_dict(self) -> tuple[dict[str, Any], dict[str, Any]]:
         with_rec = [e.record for e in self.store.values() if e.record is not None]
-        tensors, records = pack(with_rec, "records")  # images included (the multimodal schema is saved)
+        tensors, records = kit.pack(with_rec, "records")  # images included (the multimodal schema is saved)
         entries = [{"uid": u, "alpha": e.alpha, "current": e.current, "last_step": e.last_step, "row": e.row,
                     "record": e.record is not None} for u, e in self.store.items()]
         return tensors, {"options": asdict(self.options), "entries": entries, "records": records,
@@ -311,19 +297,19 @@ class BapoController(StoredState):
         """Restore a :meth:`state_dict`, every field checked first (a refused load changes nothing).  Refused option
         change: ``max_uids`` below the number of stored uids; the others are warned about."""
         where = "bapo state"
-        meta = checked_meta(meta, ("options", "entries", "records", "last_step", "rng"), where)
-        tensors = only_tensors(tensors, "records", where)
-        saved, changes = options_changes(BapoOptions, meta["options"], self.options, where)
-        last = step_or_none(meta["last_step"], "last_step", where)
-        records = unpack(tensors, meta["records"], "records", where, last_step=last)
+        meta = kit.checked_meta(meta, ("options", "entries", "records", "last_step", "rng"), where)
+        tensors = kit.only_tensors(tensors, "records", where)
+        saved, changes = kit.options_changes(BapoOptions, meta["options"], self.options, where)
+        last = kit.step_or_none(meta["last_step"], "last_step", where)
+        records = kit.unpack(tensors, meta["records"], "records", where, last_step=last)
         store = _parse_entries(meta["entries"], records, last, saved, where)
         rng = rng_from_state(meta["rng"], where=where)
         if len(store) > self.options.max_uids:
-            raise refuse_option(where, "max_uids", saved.max_uids, self.options.max_uids,
+            raise kit.refuse_option(where, "max_uids", saved.max_uids, self.options.max_uids,
                                 f"{len(store)} uids are stored")
         self.store, self.rng, self.last_step = store, rng, last
         self._reset()
-        warn_changes("bapo", changes)
+        kit.warn_changes("bapo", changes)
 
 
 
@@ -355,7 +341,7 @@ def _parse_entries(entries: Any, records: list[GroupRecord], last: int | None, s
         rec = next(it) if x["record"] else None
         if rec is not None and rec.birth_step > step:
             raise CheckpointError(f"{at}: its group was born at step {rec.birth_step}, after it was stored ({step})")
-        store[uid] = Entry(alpha=real_list(x["alpha"], "alpha", at, lo=1, hi=MAX_SCORES), row=x["row"],
-                           last_step=int(step), current=real_list(x["current"], "current", at, lo=0, hi=MAX_SCORES),
+        store[uid] = Entry(alpha=kit.real_list(x["alpha"], "alpha", at, lo=1, hi=MAX_SCORES), row=x["row"],
+                           last_step=int(step), current=kit.real_list(x["current"], "current", at, lo=0, hi=MAX_SCORES),
                            record=rec)
     return store

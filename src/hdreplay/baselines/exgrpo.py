@@ -39,25 +39,10 @@ from ..sampling import new_rng, rng_from_state, rng_state
 from ..selectors import Selection, empty_selection
 from ..store.record import GroupRecord
 from ..validate import check_int, check_step, is_int, is_real
+from . import store as kit
 from .repo import key_of
 from .rollouts import split_rollouts
 from .sampling import bucket_counts, normal_bucket_weights, uniform_order
-from .store import (
-    StoredState,
-    check_commit,
-    check_groups,
-    check_options,
-    checked_meta,
-    keyed,
-    keys_of,
-    only_tensors,
-    options_changes,
-    pack,
-    refuse_option,
-    step_or_none,
-    unpack,
-    warn_changes,
-)
 
 FORMAT = "hdreplay.exgrpo"
 _STATE_KEYS = ("options", "n", "keys", "records", "bucket", "rows", "retired", "started", "rng", "last_step")
@@ -130,7 +115,7 @@ def mean_entropies(entropies: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return torch.where(tok > 0, (entropies * m).sum(1) / tok.clamp(min=1), torch.full_like(tok, math.inf))
 
 
-class ExgrpoController(StoredState):
+class ExgrpoController(kit.StoredState):
     """ExGRPO as a controller of the TRL integration (the protocol of :class:`~hdreplay.controller.ReplayController`:
     select -> stage -> commit once per optimizer update; select replays nothing, since the stored rows enter the
     fresh groups at generation: :meth:`plan` names the experience prompts, :meth:`pick` the trajectory per prompt).
@@ -143,7 +128,7 @@ class ExgrpoController(StoredState):
     separate_term = False
 
     def __init__(self, options: ExgrpoOptions, *, n: int, seed: int = 0) -> None:
-        check_options("exgrpo", options, ExgrpoOptions)
+        kit.check_options("exgrpo", options, ExgrpoOptions)
         if not is_int(seed) or seed < 0:
             raise ReplayConfigError(f"exgrpo: seed must be an int >= 0, got {seed!r}", field="seed")
         if type(n) is not int or n < 2:
@@ -220,7 +205,7 @@ class ExgrpoController(StoredState):
 
     def stage(self, groups: Sequence[GroupRecord], *, step: int) -> None:
         step = check_step("stage: step", step)
-        groups = check_groups("exgrpo stage", groups, n=self.n)
+        groups = kit.check_groups("exgrpo stage", groups, n=self.n)
         if self.last_step is not None and step < self.last_step:
             raise ReplayProtocolError(f"stage(step={step}) after step {self.last_step}; steps must not go back")
         self._staged.extend(groups)
@@ -230,7 +215,7 @@ class ExgrpoController(StoredState):
                ) -> dict[str, float]:
         """Retire all-correct prompts; after the switch, admit 0 < k <= n - 1 groups' new correct responses; switch
         when this step's share of correct rollouts exceeds ``start_solved``."""
-        check_commit(num_fresh_groups, counters)
+        kit.check_commit(num_fresh_groups, counters)
         good = self.options.correct
         total = solved = admitted = retired = 0
         for g in self._staged:
@@ -268,7 +253,7 @@ class ExgrpoController(StoredState):
 
     def state_dict(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         keys = [k for k, v in self.pool.items() for _ in v]
-        tensors, meta = pack([r for v in self.pool.values() for r in v], "pool")
+        tensors, meta = kit.pack([r for v in self.pool.values() for r in v], "pool")
         return tensors, {"options": asdict(self.options), "n": self.n, "keys": keys, "records": meta,
                          "bucket": dict(self.bucket), "rows": dict(self.rows), "retired": sorted(self.retired),
                          "started": self.started, "rng": rng_state(self.rng), "last_step": self.last_step}
@@ -278,16 +263,16 @@ class ExgrpoController(StoredState):
         option changes: ``correct`` (the pool holds the responses correct under the saved threshold) and
         ``lbound`` / ``rbound`` when a stored bucket falls outside the new range; the others are warned about."""
         where = "exgrpo state"
-        meta = checked_meta(meta, _STATE_KEYS, where)
-        tensors = only_tensors(tensors, "pool", where)
+        meta = kit.checked_meta(meta, _STATE_KEYS, where)
+        tensors = kit.only_tensors(tensors, "pool", where)
         if meta["n"] != self.n:
             raise CheckpointError(f"{where}: saved with n={meta['n']!r}, this run has n={self.n}; resume with the "
                                   "saved num_generations")
-        saved, changes = options_changes(ExgrpoOptions, meta["options"], self.options, where)
-        last = step_or_none(meta["last_step"], "last_step", where)
-        records = unpack(tensors, meta["records"], "pool", where, single=True, last_step=last)
-        keys = keys_of(meta["keys"], records, where, lambda r: key_of(r.prompt_ids))
-        pool = keyed(records, keys)
+        saved, changes = kit.options_changes(ExgrpoOptions, meta["options"], self.options, where)
+        last = kit.step_or_none(meta["last_step"], "last_step", where)
+        records = kit.unpack(tensors, meta["records"], "pool", where, single=True, last_step=last)
+        keys = kit.keys_of(meta["keys"], records, where, lambda r: key_of(r.prompt_ids))
+        pool = kit.keyed(records, keys)
         bucket, rows, retired, started = meta["bucket"], meta["rows"], meta["retired"], meta["started"]
         lo, hi = saved.lbound, saved.rbound if saved.rbound is not None else self.n - 1
         if not isinstance(bucket, dict) or not all(isinstance(k, str) and is_int(v) and lo < v <= hi
@@ -318,12 +303,12 @@ class ExgrpoController(StoredState):
         rng = rng_from_state(meta["rng"], where=where)
         now_hi = self.rbound
         if saved.correct != self.options.correct:
-            raise refuse_option(where, "correct", saved.correct, self.options.correct,
+            raise kit.refuse_option(where, "correct", saved.correct, self.options.correct,
                                 "the pool holds the responses correct under the saved threshold")
         if outside := [v for v in bucket.values() if not self.options.lbound < v <= now_hi]:
-            raise refuse_option(where, "lbound/rbound", (lo, hi), (self.options.lbound, now_hi),
+            raise kit.refuse_option(where, "lbound/rbound", (lo, hi), (self.options.lbound, now_hi),
                                 f"stored buckets {sorted(set(outside))} fall outside the configured range")
         self.pool, self.bucket, self.rows = pool, {k: int(v) for k, v in bucket.items()}, dict(rows)
         self.retired, self.started, self.rng, self.last_step = set(retired), started, rng, last
-        warn_changes("exgrpo", changes)
+        kit.warn_changes("exgrpo", changes)
 

@@ -40,20 +40,7 @@ from ..scores import check_scorer_output
 from ..selectors import Selection, empty_selection
 from ..store.record import GroupRecord
 from ..validate import check_int, check_step, is_real
-from .store import (
-    StoredState,
-    check_commit,
-    check_groups,
-    check_options,
-    checked_meta,
-    only_tensors,
-    options_changes,
-    pack,
-    refuse_option,
-    step_or_none,
-    unpack,
-    warn_changes,
-)
+from . import store as kit
 
 FORMAT = "hdreplay.popo"
 #: the extra of a replayed copy holding the per-token behaviour correction w (read by the trainers)
@@ -94,7 +81,7 @@ def decoupled_weights(prox: torch.Tensor, behav: torch.Tensor, cap: float) -> to
     return torch.exp(prox.detach().float() - behav.detach().float()).clamp(max=float(cap))
 
 
-class PopoController(StoredState):
+class PopoController(kit.StoredState):
     """POPO's buffer and selection, with the protocol every trainer calls (:class:`~.protocol.Strategy`: select ->
     stage -> commit once per optimizer update).
 
@@ -119,7 +106,7 @@ class PopoController(StoredState):
     FORMAT = FORMAT
 
     def __init__(self, options: PopoOptions) -> None:
-        self.options = check_options("popo", options, PopoOptions)
+        self.options = kit.check_options("popo", options, PopoOptions)
         self.store: list[GroupRecord] = []  # effective groups, oldest first
         self.last_step: int | None = None
         self._reset()
@@ -167,7 +154,7 @@ class PopoController(StoredState):
 
     def stage(self, groups: Sequence[GroupRecord], *, step: int) -> None:
         step = check_step("stage: step", step)
-        groups = check_groups("popo stage", groups)
+        groups = kit.check_groups("popo stage", groups)
         if self.last_step is not None and step <= self.last_step:
             raise ReplayProtocolError(f"stage(step={step}) after step {self.last_step}; steps must increase")
         if self._selection is not None and step != self._selection.step:
@@ -182,7 +169,7 @@ class PopoController(StoredState):
                ) -> dict[str, float]:
         """Store the staged effective groups (after this step's selection: never replayed in their own step) and
         evict the oldest beyond ``capacity``; returns the step's metrics."""
-        check_commit(num_fresh_groups, counters)
+        kit.check_commit(num_fresh_groups, counters)
         sel = self._selection
         groups = sel.groups if sel is not None else []
         weights = torch.cat([g.extras[TOKEN_WEIGHT][g.loss_mask] for g in groups]) if groups else torch.zeros(0)
@@ -208,7 +195,7 @@ class PopoController(StoredState):
 
     # ---------------------------------------------------------------- checkpoints
     def state_dict(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-        tensors, records = pack(self.store, "store")
+        tensors, records = kit.pack(self.store, "store")
         return tensors, {"options": asdict(self.options), "records": records, "last_step": self.last_step}
 
     def load_state_dict(self, tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any]) -> None:
@@ -216,11 +203,11 @@ class PopoController(StoredState):
         after ``last_step``, out of FIFO (birth) order, without a learning signal, or more than ``capacity``
         (saved with a larger one) are refused; other changed options are warned about."""
         where = "popo state"
-        meta = checked_meta(meta, ("options", "records", "last_step"), where)
-        tensors = only_tensors(tensors, "store", where)
-        saved, changes = options_changes(PopoOptions, meta["options"], self.options, where)
-        last = step_or_none(meta["last_step"], "last_step", where)
-        store = unpack(tensors, meta["records"], "store", where, last_step=last)
+        meta = kit.checked_meta(meta, ("options", "records", "last_step"), where)
+        tensors = kit.only_tensors(tensors, "store", where)
+        saved, changes = kit.options_changes(PopoOptions, meta["options"], self.options, where)
+        last = kit.step_or_none(meta["last_step"], "last_step", where)
+        store = kit.unpack(tensors, meta["records"], "store", where, last_step=last)
         if store and last is None:
             raise CheckpointError(f"{where}: groups are stored but last_step is None")
         if any(b.birth_step < a.birth_step for a, b in zip(store, store[1:])):
@@ -229,9 +216,9 @@ class PopoController(StoredState):
             raise CheckpointError(f"{where}: stored groups {bad[:3]} have rewards that are all equal (POPO stores "
                                   "effective groups only)")
         if len(store) > self.options.capacity:
-            raise refuse_option(where, "capacity", saved.capacity, self.options.capacity,
+            raise kit.refuse_option(where, "capacity", saved.capacity, self.options.capacity,
                                 f"{len(store)} groups are stored")
         self.store, self.last_step = store, last
         self._reset()
-        warn_changes("popo", changes)
+        kit.warn_changes("popo", changes)
 

@@ -34,22 +34,8 @@ from ..errors import CheckpointError, ReplayConfigError, ReplayInputError
 from ..selectors import Selection, empty_selection
 from ..store.record import GroupRecord
 from ..validate import check_int, check_reals, check_step, check_str
+from . import store as kit
 from .rollouts import split_rollouts
-from .store import (
-    StoredState,
-    check_commit,
-    check_groups,
-    check_options,
-    checked_meta,
-    keyed,
-    keys_of,
-    only_tensors,
-    options_changes,
-    pack,
-    step_or_none,
-    unpack,
-    warn_changes,
-)
 
 FORMAT = "hdreplay.repo"
 RETRIEVALS = ("recent", "highest", "max_variance")
@@ -155,7 +141,7 @@ class RepoStore:
     """Per-prompt FIFOs of single responses (records with n = 1, stored pi_gen, reward)."""
 
     def __init__(self, options: RepoOptions) -> None:
-        self.options = check_options("repo", options, RepoOptions)
+        self.options = kit.check_options("repo", options, RepoOptions)
         self.cache: dict[str, list[GroupRecord]] = {}
 
     def retrieve(self, key: str) -> list[GroupRecord]:
@@ -172,7 +158,7 @@ class RepoStore:
         """Append a step's responses of prompt ``key`` (after its retrieval); keep the newest ``max_cache``."""
         if not isinstance(key, str):
             raise ReplayInputError(f"add: key must be a prompt key (str), got {type(key).__name__}")
-        responses = check_groups("add", responses, n=1)
+        responses = kit.check_groups("add", responses, n=1)
         buf = self.cache.setdefault(key, [])
         buf.extend(responses)
         del buf[:max(0, len(buf) - self.options.max_cache)]
@@ -182,7 +168,7 @@ class RepoStore:
 
     def state_dict(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         keys = [k for k, v in self.cache.items() for _ in v]
-        tensors, meta = pack([r for v in self.cache.values() for r in v], "cache")
+        tensors, meta = kit.pack([r for v in self.cache.values() for r in v], "cache")
         return tensors, {"options": asdict(self.options), "keys": keys, "records": meta}
 
     def load_state_dict(self, tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any]) -> None:
@@ -190,18 +176,18 @@ class RepoStore:
         from this store's are refused when the stored responses cannot hold under them, else warned about."""
         cache, changes = parse_store(tensors, meta, self.options, where="repo state")
         self.cache = cache
-        warn_changes("repo", changes)
+        kit.warn_changes("repo", changes)
 
 
 def parse_store(tensors: Any, meta: Any, options: RepoOptions, *, where: str, last_step: int | None = None,
                 by_prompt: bool = False) -> tuple[dict[str, list[GroupRecord]], list[str]]:
     """(the per-prompt stores, option changes) of a RePO state; CheckpointError naming the field if malformed."""
-    meta = checked_meta(meta, ("options", "keys", "records"), where)
-    tensors = only_tensors(tensors, "cache", where)
-    _, changes = options_changes(RepoOptions, meta["options"], options, where)
-    records = unpack(tensors, meta["records"], "cache", where, single=True, last_step=last_step)
-    keys = keys_of(meta["keys"], records, where, (lambda r: key_of(r.prompt_ids)) if by_prompt else None)
-    cache = keyed(records, keys)
+    meta = kit.checked_meta(meta, ("options", "keys", "records"), where)
+    tensors = kit.only_tensors(tensors, "cache", where)
+    _, changes = kit.options_changes(RepoOptions, meta["options"], options, where)
+    records = kit.unpack(tensors, meta["records"], "cache", where, single=True, last_step=last_step)
+    keys = kit.keys_of(meta["keys"], records, where, (lambda r: key_of(r.prompt_ids)) if by_prompt else None)
+    cache = kit.keyed(records, keys)
     most = max((len(v) for v in cache.values()), default=0)
     if most > options.max_cache:
         raise CheckpointError(f"{where}: a prompt stores {most} responses, more than max_cache={options.max_cache}: "
@@ -214,7 +200,7 @@ def key_of(prompt_ids: torch.Tensor) -> str:
     return ",".join(str(int(t)) for t in prompt_ids.flatten().tolist())
 
 
-class RepoController(StoredState):
+class RepoController(kit.StoredState):
     """RePO as a replay controller of the TRL integration (the same protocol as
     :class:`~hdreplay.controller.ReplayController`: select -> stage -> commit, once per optimizer update).
 
@@ -229,7 +215,7 @@ class RepoController(StoredState):
     separate_term = True
 
     def __init__(self, options: RepoOptions) -> None:
-        self.options = check_options("repo", options, RepoOptions)
+        self.options = kit.check_options("repo", options, RepoOptions)
         self.store = RepoStore(options)
         self.last_step: int | None = None
         self._prompts: list[str] = []
@@ -269,14 +255,14 @@ class RepoController(StoredState):
 
     def stage(self, groups: Sequence[GroupRecord], *, step: int) -> None:
         step = check_step("stage: step", step)
-        groups = check_groups("repo stage", groups)
+        groups = kit.check_groups("repo stage", groups)
         self._staged.extend(groups)
         self._fresh += len(groups)
         self._step = step
 
     def commit(self, *, num_fresh_groups: int | None = None, counters: Mapping[str, Any] | None = None
                ) -> dict[str, float]:
-        check_commit(num_fresh_groups, counters)
+        kit.check_commit(num_fresh_groups, counters)
         sel = self._selection
         for g in self._staged:  # after the step's retrieval: never replayed in the step it was born
             self.store.add(key_of(g.prompt_ids), split_rollouts(g, keep_zero_advantage=True))
@@ -297,12 +283,12 @@ class RepoController(StoredState):
         """Restore a :meth:`state_dict`: every field checked (responses born after ``last_step``, keys that are not
         their prompt's, more than max_cache per prompt are refused) before anything changes."""
         where = "repo state"
-        last = step_or_none(checked_meta(meta, ("last_step",), where)["last_step"], "last_step", where)
+        last = kit.step_or_none(kit.checked_meta(meta, ("last_step",), where)["last_step"], "last_step", where)
         cache, changes = parse_store(tensors, meta, self.options, where=where, last_step=last, by_prompt=True)
         if cache and last is None:
             raise CheckpointError(f"{where}: responses are stored but last_step is None")
         store = RepoStore(self.options)
         store.cache = cache
         self.store, self.last_step = store, last
-        warn_changes("repo", changes)
+        kit.warn_changes("repo", changes)
 

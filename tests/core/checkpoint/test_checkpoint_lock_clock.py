@@ -12,12 +12,11 @@ import time
 import pytest
 
 from hdreplay.checkpoint import dirlock
-from hdreplay.checkpoint import files as checkpoint
 from hdreplay.errors import CheckpointLockedError
 from lock_states import controller, loaded_hash
 from protocol import state_hash
 
-LOCK = checkpoint.LOCK_FILE
+LOCK = dirlock.LOCK_FILE
 
 
 def other_hosts_lock(d, stamped_at):
