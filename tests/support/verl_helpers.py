@@ -213,3 +213,23 @@ def local_teacher_forcing(model_dir: str, weights: dict, groups, *, temperature:
                 per_response.append(logp[g.prompt_ids.numel() - 1:-1].gather(-1, resp.long()[:, None]).squeeze(-1))
             out.append(torch.cat(per_response))
     return out
+
+
+def assert_sliced_scan_decides_as_whole_groups(trainer) -> None:
+    """On ``trainer``'s re-scoring path (its buffer, scorer and tau after a run): the run's sliced scan rejected groups
+    early at least once, and one more selection sliced makes the whole-group scan's decisions with fewer rows."""
+    import dataclasses
+
+    from hdreplay import select_replay
+
+    cfg = trainer.replay.config
+    assert cfg.scan_passes > 1 and any(s["selection"].scanned_exact.size and not s["selection"].scanned_exact.all()
+                                       for s in trainer.steps)
+    step = trainer.replay.last_step + 1
+    whole = select_replay(trainer.replay.buffer, dataclasses.replace(cfg, scan_passes=1), trainer._replay_scorer,
+                          step=step, tau=trainer.replay.tau)
+    sliced = select_replay(trainer.replay.buffer, cfg, trainer._replay_scorer, step=step, tau=trainer.replay.tau)
+    assert len(whole.scanned) and sliced.scanned.tolist() == whole.scanned.tolist()
+    assert sliced.scanned_pass.tolist() == whole.scanned_pass.tolist()
+    assert sliced.accepted.tolist() == whole.accepted.tolist()
+    assert sliced.rescored_rows < whole.rescored_rows

@@ -26,7 +26,12 @@ import torch  # noqa: E402
 from hdreplay import ReplayController  # noqa: E402
 from hdreplay.errors import CheckpointError  # noqa: E402
 from hdreplay.integrations.verl import STATE_DIR, HDRRayPPOTrainer  # noqa: E402
-from verl_helpers import compose_config, local_teacher_forcing, make_trainer  # noqa: E402
+from verl_helpers import (  # noqa: E402
+    assert_sliced_scan_decides_as_whole_groups,
+    compose_config,
+    local_teacher_forcing,
+    make_trainer,
+)
 
 N, MB_ROWS, DP = 4, 8, 2  # rollout.n, ppo_mini_batch_size * n, data-parallel ranks
 
@@ -266,22 +271,8 @@ def test_scorer_equals_teacher_forcing_with_the_current_weights(moving, worker_g
 def test_sliced_scan_through_the_workers_makes_the_full_scans_decisions(moving):
     """Exact early rejection on this trainer's re-scoring path (response slices as DataProto / TransferQueue rows):
     the same decisions as whole groups, fewer rows forwarded, and the run itself rejected groups early."""
-    import dataclasses
-
-    from hdreplay import select_replay
-
     trainer, _ = moving
-    cfg = trainer.replay.config
-    assert cfg.scan_passes > 1 and any(s["selection"].scanned_exact.size and not s["selection"].scanned_exact.all()
-                                       for s in trainer.steps)
-    step = trainer.replay.last_step + 1
-    whole = select_replay(trainer.replay.buffer, dataclasses.replace(cfg, scan_passes=1), trainer._replay_scorer,
-                          step=step, tau=trainer.replay.tau)
-    sliced = select_replay(trainer.replay.buffer, cfg, trainer._replay_scorer, step=step, tau=trainer.replay.tau)
-    assert len(whole.scanned) and sliced.scanned.tolist() == whole.scanned.tolist()
-    assert sliced.scanned_pass.tolist() == whole.scanned_pass.tolist()
-    assert sliced.accepted.tolist() == whole.accepted.tolist()
-    assert sliced.rescored_rows < whole.rescored_rows
+    assert_sliced_scan_decides_as_whole_groups(trainer)
 
 
 # ---------------------------------------------------------------------------------------------------------- identity

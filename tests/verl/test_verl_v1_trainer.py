@@ -29,7 +29,7 @@ import torch  # noqa: E402
 
 from hdreplay import ReplayController  # noqa: E402
 from hdreplay.integrations.verl import STATE_DIR, HDRPPOTrainerSync  # noqa: E402
-from verl_helpers import local_teacher_forcing  # noqa: E402
+from verl_helpers import assert_sliced_scan_decides_as_whole_groups, local_teacher_forcing  # noqa: E402
 from verl_v1_harness import run_v1  # noqa: E402
 
 N, MB_ROWS, DP = 4, 8, 2  # rollout.n, ppo_mini_batch_size * n, data-parallel ranks
@@ -206,20 +206,6 @@ def test_resumed_run_makes_exactly_the_selections_of_the_uninterrupted_run(movin
 def test_sliced_scan_through_the_workers_makes_the_full_scans_decisions(moving):
     """Exact early rejection on this trainer's re-scoring path (response slices as DataProto / TransferQueue rows):
     the same decisions as whole groups, fewer rows forwarded, and the run itself rejected groups early."""
-    import dataclasses
-
-    from hdreplay import select_replay
-
     *_, resumed, _ = moving
     trainer = resumed.trainer
-    cfg = trainer.replay.config
-    assert cfg.scan_passes > 1 and any(s["selection"].scanned_exact.size and not s["selection"].scanned_exact.all()
-                                       for s in trainer.steps)
-    step = trainer.replay.last_step + 1
-    whole = select_replay(trainer.replay.buffer, dataclasses.replace(cfg, scan_passes=1), trainer._replay_scorer,
-                          step=step, tau=trainer.replay.tau)
-    sliced = select_replay(trainer.replay.buffer, cfg, trainer._replay_scorer, step=step, tau=trainer.replay.tau)
-    assert len(whole.scanned) and sliced.scanned.tolist() == whole.scanned.tolist()
-    assert sliced.scanned_pass.tolist() == whole.scanned_pass.tolist()
-    assert sliced.accepted.tolist() == whole.accepted.tolist()
-    assert sliced.rescored_rows < whole.rescored_rows
+    assert_sliced_scan_decides_as_whole_groups(trainer)
